@@ -1,0 +1,41 @@
+# mlx-grpc-worker: `make serve` to run the worker, `make test` to test it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Linux needs MLX's CPU backend; macOS gets Metal from plain mlx.
+EXTRAS := $(if $(filter Darwin,$(shell uname -s)),dev,cpu,dev)
+ARGS ?=
+
+.PHONY: install serve test lint format proto demo bench bench-genai clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/mlx-grpc-worker $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

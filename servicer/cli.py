@@ -1,0 +1,97 @@
+"""Command line: `mlx-grpc-worker` / `python -m servicer`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from .engine import EngineConfig
+from .server import ServerConfig, run_worker
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="mlx-grpc-worker",
+        description="Serve an MLX model over the SMG router's mlx.grpc.engine.MlxEngine gRPC API.",
+    )
+    parser.add_argument(
+        "--model",
+        help="local mlx-lm model directory or Hugging Face hub id; "
+        "omit to serve the built-in demo model (built on first use, no download)",
+    )
+    parser.add_argument("--served-model-name", help="name reported to the router")
+    parser.add_argument("--adapter-path", help="LoRA adapter directory to apply")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=50051, help="port to bind (0: any free port)")
+    parser.add_argument(
+        "--completion-batch-size",
+        type=_positive,
+        default=32,
+        help="most requests decoding at once (default 32)",
+    )
+    parser.add_argument(
+        "--prefill-batch-size",
+        type=_positive,
+        default=8,
+        help="most prompts prefilled together (default 8)",
+    )
+    parser.add_argument(
+        "--prefill-step-size",
+        type=_positive,
+        default=2048,
+        help="prompt tokens processed per prefill step (default 2048)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=_positive,
+        help="refuse longer prompts (default: the model's context length - 1)",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM (default 30)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level (default info)",
+    )
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    engine = EngineConfig(
+        model=args.model,
+        adapter_path=args.adapter_path,
+        served_model_name=args.served_model_name,
+        completion_batch_size=args.completion_batch_size,
+        prefill_batch_size=args.prefill_batch_size,
+        prefill_step_size=args.prefill_step_size,
+    )
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        shutdown_grace_s=args.shutdown_grace,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    sys.exit(asyncio.run(run_worker(config_from_args(args))))

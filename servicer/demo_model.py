@@ -1,0 +1,393 @@
+"""Tiny demo checkpoints in mlx-lm's on-disk format, built locally from a seed.
+
+Tests and the default server need a real model but must never download one, so this
+module trains a byte-level BPE tokenizer on a small bundled corpus, random-initialises a
+tiny mlx-lm architecture and trains it briefly (deterministically) so that greedy output
+is varied text rather than one repeated token. Every model kind shares the same tokenizer;
+a kind is just another entry in ``_RECIPES``.
+
+Usage: ``python -m servicer.demo_model [--kind llama] [--seed 0] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import importlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+DEMO_MODEL_KIND = "llama"
+DEMO_SEED = 0
+# Bump whenever anything that changes the built files changes (corpus, tokenizer,
+# configs, training recipe): cached builds are keyed on it.
+RECIPE_VERSION = "v1"
+CACHE_ENV = "MLX_GRPC_WORKER_CACHE"
+
+BOS_TOKEN = "<|begin|>"
+EOS_TOKEN = "<|end|>"
+PAD_TOKEN = "<|pad|>"
+# Order fixes the ids: bos=0, eos=1, pad=2, ...
+SPECIAL_TOKENS = (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<think>",
+    "</think>",
+)
+VOCAB_SIZE = 512
+MODEL_MAX_LENGTH = 4096
+
+# Deliberately minimal Jinja (loops, ifs, subscripts) so the Rust minijinja engine used
+# by the router renders it identically to Python's jinja2.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# Prompts whose greedy continuations the tests check for variety (plain text, encoded
+# without special tokens).
+TEST_PROMPTS: list[str] = [
+    "The river",
+    "In the morning",
+    "She opened the",
+    "Tell me about the old library",
+    "When the train",
+    "A good soup",
+    "Our cat",
+    "Numbers have",
+]
+
+_CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
+_REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+_CHAT_RE = re.compile(r"^User: (?P<user>.+)\nAssistant: (?P<assistant>.+)$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """How to build one model kind: its mlx-lm config and its training schedule."""
+
+    config: Mapping[str, Any]  # config.json minus the tokenizer-derived fields
+    architecture: str
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 64
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    chat_repeats: int = 3  # chat samples are short; repeat them so <|end|> is learned
+
+
+_RECIPES: Mapping[str, _Recipe] = MappingProxyType(
+    {
+        "llama": _Recipe(
+            architecture="LlamaForCausalLM",
+            config=MappingProxyType(
+                {
+                    "model_type": "llama",
+                    "hidden_size": 128,
+                    "num_hidden_layers": 2,
+                    "intermediate_size": 384,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "head_dim": 32,
+                    "max_position_embeddings": MODEL_MAX_LENGTH,
+                    "rope_theta": 10000.0,
+                    "rms_norm_eps": 1e-5,
+                    "tie_word_embeddings": True,
+                    "hidden_act": "silu",
+                    "attention_bias": False,
+                    "mlp_bias": False,
+                }
+            ),
+        ),
+    }
+)
+
+
+def available_kinds() -> list[str]:
+    return sorted(_RECIPES)
+
+
+def _recipe(kind: str) -> _Recipe:
+    try:
+        return _RECIPES[kind]
+    except KeyError:
+        raise ValueError(f"unknown demo model kind {kind!r}; known: {available_kinds()}") from None
+
+
+def build_name(kind: str = DEMO_MODEL_KIND, seed: int = DEMO_SEED) -> str:
+    """Directory name of a cached build; changes whenever the recipe does."""
+    _recipe(kind)
+    return f"demo-{kind}-s{seed}-{RECIPE_VERSION}"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "mlx-grpc-worker"
+
+
+def is_finished_build(path: Path) -> bool:
+    # Builds appear by atomic rename, so a directory holding every file is complete.
+    return path.is_dir() and all((path / name).is_file() for name in _REQUIRED_FILES)
+
+
+def build_model(path: Path, kind: str = DEMO_MODEL_KIND, seed: int = DEMO_SEED) -> Path:
+    """Build the demo model `kind` into directory `path` and return `path`.
+
+    The build happens in a temporary sibling directory that is renamed into place, so
+    `path` never holds a partial build. If `path` already holds a finished build it is
+    returned untouched. Note: this reseeds MLX's global random generator.
+    """
+    path = Path(path)
+    recipe = _recipe(kind)
+    if is_finished_build(path):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        _build_into(tmp, kind, recipe, seed)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache should be readable
+        try:
+            # rename(2) replaces a missing or empty directory, and fails on a non-empty one.
+            os.rename(tmp, path)
+        except OSError:
+            if not is_finished_build(path):  # else another process won the race: fine
+                raise FileExistsError(
+                    f"{path} exists and is not a finished demo model build"
+                ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def demo_model_path(kind: str = DEMO_MODEL_KIND, cache_dir: Path | None = None) -> Path:
+    """Path of the cached demo model for `kind`, building it on first use.
+
+    Safe across processes: builders serialise on a lock file in the cache directory.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / build_name(kind, DEMO_SEED)
+    if is_finished_build(target):
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        return build_model(target, kind, DEMO_SEED)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _read_corpus() -> tuple[list[str], list[tuple[str, str]]]:
+    """Split the corpus into prose paragraphs and (user, assistant) exchanges."""
+    text = _CORPUS_PATH.read_text(encoding="utf-8")
+    prose: list[str] = []
+    chats: list[tuple[str, str]] = []
+    for block in re.split(r"\n\s*\n", text.strip()):
+        block = block.strip()
+        if match := _CHAT_RE.fullmatch(block):
+            chats.append((match["user"], match["assistant"]))
+        elif block:
+            prose.append(block)
+    return prose, chats
+
+
+def _render_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:
+    # The same template the tokenizer ships, rendered the way transformers does.
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(CHAT_TEMPLATE).render(
+        messages=list(messages),
+        add_generation_prompt=add_generation_prompt,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+    )
+
+
+def _train_tokenizer(corpus_text: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    # No prefix space, so encode/decode round-trips text exactly.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        # Every byte is in the vocab, so any text is encodable.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus_text.splitlines(keepends=True), trainer)
+    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, want {VOCAB_SIZE}")
+    return tokenizer
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _write_tokenizer_files(out: Path, tokenizer) -> dict[str, int]:
+    tokenizer.save(str(out / "tokenizer.json"))
+    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "additional_special_tokens": list(SPECIAL_TOKENS[3:]),
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": MODEL_MAX_LENGTH,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "additional_special_tokens": list(SPECIAL_TOKENS[3:]),
+        },
+    )
+    return ids
+
+
+def _training_stream(tokenizer, seed: int, chat_repeats: int):
+    """One long token stream: prose paragraphs and chat samples in a seeded order."""
+    import numpy as np
+
+    prose, chats = _read_corpus()
+    docs = [p + "\n\n" for p in prose]
+    for user, assistant in chats:
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        docs.extend([_render_chat(messages, add_generation_prompt=False)] * chat_repeats)
+    order = np.random.default_rng(seed).permutation(len(docs))
+    ids: list[int] = []
+    for i in order:
+        ids.extend(tokenizer.encode(docs[i], add_special_tokens=False).ids)
+    return np.asarray(ids, dtype=np.int32)
+
+
+def _model_config(kind: str, recipe: _Recipe, seed: int, ids: Mapping[str, int]) -> dict:
+    return {
+        "architectures": [recipe.architecture],
+        **recipe.config,
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": ids[EOS_TOKEN],
+        "pad_token_id": ids[PAD_TOKEN],
+        "torch_dtype": "float32",
+        # Ignored by loaders; records which recipe produced the weights.
+        "demo_build": {"kind": kind, "seed": seed, "version": RECIPE_VERSION},
+    }
+
+
+def _train(model, data, recipe: _Recipe, seed: int) -> None:
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+
+    steps, batch, length = recipe.steps, recipe.batch_size, recipe.seq_len
+    # The whole batch order is fixed up front from the seed.
+    starts = np.random.default_rng(seed + 1).integers(0, len(data) - length - 1, (steps, batch))
+    windows = starts[..., None] + np.arange(length + 1)
+    schedule = optim.join_schedules(
+        [
+            optim.linear_schedule(1e-5, recipe.learning_rate, recipe.warmup_steps),
+            optim.cosine_decay(recipe.learning_rate, steps - recipe.warmup_steps, 1e-4),
+        ],
+        [recipe.warmup_steps],
+    )
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=recipe.weight_decay)
+
+    def loss_fn(model, x, y):
+        return nn.losses.cross_entropy(model(x), y, reduction="mean")
+
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+    model.train()
+    for step in range(steps):
+        tokens = mx.array(data[windows[step]])
+        loss, grads = loss_and_grad(model, tokens[:, :-1], tokens[:, 1:])
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state, loss)
+    model.eval()
+
+
+def _build_into(out: Path, kind: str, recipe: _Recipe, seed: int) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    tokenizer = _train_tokenizer(_CORPUS_PATH.read_text(encoding="utf-8"))
+    ids = _write_tokenizer_files(out, tokenizer)
+    config = _model_config(kind, recipe, seed, ids)
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)  # parameter init uses the global generator
+    model = module.Model(module.ModelArgs.from_dict(config))
+    _train(model, _training_stream(tokenizer, seed, recipe.chat_repeats), recipe, seed)
+
+    weights = dict(sorted(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids[BOS_TOKEN],
+            "eos_token_id": ids[EOS_TOKEN],
+            "pad_token_id": ids[PAD_TOKEN],
+        },
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", default=DEMO_MODEL_KIND, choices=available_kinds())
+    parser.add_argument("--seed", type=int, default=DEMO_SEED, help="only with --out")
+    parser.add_argument("--out", type=Path, help="build here instead of the shared cache")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    if args.out is not None:
+        path = build_model(args.out, args.kind, args.seed)
+    else:
+        if args.seed != DEMO_SEED:
+            parser.error("--seed needs --out (the cache holds only the default seed)")
+        path = demo_model_path(args.kind)
+    print(path)
+    print(f"ready in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""The MlxEngine gRPC handlers: validate, hand requests to the engine, stream events back.
+
+Runs on the asyncio loop only. The engine's one hand-off per step lands in `dispatch`,
+which routes each row's events to that request's `RequestStream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from .messages import (
+    EngineLoad,
+    FailureKind,
+    GenerationRequest,
+    ModelInfo,
+    RowEvent,
+    StepOutput,
+)
+from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
+from .tokenizer_bundle import TokenizerArchive, build_archive
+from .validation import Limits, RequestError, build_request
+
+log = logging.getLogger(__name__)
+
+SERVER_TYPE = "mlx-grpc-worker"
+_FAILURE_STATUS = {
+    FailureKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class EngineHandle(Protocol):
+    """What the handlers need from the engine (it lives on its own thread)."""
+
+    def submit(self, request: GenerationRequest) -> None: ...
+    def abort(self, tickets: list[int]) -> None: ...
+    def load(self) -> EngineLoad: ...
+    @property
+    def alive(self) -> bool: ...
+
+
+class RequestStream:
+    """One in-flight Generate call: the events the engine sent it, and a way to wait."""
+
+    __slots__ = ("_waiter", "events", "failure", "finished", "request")
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.events: list[RowEvent] = []
+        self.failure: RequestError | None = None
+        self.finished = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, event: RowEvent) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def fail(self, error: RequestError) -> None:
+        if self.failure is None:
+            self.failure = error
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[RowEvent]:
+        """Every event that arrived since the last call; raises the failure once they are out."""
+        while not self.events:
+            if self.failure is not None:
+                raise self.failure
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events, self.events = self.events, []
+        return events
+
+
+def _logprobs_proto(events: list[RowEvent]) -> mlx_engine_pb2.OutputLogProbs:
+    out = mlx_engine_pb2.OutputLogProbs()
+    for event in events:
+        if event.logprob is None or event.token is None:
+            continue
+        out.token_ids.append(event.token)
+        out.token_logprobs.append(event.logprob.logprob)
+        out.top_logprobs.add(values=event.logprob.top_logprobs, token_ids=event.logprob.top_ids)
+    return out
+
+
+class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
+    """Handlers for one engine. `attach` once the engine is ready; until then, UNAVAILABLE."""
+
+    def __init__(self, engine: EngineHandle, max_prompt_tokens: int | None = None) -> None:
+        self._engine = engine
+        self._max_prompt_tokens = max_prompt_tokens
+        self._info: ModelInfo | None = None
+        self._limits: Limits | None = None
+        self._tickets = itertools.count(1)
+        self._streams: dict[int, RequestStream] = {}
+        self._by_request_id: dict[str, RequestStream] = {}
+        self._archive: asyncio.Task[TokenizerArchive] | None = None
+        self._started = time.monotonic()
+        self.refusal: str | None = "the engine is starting"  # None while accepting work
+        self.on_fatal: Callable[[str], None] = lambda reason: None
+
+    # ----- lifecycle, driven by the server -----
+
+    def attach(self, info: ModelInfo) -> None:
+        self._info = info
+        self._limits = Limits.for_model(info, self._max_prompt_tokens)
+        self.refusal = None
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._streams)
+
+    def abort_all(self) -> None:
+        self._engine.abort(list(self._streams))
+
+    def dispatch(self, out: StepOutput) -> None:
+        """Route one engine step's output (called on the loop thread)."""
+        streams = self._streams
+        for event in out.events:
+            stream = streams.get(event.ticket)
+            if stream is not None:
+                stream.push(event)
+        for failure in out.failures:
+            stream = streams.get(failure.ticket)
+            if stream is not None:
+                stream.fail(RequestError(_FAILURE_STATUS[failure.kind], failure.message))
+        if out.fatal is not None:
+            self.refusal = out.fatal
+            error = RequestError(grpc.StatusCode.UNAVAILABLE, out.fatal)
+            for stream in streams.values():
+                stream.fail(error)
+            self.on_fatal(out.fatal)
+
+    # ----- RPCs -----
+
+    async def Generate(
+        self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
+        try:
+            stream = self._accept(request)
+        except RequestError as error:
+            log.debug("refused request %r: %s", request.request_id, error.message)
+            await context.abort(error.code, error.message)
+            return
+        try:
+            if request.stream:
+                async for response in self._stream_responses(stream):
+                    yield response
+            else:
+                yield await self._unary_response(stream)
+        except RequestError as error:
+            stream.finished = True
+            await context.abort(error.code, error.message)
+        finally:
+            self._release(stream)
+
+    def _accept(self, request: mlx_engine_pb2.GenerateRequest) -> RequestStream:
+        if self.refusal is not None or self._limits is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, self.refusal or "not ready")
+        job = build_request(request, next(self._tickets), self._limits)
+        if job.request_id in self._by_request_id:
+            message = f"request_id {job.request_id!r} is already in flight"
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, message)
+        stream = RequestStream(job)
+        self._streams[job.ticket] = stream
+        self._by_request_id[job.request_id] = stream
+        self._engine.submit(job)
+        return stream
+
+    def _release(self, stream: RequestStream) -> None:
+        ticket = stream.request.ticket
+        self._streams.pop(ticket, None)
+        if self._by_request_id.get(stream.request.request_id) is stream:
+            del self._by_request_id[stream.request.request_id]
+        if not stream.finished:  # the client went away or the call was cancelled
+            self._engine.abort([ticket])
+
+    async def _stream_responses(
+        self, stream: RequestStream
+    ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
+        prompt_tokens = len(stream.request.prompt)
+        completion_tokens = 0
+        while True:
+            events = await stream.take()
+            last = events[-1]
+            tokens = [e.token for e in events if e.token is not None]
+            if tokens:
+                completion_tokens += len(tokens)
+                chunk = mlx_engine_pb2.GenerateStreamChunk(
+                    token_ids=tokens,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    cached_tokens=last.cached_tokens,
+                )
+                if stream.request.top_logprobs is not None:
+                    chunk.output_logprobs.CopyFrom(_logprobs_proto(events))
+                yield mlx_engine_pb2.GenerateResponse(chunk=chunk)
+            if last.finish_reason is not None:
+                stream.finished = True
+                yield self._complete(stream, last, [], completion_tokens)
+                return
+
+    async def _unary_response(self, stream: RequestStream) -> mlx_engine_pb2.GenerateResponse:
+        collected: list[RowEvent] = []
+        while True:
+            events = await stream.take()
+            collected.extend(events)
+            last = events[-1]
+            if last.finish_reason is not None:
+                stream.finished = True
+                output_ids = [e.token for e in collected if e.token is not None]
+                response = self._complete(stream, last, output_ids, len(output_ids))
+                if stream.request.top_logprobs is not None:
+                    response.complete.output_logprobs.CopyFrom(_logprobs_proto(collected))
+                return response
+
+    @staticmethod
+    def _complete(
+        stream: RequestStream, last: RowEvent, output_ids: list[int], completion_tokens: int
+    ) -> mlx_engine_pb2.GenerateResponse:
+        complete = mlx_engine_pb2.GenerateComplete(
+            output_ids=output_ids,
+            finish_reason=last.finish_reason,
+            prompt_tokens=len(stream.request.prompt),
+            completion_tokens=completion_tokens,
+            cached_tokens=last.cached_tokens,
+        )
+        if last.matched_stop_token_id is not None:
+            complete.matched_stop_token_id = last.matched_stop_token_id
+        return mlx_engine_pb2.GenerateResponse(complete=complete)
+
+    async def Abort(
+        self, request: mlx_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.AbortResponse:
+        tickets = [
+            stream.request.ticket
+            for request_id in request.request_ids
+            if (stream := self._by_request_id.get(request_id)) is not None
+        ]
+        if tickets:
+            self._engine.abort(tickets)
+        return mlx_engine_pb2.AbortResponse()
+
+    async def HealthCheck(
+        self, request: mlx_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.HealthCheckResponse:
+        if self.refusal is None and not self._engine.alive:
+            self.refusal = "the engine thread is not running"
+        if self.refusal is not None:
+            return mlx_engine_pb2.HealthCheckResponse(healthy=False, message=self.refusal)
+        return mlx_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+
+    async def GetModelInfo(
+        self, request: mlx_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.GetModelInfoResponse:
+        info = self._info
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            raise AssertionError("unreachable")
+        limits = self._limits
+        assert limits is not None
+        max_input = limits.context_length - 1
+        if limits.max_prompt_tokens is not None:
+            max_input = min(max_input, limits.max_prompt_tokens)
+        return mlx_engine_pb2.GetModelInfoResponse(
+            model_path=info.model_path,
+            is_generation=True,
+            max_context_length=info.context_length,
+            vocab_size=info.vocab_size,
+            served_model_name=info.served_model_name,
+            model_type=info.model_type,
+            architectures=info.architectures,
+            eos_token_ids=info.eos_token_ids,
+            pad_token_id=info.pad_token_id or 0,
+            bos_token_id=info.bos_token_id or 0,
+            max_req_input_len=max_input,
+        )
+
+    async def GetServerInfo(
+        self, request: mlx_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.GetServerInfoResponse:
+        return mlx_engine_pb2.GetServerInfoResponse(
+            server_type=SERVER_TYPE,
+            active_requests=self.active_requests,
+            uptime_seconds=time.monotonic() - self._started,
+        )
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        if self._info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            return
+        try:
+            archive = await asyncio.shield(self._tokenizer_archive(self._info))
+        except OSError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"cannot read tokenizer files: {exc}")
+            return
+        pieces = list(archive.chunks())
+        for i, data in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield common_pb2.GetTokenizerChunk(data=data, sha256=archive.sha256 if last else "")
+
+    def _tokenizer_archive(self, info: ModelInfo) -> asyncio.Task[TokenizerArchive]:
+        """Built once off the loop; concurrent callers share the same build."""
+        if self._archive is None or (self._archive.done() and self._archive.exception()):
+            self._archive = asyncio.ensure_future(
+                asyncio.to_thread(build_archive, Path(info.model_dir))
+            )
+        return self._archive

@@ -1,0 +1,133 @@
+"""Typed messages that cross between the gRPC handlers and the engine thread.
+
+Plain Python only: the handler side never sees an MLX object. Requests go in through
+`Engine.submit`; each engine step hands back one `StepOutput` carrying every row's events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """Validated sampling settings; equal specs share one sampler in the engine."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # 1.0 means off
+    top_k: int = 0  # 0 means off
+    min_p: float = 0.0  # 0 means off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltySpec:
+    """Logits processors a request asked for; the neutral values build none."""
+
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or bool(self.logit_bias)
+        )
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One validated request, ready for the engine to admit."""
+
+    ticket: int  # engine-side identity, unique for the process lifetime
+    request_id: str  # the client's id, for logs only
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    penalties: PenaltySpec = field(default_factory=PenaltySpec)
+    stop_token_ids: frozenset[int] = frozenset()
+    top_logprobs: int | None = None  # None: no logprobs; N >= 0: token logprob + top N
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The sampled token's log-probability and the N most likely alternatives."""
+
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(slots=True)
+class RowEvent:
+    """What one request got from one engine step: a token, a finish, or both."""
+
+    ticket: int
+    token: int | None  # None for a finish with no new token (abort)
+    finish_reason: str | None = None  # FINISH_* when this is the last event
+    matched_stop_token_id: int | None = None
+    logprob: TokenLogprob | None = None
+    cached_tokens: int = 0
+
+
+class FailureKind(Enum):
+    INTERNAL = "internal"  # a step failed; the engine recovered
+    UNAVAILABLE = "unavailable"  # the engine is gone or shutting down
+
+
+@dataclass(frozen=True, slots=True)
+class RowFailure:
+    """A request that ended with an error instead of a finish reason."""
+
+    ticket: int
+    kind: FailureKind
+    message: str
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Everything one engine step produced, handed to the asyncio side in one call."""
+
+    events: list[RowEvent] = field(default_factory=list)
+    failures: list[RowFailure] = field(default_factory=list)
+    fatal: str | None = None  # set once, when the engine thread is about to die
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.failures or self.fatal)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the handlers need to know about the loaded model."""
+
+    model_path: str  # what the user asked for (path or hub id)
+    model_dir: str  # the local directory holding config and tokenizer files
+    served_model_name: str
+    model_type: str
+    architectures: tuple[str, ...]
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    pad_token_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """A snapshot of the engine's occupancy (for server info, metrics and tests)."""
+
+    waiting: int
+    running: int

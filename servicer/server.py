@@ -1,0 +1,172 @@
+"""Assembling the worker: gRPC server, health, reflection, engine, and the lifecycle.
+
+Order of life: bind and answer health as NOT_SERVING; load and warm the engine; flip to
+SERVING. On SIGTERM: NOT_SERVING, refuse new work, let in-flight requests finish within the
+grace period, end the rest with `abort`, stop. A dead engine means NOT_SERVING and exit 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .engine import Engine, EngineConfig, EngineStartupError
+from .handlers import MlxEngineServicer
+from .messages import ModelInfo, StepOutput
+from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+ENGINE_SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 50051
+    shutdown_grace_s: float = 30.0
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_prompt_tokens: int | None = None
+
+
+class WorkerServer:
+    """One engine behind one gRPC port. Several can live in one process."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine = Engine(config.engine, self._deliver)
+        self.servicer = MlxEngineServicer(self.engine, config.max_prompt_tokens)
+        self.servicer.on_fatal = self._on_fatal
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+
+    # ----- engine -> loop -----
+
+    def _deliver(self, out: StepOutput) -> None:
+        """Called on the engine thread once per step: one wake of the loop for all rows."""
+        assert self._loop is not None
+        # A closed loop means the process is on its way out; nobody is left to tell.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.servicer.dispatch, out)
+
+    def _on_fatal(self, reason: str) -> None:
+        log.critical("engine failed, the worker stops: %s", reason)
+        self.exit_code = 1
+        self._stopping.set()
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        for service in ("", ENGINE_SERVICE):
+            await self.health.set(service, status)
+
+    # ----- lifecycle -----
+
+    async def start(self) -> int:
+        """Bind and start answering (health NOT_SERVING), then start loading the engine."""
+        self._loop = asyncio.get_running_loop()
+        limit = self.config.max_message_bytes
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared port
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ]
+        )
+        mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {address}: {exc}") from exc
+        await self._set_health(NOT_SERVING)
+        await server.start()
+        self._server = server
+        self.engine.start()
+        return self.port
+
+    async def wait_ready(self, timeout: float | None = None) -> ModelInfo:
+        """Wait for the engine to load and warm up, then report SERVING."""
+        info = await asyncio.to_thread(self.engine.wait_ready, timeout)
+        self.servicer.attach(info)
+        await self._set_health(SERVING)
+        return info
+
+    def request_shutdown(self) -> None:
+        self._stopping.set()
+
+    async def serve_until_stopped(self) -> int:
+        await self._stopping.wait()
+        await self.stop()
+        return self.exit_code
+
+    async def stop(self) -> None:
+        """Drain: NOT_SERVING, refuse new work, finish or abort what is in flight, close."""
+        await self._set_health(NOT_SERVING)
+        if self.servicer.refusal is None:
+            self.servicer.refusal = "the worker is shutting down"
+        await self._drain()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        await asyncio.to_thread(self.engine.shutdown, 10.0)
+
+    async def _drain(self) -> None:
+        if self.exit_code == 0 and self.engine.alive:
+            deadline = time.monotonic() + self.config.shutdown_grace_s
+            while self.servicer.active_requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        if self.servicer.active_requests:
+            log.info("ending %d requests still running", self.servicer.active_requests)
+            self.servicer.abort_all()
+            deadline = time.monotonic() + 5.0
+            while self.servicer.active_requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+
+
+async def run_worker(config: ServerConfig) -> int:
+    """The process's main coroutine: serve until SIGTERM/SIGINT or an engine failure."""
+    server = WorkerServer(config)
+    try:
+        port = await server.start()
+    except OSError as exc:
+        log.error("%s", exc)
+        return 1
+    try:
+        info = await server.wait_ready()
+    except EngineStartupError as exc:
+        log.error("cannot serve: %s", exc)
+        await server.stop()
+        return 1
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_shutdown)
+    log.info(
+        "ready: serving %s on %s:%d (context %d tokens, vocab %d)",
+        info.served_model_name,
+        config.host,
+        port,
+        info.context_length,
+        info.vocab_size,
+    )
+    code = await server.serve_until_stopped()
+    log.info("stopped (exit code %d)", code)
+    return code

@@ -1,0 +1,139 @@
+"""Turning a GenerateRequest into a GenerationRequest, or a clear gRPC error.
+
+Everything is checked here, before the engine sees it: bad input never reaches MLX.
+Proto3 zero values mean "unset" for the scalar fields the router always fills
+(top_p, repetition_penalty), so 0 keeps its neutral meaning there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import grpc
+
+from .messages import GenerationRequest, ModelInfo, PenaltySpec, SamplingSpec
+from .proto import mlx_engine_pb2 as pb
+
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestError(Exception):
+    """A request the worker refuses, with the status and message the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the model and the operator allow a request to ask for."""
+
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    max_prompt_tokens: int | None = None
+
+    @classmethod
+    def for_model(cls, info: ModelInfo, max_prompt_tokens: int | None = None) -> Limits:
+        return cls(info.vocab_size, info.context_length, info.eos_token_ids, max_prompt_tokens)
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise _invalid(f"{name} must be a finite number, got {value}")
+    return value
+
+
+def prompt_ids(request: pb.GenerateRequest, limits: Limits) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        raise _invalid("text input is not supported; send tokenized.input_ids")
+    ids = list(request.tokenized.input_ids) if kind == "tokenized" else []
+    if not ids:
+        raise _invalid("the prompt is empty: tokenized.input_ids needs at least one token")
+    vocab = limits.vocab_size
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise _invalid(f"token id {bad} is outside the vocabulary (size {vocab})")
+    limit = limits.context_length - 1
+    if limits.max_prompt_tokens is not None:
+        limit = min(limit, limits.max_prompt_tokens)
+    if len(ids) > limit:
+        raise _invalid(
+            f"the prompt has {len(ids)} tokens; this worker accepts at most {limit} "
+            f"(context length {limits.context_length})"
+        )
+    return ids
+
+
+def sampling_spec(params: pb.SamplingParams, vocab_size: int) -> SamplingSpec:
+    temperature = params.temperature if params.HasField("temperature") else 1.0
+    if _finite("temperature", temperature) < 0:
+        raise _invalid(f"temperature must be >= 0, got {temperature}")
+    top_p = _finite("top_p", params.top_p) or 1.0
+    if not 0 < top_p <= 1:
+        raise _invalid(f"top_p must be in (0, 1], got {top_p}")
+    min_p = _finite("min_p", params.min_p)
+    if not 0 <= min_p <= 1:
+        raise _invalid(f"min_p must be in [0, 1], got {min_p}")
+    # A top_k that keeps the whole vocabulary filters nothing.
+    top_k = params.top_k if params.top_k < vocab_size else 0
+    if temperature == 0:  # greedy ignores every filter; one shared sampler serves all
+        return SamplingSpec(temperature=0.0)
+    seed = params.seed if params.HasField("seed") else None
+    return SamplingSpec(temperature, top_p, top_k, min_p, seed)
+
+
+def penalty_spec(params: pb.SamplingParams, vocab_size: int) -> PenaltySpec:
+    repetition = _finite("repetition_penalty", params.repetition_penalty) or 1.0
+    if repetition <= 0:
+        raise _invalid(f"repetition_penalty must be > 0, got {repetition}")
+    frequency = _finite("frequency_penalty", params.frequency_penalty)
+    presence = _finite("presence_penalty", params.presence_penalty)
+    bias = []
+    for token, value in sorted(params.logit_bias.items()):
+        if not 0 <= token < vocab_size:
+            raise _invalid(
+                f"logit_bias token {token} is outside the vocabulary (size {vocab_size})"
+            )
+        bias.append((token, _finite(f"logit_bias[{token}]", value)))
+    return PenaltySpec(repetition, frequency, presence, tuple(bias))
+
+
+def build_request(request: pb.GenerateRequest, ticket: int, limits: Limits) -> GenerationRequest:
+    """Validate and normalise; raises RequestError with the status to send."""
+    if not request.request_id:
+        raise _invalid("request_id is empty")
+    prompt = prompt_ids(request, limits)
+    params = request.sampling_params
+    room = limits.context_length - len(prompt)
+    max_tokens = room
+    if params.HasField("max_tokens"):
+        if params.max_tokens == 0:
+            raise _invalid("max_tokens must be at least 1")
+        max_tokens = min(params.max_tokens, room)  # clamped to the context; ends `length`
+    top_logprobs = None
+    if params.HasField("logprobs"):
+        if not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+            raise _invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs}")
+        top_logprobs = params.logprobs
+    stop = {t for t in params.stop_token_ids if t < limits.vocab_size}
+    if not params.ignore_eos:
+        stop.update(limits.eos_token_ids)
+    return GenerationRequest(
+        ticket=ticket,
+        request_id=request.request_id,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=sampling_spec(params, limits.vocab_size),
+        penalties=penalty_spec(params, limits.vocab_size),
+        stop_token_ids=frozenset(stop),
+        top_logprobs=top_logprobs,
+    )
