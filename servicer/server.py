@@ -112,6 +112,12 @@ class WorkerServer:
         return info
 
     def request_shutdown(self) -> None:
+        if not self._stopping.is_set():
+            log.info(
+                "shutting down: finishing %d requests (grace %.1f s)",
+                self.servicer.active_requests,
+                self.config.shutdown_grace_s,
+            )
         self._stopping.set()
 
     async def serve_until_stopped(self) -> int:

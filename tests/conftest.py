@@ -1,0 +1,69 @@
+"""Shared fixtures: the demo model, greedy references from mlx-lm, one running worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from support import ServerThread
+
+from servicer.demo_model import TEST_PROMPTS, demo_model_path
+from servicer.engine import EngineConfig
+from servicer.server import ServerConfig
+
+
+@pytest.fixture(scope="session")
+def demo_dir() -> Path:
+    return demo_model_path()
+
+
+class Reference:
+    """Greedy continuations from mlx-lm's own single-sequence generator (the correctness bar)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from mlx_lm import load
+
+        self.model, self.tokenizer = load(str(model_dir))
+        self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Tokens mlx_lm.generate would produce at temperature 0, ignoring EOS."""
+        key = (tuple(prompt), max_tokens)
+        if key not in self._cache:
+            import mlx.core as mx
+            from mlx_lm.generate import generate_step
+
+            steps = generate_step(mx.array(prompt), self.model, max_tokens=max_tokens)
+            self._cache[key] = [int(token) for token, _ in steps]
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def reference(demo_dir: Path) -> Reference:
+    return Reference(demo_dir)
+
+
+@pytest.fixture(scope="session")
+def prompts(reference: Reference) -> list[list[int]]:
+    return [reference.encode(text) for text in TEST_PROMPTS]
+
+
+def demo_config(model_dir: Path, **engine: object) -> ServerConfig:
+    return ServerConfig(engine=EngineConfig(model=str(model_dir), **engine), port=0)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def server(demo_dir: Path) -> Iterator[ServerThread]:
+    with ServerThread(demo_config(demo_dir)) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def channel(server: ServerThread) -> Iterator[grpc.Channel]:
+    with server.channel() as chan:
+        yield chan

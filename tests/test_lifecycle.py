@@ -1,0 +1,107 @@
+"""The worker as a process: startup failures, readiness, SIGTERM drain, exit codes."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+from support import WorkerProcess, free_port, generate, server_info, wait_until
+
+
+def test_missing_model_path_exits_non_zero_with_the_reason(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with WorkerProcess("--model", str(missing)) as worker:
+        assert worker.wait(120) != 0
+    assert "does not exist" in worker.output
+    assert str(missing) in worker.output
+
+
+def test_directory_without_a_model_exits_non_zero(tmp_path):
+    with WorkerProcess("--model", str(tmp_path)) as worker:
+        assert worker.wait(120) != 0
+    assert "config.json" in worker.output
+
+
+def test_port_in_use_exits_non_zero(demo_dir):
+    with WorkerProcess("--model", str(demo_dir)) as first:
+        first.wait_ready()
+        with WorkerProcess("--model", str(demo_dir), "--port", str(first.port)) as second:
+            assert second.wait(120) != 0
+        assert "cannot listen" in second.output
+
+
+def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(demo_dir, prompts):
+    with WorkerProcess("--model", str(demo_dir), "--shutdown-grace", "60") as worker:
+        worker.wait_ready()
+        with grpc.insecure_channel(worker.address) as channel:
+            outcomes = {}
+            started = threading.Event()
+
+            def run():
+                outcomes["long"] = generate(
+                    channel,
+                    prompts[0],
+                    temperature=0,
+                    max_tokens=2000,
+                    ignore_eos=True,
+                    on_chunk=lambda chunk: started.set(),
+                )
+
+            caller = threading.Thread(target=run)
+            caller.start()
+            assert started.wait(60)
+            worker.terminate()
+            assert wait_until(lambda: "shutting down" in worker.output)
+            late = generate(channel, prompts[1], max_tokens=4, timeout=10)
+            assert caller.is_alive()  # still draining when the late request was refused
+            caller.join(120)
+        assert worker.wait(60) == 0
+    assert late.code == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in late.error.details()
+    long = outcomes["long"]
+    assert long.error is None
+    assert long.complete.finish_reason == "length"
+    assert long.complete.completion_tokens == 2000
+
+
+def test_sigterm_past_the_grace_period_ends_requests_with_abort(demo_dir, prompts):
+    with WorkerProcess("--model", str(demo_dir), "--shutdown-grace", "0.5") as worker:
+        worker.wait_ready()
+        with grpc.insecure_channel(worker.address) as channel:
+            outcomes = {}
+            started = threading.Event()
+
+            def run(name: str, stream: bool):
+                outcomes[name] = generate(
+                    channel,
+                    prompts[2],
+                    stream=stream,
+                    temperature=0,
+                    max_tokens=3000,
+                    ignore_eos=True,
+                    on_chunk=lambda chunk: started.set(),
+                )
+
+            callers = [
+                threading.Thread(target=run, args=("stream", True)),
+                threading.Thread(target=run, args=("unary", False)),
+            ]
+            for caller in callers:
+                caller.start()
+            assert started.wait(60)
+            assert wait_until(lambda: server_info(channel).active_requests == 2)
+            worker.terminate()
+            for caller in callers:
+                caller.join(120)
+        assert worker.wait(60) == 0
+    for outcome in outcomes.values():
+        assert outcome.error is None
+        assert outcome.complete.finish_reason == "abort"
+        assert 0 < outcome.complete.completion_tokens < 3000
+
+
+def test_default_port_and_host(demo_dir):
+    port = free_port()
+    with WorkerProcess("--model", str(demo_dir), "--port", str(port)) as worker:
+        worker.wait_ready()
+        assert f"127.0.0.1:{port}" in worker.output
