@@ -99,6 +99,7 @@ class _Recipe:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     chat_repeats: int = 3  # chat samples are short; repeat them so <|end|> is learned
+    dtype: str = "bfloat16"  # MLX's own bf16 CPU gemm is ~2x faster than its fp32 BLAS path
 
 
 _RECIPES: Mapping[str, _Recipe] = MappingProxyType(
@@ -308,7 +309,7 @@ def _model_config(kind: str, recipe: _Recipe, seed: int, ids: Mapping[str, int])
         "bos_token_id": ids[BOS_TOKEN],
         "eos_token_id": ids[EOS_TOKEN],
         "pad_token_id": ids[PAD_TOKEN],
-        "torch_dtype": "float32",
+        "torch_dtype": recipe.dtype,
         # Ignored by loaders; records which recipe produced the weights.
         "demo_build": {"kind": kind, "seed": seed, "version": RECIPE_VERSION},
     }
@@ -343,6 +344,8 @@ def _train(model, data, recipe: _Recipe, seed: int) -> None:
         loss, grads = loss_and_grad(model, tokens[:, :-1], tokens[:, 1:])
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss)
+        if os.environ.get("DEMO_DEBUG") and (step % 10 == 0 or step == steps - 1):
+            print(step, loss.item(), flush=True)  # TEMP
     model.eval()
 
 
@@ -357,6 +360,7 @@ def _build_into(out: Path, kind: str, recipe: _Recipe, seed: int) -> None:
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)  # parameter init uses the global generator
     model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(getattr(mx, recipe.dtype))
     _train(model, _training_stream(tokenizer, seed, recipe.chat_repeats), recipe, seed)
 
     weights = dict(sorted(tree_flatten(model.parameters())))

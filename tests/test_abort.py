@@ -83,9 +83,7 @@ def test_client_cancel_frees_the_row_and_the_next_request_runs_normally(
     call = stub.Generate(
         make_request(prompts[2], temperature=0, max_tokens=LONG, ignore_eos=True), timeout=60
     )
-    received = 0
-    for _ in call:
-        received += 1
+    for received, _ in enumerate(call, start=1):
         if received == 3:
             call.cancel()
             break
