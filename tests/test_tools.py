@@ -1,0 +1,37 @@
+"""The user-facing tools: the streaming client and `make demo`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from support import ROOT, free_port
+from test_router import SMG
+
+
+def test_client_streams_the_greedy_text(server, reference):
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "servicer.client", "--address", server.address,
+            "--text", "The river", "--max-tokens", "10", "--temperature", "0", "--ignore-eos",
+        ],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=True,
+    )  # fmt: skip
+    expected = reference.tokenizer.decode(
+        reference.greedy(reference.encode("The river"), 10), skip_special_tokens=True
+    )
+    assert result.stdout == expected + "\n"
+    assert "[length: " in result.stderr
+
+
+@pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
+def test_demo_sends_a_chat_completion_through_the_router(demo_dir):
+    result = subprocess.run(
+        [sys.executable, "scripts/demo.py", "--once", "--model", str(demo_dir),
+         "--http-port", str(free_port())],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '"finish_reason"' in result.stdout
+    assert "curl -s http://127.0.0.1:" in result.stdout
