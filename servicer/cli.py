@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+from pathlib import Path
 
 from .engine import EngineConfig
+from .engine.faults import ENV_VAR as FAULTS_ENV_VAR
+from .engine.faults import FaultPlan
+from .handlers import HandlerOptions
 from .server import ServerConfig, run_worker
 
 
@@ -56,6 +61,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="refuse longer prompts (default: the model's context length - 1)",
     )
     parser.add_argument(
+        "--max-queued-requests",
+        type=_positive,
+        default=256,
+        help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (default 256)",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=_positive,
+        default=16 * 1024 * 1024,
+        help="largest gRPC message accepted or sent (default 16 MiB)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)",
+    )
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve over TLS")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    parser.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -67,7 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["debug", "info", "warning", "error"],
         help="logging level (default info)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    return args
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -78,13 +105,22 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         completion_batch_size=args.completion_batch_size,
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
+        faults=FaultPlan.parse(faults) if (faults := os.environ.get(FAULTS_ENV_VAR)) else None,
+    )
+    handlers = HandlerOptions(
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_queued_requests=args.max_queued_requests,
     )
     return ServerConfig(
         engine=engine,
+        handlers=handlers,
         host=args.host,
         port=args.port,
         shutdown_grace_s=args.shutdown_grace,
-        max_prompt_tokens=args.max_prompt_tokens,
+        max_message_bytes=args.max_message_bytes,
+        metrics_port=args.metrics_port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
 
 

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from .messages import (
     RowEvent,
     StepOutput,
 )
+from .metrics import WorkerMetrics
 from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
 from .tokenizer_bundle import TokenizerArchive, build_archive
 from .validation import Limits, RequestError, build_request
@@ -50,13 +52,23 @@ class EngineHandle(Protocol):
 class RequestStream:
     """One in-flight Generate call: the events the engine sent it, and a way to wait."""
 
-    __slots__ = ("_waiter", "events", "failure", "finished", "request")
+    __slots__ = (
+        "_waiter",
+        "accepted_at",
+        "events",
+        "failure",
+        "finish_reason",
+        "last_token_at",
+        "request",
+    )
 
     def __init__(self, request: GenerationRequest) -> None:
         self.request = request
         self.events: list[RowEvent] = []
         self.failure: RequestError | None = None
-        self.finished = False
+        self.finish_reason: str | None = None  # set once the terminal message is built
+        self.accepted_at = time.perf_counter()
+        self.last_token_at: float | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     def push(self, event: RowEvent) -> None:
@@ -98,12 +110,24 @@ def _logprobs_proto(events: list[RowEvent]) -> mlx_engine_pb2.OutputLogProbs:
     return out
 
 
+@dataclass(frozen=True)
+class HandlerOptions:
+    max_prompt_tokens: int | None = None  # None: the context length - 1
+    max_queued_requests: int = 256  # accepted but not yet decoding
+
+
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     """Handlers for one engine. `attach` once the engine is ready; until then, UNAVAILABLE."""
 
-    def __init__(self, engine: EngineHandle, max_prompt_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineHandle,
+        options: HandlerOptions | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self._engine = engine
-        self._max_prompt_tokens = max_prompt_tokens
+        self._options = options or HandlerOptions()
+        self._metrics = metrics or WorkerMetrics(engine.load)
         self._info: ModelInfo | None = None
         self._limits: Limits | None = None
         self._tickets = itertools.count(1)
@@ -118,7 +142,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     def attach(self, info: ModelInfo) -> None:
         self._info = info
-        self._limits = Limits.for_model(info, self._max_prompt_tokens)
+        self._limits = Limits.for_model(info, self._options.max_prompt_tokens)
         self.refusal = None
 
     @property
@@ -135,11 +159,16 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             stream = streams.get(event.ticket)
             if stream is not None:
                 stream.push(event)
+        if out.step_seconds:
+            self._metrics.step_time.observe(out.step_seconds)
+        if out.failures:
+            self._metrics.errors.labels("engine_step").inc()
         for failure in out.failures:
             stream = streams.get(failure.ticket)
             if stream is not None:
                 stream.fail(RequestError(_FAILURE_STATUS[failure.kind], failure.message))
         if out.fatal is not None:
+            self._metrics.errors.labels("engine_death").inc()
             self.refusal = out.fatal
             error = RequestError(grpc.StatusCode.UNAVAILABLE, out.fatal)
             for stream in streams.values():
@@ -155,27 +184,47 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             stream = self._accept(request)
         except RequestError as error:
             log.debug("refused request %r: %s", request.request_id, error.message)
+            self._metrics.requests.labels(error.code.name.lower()).inc()
             await context.abort(error.code, error.message)
             return
+        outcome = "cancelled"  # unless it finishes or fails below
         try:
             if request.stream:
                 async for response in self._stream_responses(stream):
                     yield response
             else:
                 yield await self._unary_response(stream)
+            outcome = stream.finish_reason or outcome
         except RequestError as error:
-            stream.finished = True
+            outcome = error.code.name.lower()
+            stream.finish_reason = outcome
             await context.abort(error.code, error.message)
         finally:
+            self._metrics.requests.labels(outcome).inc()
             self._release(stream)
 
     def _accept(self, request: mlx_engine_pb2.GenerateRequest) -> RequestStream:
         if self.refusal is not None or self._limits is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, self.refusal or "not ready")
-        job = build_request(request, next(self._tickets), self._limits)
+        errors = self._metrics.errors
+        try:
+            job = build_request(request, next(self._tickets), self._limits)
+        except RequestError:
+            errors.labels("invalid_request").inc()
+            raise
         if job.request_id in self._by_request_id:
+            errors.labels("duplicate_request").inc()
             message = f"request_id {job.request_id!r} is already in flight"
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, message)
+        waiting = self._engine.load().waiting
+        if waiting >= self._options.max_queued_requests:
+            errors.labels("queue_full").inc()
+            message = (
+                f"{waiting} requests are already waiting for the engine "
+                f"(limit {self._options.max_queued_requests}); retry later"
+            )
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        self._metrics.prompt_tokens.inc(len(job.prompt))
         stream = RequestStream(job)
         self._streams[job.ticket] = stream
         self._by_request_id[job.request_id] = stream
@@ -187,7 +236,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._streams.pop(ticket, None)
         if self._by_request_id.get(stream.request.request_id) is stream:
             del self._by_request_id[stream.request.request_id]
-        if not stream.finished:  # the client went away or the call was cancelled
+        if stream.finish_reason is None:  # the client went away or the call was cancelled
             self._engine.abort([ticket])
 
     async def _stream_responses(
@@ -200,6 +249,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             last = events[-1]
             tokens = [e.token for e in events if e.token is not None]
             if tokens:
+                self._observe_tokens(stream, len(tokens))
                 completion_tokens += len(tokens)
                 chunk = mlx_engine_pb2.GenerateStreamChunk(
                     token_ids=tokens,
@@ -211,7 +261,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                     chunk.output_logprobs.CopyFrom(_logprobs_proto(events))
                 yield mlx_engine_pb2.GenerateResponse(chunk=chunk)
             if last.finish_reason is not None:
-                stream.finished = True
+                stream.finish_reason = last.finish_reason
                 yield self._complete(stream, last, [], completion_tokens)
                 return
 
@@ -220,14 +270,27 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         while True:
             events = await stream.take()
             collected.extend(events)
+            self._observe_tokens(stream, sum(e.token is not None for e in events))
             last = events[-1]
             if last.finish_reason is not None:
-                stream.finished = True
+                stream.finish_reason = last.finish_reason
                 output_ids = [e.token for e in collected if e.token is not None]
                 response = self._complete(stream, last, output_ids, len(output_ids))
                 if stream.request.top_logprobs is not None:
                     response.complete.output_logprobs.CopyFrom(_logprobs_proto(collected))
                 return response
+
+    def _observe_tokens(self, stream: RequestStream, count: int) -> None:
+        if not count:
+            return
+        now = time.perf_counter()
+        metrics = self._metrics
+        if stream.last_token_at is None:
+            metrics.ttft.observe(now - stream.accepted_at)
+        else:
+            metrics.inter_token.observe((now - stream.last_token_at) / count)
+        stream.last_token_at = now
+        metrics.generated_tokens.inc(count)
 
     @staticmethod
     def _complete(
@@ -274,9 +337,6 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             raise AssertionError("unreachable")
         limits = self._limits
         assert limits is not None
-        max_input = limits.context_length - 1
-        if limits.max_prompt_tokens is not None:
-            max_input = min(max_input, limits.max_prompt_tokens)
         return mlx_engine_pb2.GetModelInfoResponse(
             model_path=info.model_path,
             is_generation=True,
@@ -288,7 +348,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             eos_token_ids=info.eos_token_ids,
             pad_token_id=info.pad_token_id or 0,
             bos_token_id=info.bos_token_id or 0,
-            max_req_input_len=max_input,
+            max_req_input_len=limits.prompt_limit,
         )
 
     async def GetServerInfo(

@@ -104,6 +104,7 @@ class StepOutput:
     events: list[RowEvent] = field(default_factory=list)
     failures: list[RowFailure] = field(default_factory=list)
     fatal: str | None = None  # set once, when the engine thread is about to die
+    step_seconds: float = 0.0  # how long the step took, when one ran
 
     def __bool__(self) -> bool:
         return bool(self.events or self.failures or self.fatal)

@@ -13,14 +13,16 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .engine import Engine, EngineConfig, EngineStartupError
-from .handlers import MlxEngineServicer
+from .handlers import HandlerOptions, MlxEngineServicer
 from .messages import ModelInfo, StepOutput
+from .metrics import WorkerMetrics
 from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -33,11 +35,14 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 @dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
+    handlers: HandlerOptions = field(default_factory=HandlerOptions)
     host: str = "127.0.0.1"
     port: int = 50051
     shutdown_grace_s: float = 30.0
-    max_message_bytes: int = 64 * 1024 * 1024
-    max_prompt_tokens: int | None = None
+    max_message_bytes: int = 16 * 1024 * 1024
+    metrics_port: int | None = None  # None: no /metrics endpoint
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
 
 class WorkerServer:
@@ -46,8 +51,10 @@ class WorkerServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.engine = Engine(config.engine, self._deliver)
-        self.servicer = MlxEngineServicer(self.engine, config.max_prompt_tokens)
+        self.metrics = WorkerMetrics(self.engine.load)
+        self.servicer = MlxEngineServicer(self.engine, config.handlers, self.metrics)
         self.servicer.on_fatal = self._on_fatal
+        self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.exit_code = 0
@@ -95,9 +102,17 @@ class WorkerServer:
         )
         address = f"{self.config.host}:{self.config.port}"
         try:
-            self.port = server.add_insecure_port(address)
+            if self.config.tls_cert is not None and self.config.tls_key is not None:
+                credentials = grpc.ssl_server_credentials(
+                    [(self.config.tls_key.read_bytes(), self.config.tls_cert.read_bytes())]
+                )
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {address}: {exc}") from exc
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         await self._set_health(NOT_SERVING)
         await server.start()
         self._server = server
@@ -134,6 +149,7 @@ class WorkerServer:
         if self._server is not None:
             await self._server.stop(grace=1.0)
         await asyncio.to_thread(self.engine.shutdown, 10.0)
+        self.metrics.close()
 
     async def _drain(self) -> None:
         if self.exit_code == 0 and self.engine.alive:
@@ -166,12 +182,16 @@ async def run_worker(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_shutdown)
     log.info(
-        "ready: serving %s on %s:%d (context %d tokens, vocab %d)",
+        "ready: serving %s on %s:%d%s (context %d tokens, vocab %d)%s",
         info.served_model_name,
         config.host,
         port,
+        " with TLS" if config.tls_cert else "",
         info.context_length,
         info.vocab_size,
+        f"; metrics on http://{config.host}:{server.metrics_port}/metrics"
+        if server.metrics_port
+        else "",
     )
     code = await server.serve_until_stopped()
     log.info("stopped (exit code %d)", code)

@@ -44,6 +44,14 @@ class Limits:
     def for_model(cls, info: ModelInfo, max_prompt_tokens: int | None = None) -> Limits:
         return cls(info.vocab_size, info.context_length, info.eos_token_ids, max_prompt_tokens)
 
+    @property
+    def prompt_limit(self) -> int:
+        """The longest prompt accepted: one token of room must stay for generation."""
+        limit = self.context_length - 1
+        if self.max_prompt_tokens is not None:
+            limit = min(limit, self.max_prompt_tokens)
+        return limit
+
 
 def _finite(name: str, value: float) -> float:
     if not math.isfinite(value):
@@ -62,9 +70,7 @@ def prompt_ids(request: pb.GenerateRequest, limits: Limits) -> list[int]:
     bad = next((t for t in ids if t >= vocab), None)
     if bad is not None:
         raise _invalid(f"token id {bad} is outside the vocabulary (size {vocab})")
-    limit = limits.context_length - 1
-    if limits.max_prompt_tokens is not None:
-        limit = min(limit, limits.max_prompt_tokens)
+    limit = limits.prompt_limit
     if len(ids) > limit:
         raise _invalid(
             f"the prompt has {len(ids)} tokens; this worker accepts at most {limit} "

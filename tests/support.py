@@ -120,7 +120,7 @@ def make_request(
     prompt: list[int], *, stream: bool = True, request_id: str | None = None, **params: Any
 ) -> pb.GenerateRequest:
     return pb.GenerateRequest(
-        request_id=request_id or f"test-{next(_request_counter)}",
+        request_id=f"test-{next(_request_counter)}" if request_id is None else request_id,
         tokenized=pb.TokenizedInput(input_ids=prompt),
         sampling_params=pb.SamplingParams(**params),
         stream=stream,

@@ -27,6 +27,7 @@ from ..messages import (
     RowFailure,
     StepOutput,
 )
+from .faults import FaultPlan
 from .model import LoadedModel, load_model
 from .sampling import SamplingFactory, gather_logprobs
 
@@ -48,6 +49,7 @@ class EngineConfig:
     coalesce_quiet_s: float = 0.002
     coalesce_max_s: float = 0.010
     warmup: bool = True
+    faults: FaultPlan | None = None  # testing only
 
 
 class EngineStartupError(RuntimeError):
@@ -251,11 +253,13 @@ class Engine:
                 self._end_all(take.requests, out)
                 self._send(out)
                 return
+            started = time.perf_counter()
             try:
                 self._apply_aborts(take, out)
                 self._admit(take.requests, out)
                 if self._rows:
                     self._step(out)
+                    out.step_seconds = time.perf_counter() - started
             except Exception as exc:
                 self._recover(exc, out)
             self._send(out)
@@ -307,8 +311,10 @@ class Engine:
 
     def _step(self, out: StepOutput) -> None:
         assert self._generator is not None
-        _, responses = self._generator.next()
         self._steps += 1
+        if self.config.faults is not None:
+            self.config.faults.before_step(self._steps)
+        _, responses = self._generator.next()
         rows = self._rows
         wants_logprobs = []
         for response in responses:

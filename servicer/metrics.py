@@ -1,0 +1,79 @@
+"""Prometheus metrics, one registry per worker (two workers in a process do not mix)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from threading import Thread
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from .messages import EngineLoad
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+
+
+class WorkerMetrics:
+    def __init__(self, load: Callable[[], EngineLoad]) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter(
+            "mlx_worker_requests",
+            "Generate calls by how they ended: a finish reason, 'cancelled', or a gRPC status",
+            ["outcome"],
+            registry=reg,
+        )
+        self.waiting = Gauge(
+            "mlx_worker_waiting_requests", "Requests accepted but not yet decoding", registry=reg
+        )
+        self.running = Gauge("mlx_worker_running_requests", "Requests decoding", registry=reg)
+        self.waiting.set_function(lambda: load().waiting)
+        self.running.set_function(lambda: load().running)
+        self.ttft = Histogram(
+            "mlx_worker_time_to_first_token_seconds",
+            "From accepting a request to its first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.inter_token = Histogram(
+            "mlx_worker_inter_token_latency_seconds",
+            "Time between a request's successive tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "mlx_worker_prompt_tokens", "Prompt tokens of accepted requests", registry=reg
+        )
+        self.generated_tokens = Counter(
+            "mlx_worker_generated_tokens", "Tokens generated", registry=reg
+        )
+        self.step_time = Histogram(
+            "mlx_worker_engine_step_seconds",
+            "Duration of one engine step (admission, one batch step, hand-off)",
+            buckets=_STEP_BUCKETS,
+            registry=reg,
+        )
+        self.errors = Counter(
+            "mlx_worker_errors",
+            "Errors by kind: invalid_request, duplicate_request, queue_full, "
+            "engine_step, engine_death",
+            ["kind"],
+            registry=reg,
+        )
+        self._http: Any = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Expose /metrics over HTTP; returns the bound port."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = (server, thread)
+        return server.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            server.server_close()
+            assert isinstance(thread, Thread)
+            thread.join(5)
+            self._http = None
