@@ -60,7 +60,7 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
 
 def _short_recipe_build(path: Path, seed: int) -> Path:
     """The real recipe cut to a few steps: cheap enough to build several times."""
-    recipe = dataclasses.replace(demo_model._RECIPES[DEMO_MODEL_KIND], steps=12, warmup_steps=2)
+    recipe = dataclasses.replace(demo_model._RECIPES[DEMO_MODEL_KIND], steps=3, warmup_steps=1)
     path.mkdir()
     demo_model._build_into(path, DEMO_MODEL_KIND, recipe, seed)
     return path
