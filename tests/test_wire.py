@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pb2, json_format, message_factory
 from support import ROOT
-from wire_samples import sample_dicts
+from wire_samples import FIRST_EXTENSION, sample_dicts, strip_extensions
 
 from servicer.proto import common_pb2, mlx_engine_pb2
 
@@ -34,16 +34,15 @@ REFERENCE_SIDE = textwrap.dedent(
         out["files"][module.DESCRIPTOR.name] = module.DESCRIPTOR.serialized_pb.hex()
     for name, item in job.items():
         cls = message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+        decoded = [cls.FromString(bytes.fromhex(b)) for b in item["bytes"]]
         out["messages"][name] = {
             "decoded": [
-                json_format.MessageToDict(
-                    cls.FromString(bytes.fromhex(b)), preserving_proto_field_name=True
-                )
-                for b in item["bytes"]
+                json_format.MessageToDict(m, preserving_proto_field_name=True) for m in decoded
             ],
+            "reencoded": [m.SerializeToString(deterministic=True).hex() for m in decoded],
             "encoded": [
                 json_format.ParseDict(s, cls()).SerializeToString(deterministic=True).hex()
-                for s in item["samples"]
+                for s in item["their_samples"]
             ],
         }
     json.dump(out, sys.stdout)
@@ -68,6 +67,7 @@ def reference_side() -> dict:
         samples = sample_dicts(desc)
         job[desc.full_name] = {
             "samples": samples,
+            "their_samples": sample_dicts(desc, limit=FIRST_EXTENSION),
             "bytes": [
                 json_format.ParseDict(s, cls()).SerializeToString(deterministic=True).hex()
                 for s in samples
@@ -94,6 +94,21 @@ def test_generated_code_is_fresh(tmp_path: Path):
     assert not stale, f"run `make proto`: {stale} differ from proto/*.proto"
 
 
+def _router_view(message: descriptor_pb2.DescriptorProto) -> descriptor_pb2.DescriptorProto:
+    """Our message without its extension fields (and oneofs left empty by that)."""
+    view = descriptor_pb2.DescriptorProto()
+    view.CopyFrom(message)
+    del view.field[:]
+    view.field.extend(f for f in message.field if f.number < FIRST_EXTENSION)
+    used = sorted({f.oneof_index for f in view.field if f.HasField("oneof_index")})
+    del view.oneof_decl[:]
+    view.oneof_decl.extend(message.oneof_decl[i] for i in used)
+    for f in view.field:
+        if f.HasField("oneof_index"):
+            f.oneof_index = used.index(f.oneof_index)
+    return view
+
+
 def test_every_message_and_the_service_match_the_reference_definitions(reference_side):
     for name, ours in OUR_FILES.items():
         theirs = descriptor_pb2.FileDescriptorProto.FromString(
@@ -104,7 +119,8 @@ def test_every_message_and_the_service_match_the_reference_definitions(reference
         assert list(our_proto.dependency) == list(theirs.dependency)
         their_messages = {m.name: m for m in theirs.message_type}
         for message in our_proto.message_type:
-            assert message == their_messages[message.name], f"{name}: {message.name} differs"
+            view = _router_view(message)
+            assert view == their_messages[message.name], f"{name}: {message.name} differs"
         assert list(our_proto.service) == list(theirs.service)
     mlx = descriptor_pb2.FileDescriptorProto.FromString(
         bytes.fromhex(reference_side["files"]["mlx_engine.proto"])
@@ -113,21 +129,42 @@ def test_every_message_and_the_service_match_the_reference_definitions(reference
     assert [m.name for m in ours.message_type] == [m.name for m in mlx.message_type]
 
 
+def test_fields_the_router_lacks_are_numbered_from_100(reference_side):
+    theirs = {}
+    for hexed in reference_side["files"].values():
+        for message in descriptor_pb2.FileDescriptorProto.FromString(
+            bytes.fromhex(hexed)
+        ).message_type:
+            theirs[message.name] = {f.number for f in message.field}
+    added = []
+    for desc in _our_messages():
+        for field in desc.fields:
+            if field.number not in theirs[desc.name]:
+                assert field.number >= FIRST_EXTENSION, f"{desc.name}.{field.name}"
+                added.append(f"{desc.name}.{field.name}")
+    assert "SamplingParams.stop" in added
+
+
 def test_every_message_round_trips_both_ways(reference_side):
     checked = 0
     for desc in _our_messages():
         cls = message_factory.GetMessageClass(desc)
         item = reference_side["job"][desc.full_name]
         theirs = reference_side["messages"][desc.full_name]
-        for sample, our_bytes, decoded, encoded in zip(
-            item["samples"], item["bytes"], theirs["decoded"], theirs["encoded"], strict=True
+        for sample, our_bytes, decoded, reencoded in zip(
+            item["samples"], item["bytes"], theirs["decoded"], theirs["reencoded"], strict=True
         ):
             ours = json_format.ParseDict(sample, cls())
             assert ours.ListFields() or not desc.fields, f"{desc.full_name}: empty sample"
-            # ours -> theirs
-            assert decoded == _to_dict(ours), desc.full_name
-            # theirs -> ours
-            assert _to_dict(cls.FromString(bytes.fromhex(encoded))) == _to_dict(ours)
-            assert bytes.fromhex(encoded) == bytes.fromhex(our_bytes), desc.full_name
+            # ours -> theirs: they read every field they know and ignore our extensions...
+            assert decoded == _to_dict(strip_extensions(cls.FromString(bytes.fromhex(our_bytes))))
+            # ...and keep them intact when they pass the message on.
+            assert bytes.fromhex(reencoded) == bytes.fromhex(our_bytes), desc.full_name
             checked += 1
-    assert checked >= 20
+        for sample, encoded in zip(item["their_samples"], theirs["encoded"], strict=True):
+            # theirs -> ours: byte-identical encoding, and we read everything back.
+            ours = json_format.ParseDict(sample, cls())
+            assert _to_dict(cls.FromString(bytes.fromhex(encoded))) == _to_dict(ours)
+            assert bytes.fromhex(encoded) == ours.SerializeToString(deterministic=True)
+            checked += 1
+    assert checked >= 40
