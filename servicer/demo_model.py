@@ -140,6 +140,65 @@ _RECIPES: Mapping[str, _Recipe] = MappingProxyType(
                 }
             ),
         ),
+        # Gated-DeltaNet layer then a full-attention layer: make_cache() mixes
+        # ArraysCache (conv + recurrent state) and KVCache. Dense MLPs (no experts).
+        "hybrid": _Recipe(
+            architecture="Qwen3NextForCausalLM",
+            config=MappingProxyType(
+                {
+                    "model_type": "qwen3_next",
+                    "hidden_size": 128,
+                    "num_hidden_layers": 2,
+                    "full_attention_interval": 2,
+                    "intermediate_size": 256,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "head_dim": 32,
+                    "partial_rotary_factor": 0.5,
+                    "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 4,
+                    "linear_key_head_dim": 32,
+                    "linear_value_head_dim": 32,
+                    "linear_conv_kernel_dim": 4,
+                    "num_experts": 0,
+                    "num_experts_per_tok": 0,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [],
+                    "moe_intermediate_size": 0,
+                    "shared_expert_intermediate_size": 0,
+                    "max_position_embeddings": MODEL_MAX_LENGTH,
+                    "rope_theta": 10000.0,
+                    "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": True,
+                    "hidden_act": "silu",
+                }
+            ),
+        ),
+        # A sliding-window layer (RotatingKVCache, window 16) then a global one (KVCache).
+        "gemma3": _Recipe(
+            architecture="Gemma3ForCausalLM",
+            config=MappingProxyType(
+                {
+                    "model_type": "gemma3_text",
+                    "hidden_size": 128,
+                    "num_hidden_layers": 2,
+                    "sliding_window": 16,
+                    "sliding_window_pattern": 2,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "intermediate_size": 256,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "head_dim": 32,
+                    "query_pre_attn_scalar": 32,
+                    "max_position_embeddings": MODEL_MAX_LENGTH,
+                    "rope_theta": 10000.0,
+                    "rope_local_base_freq": 10000.0,
+                    "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": True,
+                    "hidden_activation": "gelu_pytorch_tanh",
+                }
+            ),
+        ),
     }
 )
 
@@ -182,6 +241,9 @@ def build_model(path: Path, kind: str = DEMO_MODEL_KIND, seed: int = DEMO_SEED) 
     recipe = _recipe(kind)
     if is_finished_build(path):
         return path
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
+        # Fail before spending a build on a rename that cannot succeed.
+        raise FileExistsError(f"{path} exists and is not a finished demo model build")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
@@ -398,6 +460,16 @@ def _train(model, replicas: Sequence[Any], data, recipe: _Recipe, rng) -> None:
             mx.eval(model.parameters(), optimizer.state)
 
 
+def _new_model(module, args, config: Mapping[str, Any]):
+    model = module.Model(args)
+    if config.get("tie_word_embeddings") and "lm_head" in model:
+        # Some architectures (gemma3_text) always make an lm_head and only tie on load,
+        # when the checkpoint has none; train tied so the saved weights match that.
+        del model["lm_head"]
+        model.tie_word_embeddings = True
+    return model
+
+
 def _build_into(out: Path, kind: str, recipe: _Recipe, seed: int) -> None:
     import mlx.core as mx
     import numpy as np
@@ -412,11 +484,11 @@ def _build_into(out: Path, kind: str, recipe: _Recipe, seed: int) -> None:
     args = module.ModelArgs.from_dict(config)
     dtype = getattr(mx, recipe.dtype)
     mx.random.seed(seed)  # parameter init uses MLX's global generator
-    model = module.Model(args)
+    model = _new_model(module, args, config)
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     # Shard workers run copies of the architecture loaded with the current weights.
-    replicas = [module.Model(args) for _ in range(recipe.shards)]
+    replicas = [_new_model(module, args, config) for _ in range(recipe.shards)]
     data = _training_stream(tokenizer, order_rng, recipe.chat_repeats)
     _train(model, replicas, data, recipe, batch_rng)
 

@@ -18,6 +18,8 @@ from typing import Protocol
 import grpc
 
 from .messages import (
+    FINISH_ABORT,
+    FINISH_STOP,
     EngineLoad,
     FailureKind,
     GenerationRequest,
@@ -27,6 +29,7 @@ from .messages import (
 )
 from .metrics import WorkerMetrics
 from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
+from .text import TextTracker
 from .tokenizer_bundle import TokenizerArchive, build_archive
 from .validation import Limits, RequestError, build_request
 
@@ -37,6 +40,13 @@ _FAILURE_STATUS = {
     FailureKind.INTERNAL: grpc.StatusCode.INTERNAL,
     FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+class Codec(Protocol):
+    """The model's tokenizer, as the handlers use it."""
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
 
 
 class EngineHandle(Protocol):
@@ -60,10 +70,12 @@ class RequestStream:
         "finish_reason",
         "last_token_at",
         "request",
+        "text",
     )
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, text: TextTracker | None = None) -> None:
         self.request = request
+        self.text = text  # decoded text and stop strings, when the request wants them
         self.events: list[RowEvent] = []
         self.failure: RequestError | None = None
         self.finish_reason: str | None = None  # set once the terminal message is built
@@ -99,6 +111,18 @@ class RequestStream:
         return events
 
 
+@dataclass
+class _Progress:
+    """One batch of a request's events, as the client will see it."""
+
+    events: list[RowEvent]  # those carrying a token, cut at a stop string
+    finish_reason: str | None
+    matched_stop_token_id: int | None
+    cached_tokens: int
+    text: str = ""
+    matched_stop: str | None = None
+
+
 def _logprobs_proto(events: list[RowEvent]) -> mlx_engine_pb2.OutputLogProbs:
     out = mlx_engine_pb2.OutputLogProbs()
     for event in events:
@@ -129,6 +153,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._options = options or HandlerOptions()
         self._metrics = metrics or WorkerMetrics(engine.load)
         self._info: ModelInfo | None = None
+        self._codec: Codec | None = None
         self._limits: Limits | None = None
         self._tickets = itertools.count(1)
         self._streams: dict[int, RequestStream] = {}
@@ -140,8 +165,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     # ----- lifecycle, driven by the server -----
 
-    def attach(self, info: ModelInfo) -> None:
+    def attach(self, info: ModelInfo, codec: Codec) -> None:
         self._info = info
+        self._codec = codec
         self._limits = Limits.for_model(info, self._options.max_prompt_tokens)
         self.refusal = None
 
@@ -181,7 +207,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
         try:
-            stream = self._accept(request)
+            stream = self._accept(request, await self._encode_text(request))
         except RequestError as error:
             log.debug("refused request %r: %s", request.request_id, error.message)
             self._metrics.requests.labels(error.code.name.lower()).inc()
@@ -203,12 +229,22 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             self._metrics.requests.labels(outcome).inc()
             self._release(stream)
 
-    def _accept(self, request: mlx_engine_pb2.GenerateRequest) -> RequestStream:
+    async def _encode_text(self, request: mlx_engine_pb2.GenerateRequest) -> list[int] | None:
+        """The worker's own tokenization of a `text` input (off the loop when it is long)."""
+        if request.WhichOneof("input") != "text" or self._codec is None:
+            return None
+        if len(request.text) < 4096:
+            return self._codec.encode(request.text)
+        return await asyncio.to_thread(self._codec.encode, request.text)
+
+    def _accept(
+        self, request: mlx_engine_pb2.GenerateRequest, text_ids: list[int] | None
+    ) -> RequestStream:
         if self.refusal is not None or self._limits is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, self.refusal or "not ready")
         errors = self._metrics.errors
         try:
-            job = build_request(request, next(self._tickets), self._limits)
+            job, text = build_request(request, next(self._tickets), self._limits, text_ids)
         except RequestError:
             errors.labels("invalid_request").inc()
             raise
@@ -225,7 +261,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             )
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         self._metrics.prompt_tokens.inc(len(job.prompt))
-        stream = RequestStream(job)
+        tracker = None
+        if text is not None and self._codec is not None:
+            tracker = TextTracker(self._codec.decode, text.stops)
+        stream = RequestStream(job, tracker)
         self._streams[job.ticket] = stream
         self._by_request_id[job.request_id] = stream
         self._engine.submit(job)
@@ -239,43 +278,63 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         if stream.finish_reason is None:  # the client went away or the call was cancelled
             self._engine.abort([ticket])
 
+    def _advance(self, stream: RequestStream, events: list[RowEvent]) -> _Progress:
+        """What a batch of engine events means for the client, text and stop strings included."""
+        last = events[-1]
+        step = _Progress(
+            [e for e in events if e.token is not None],
+            last.finish_reason,
+            last.matched_stop_token_id,
+            last.cached_tokens,
+        )
+        tracker = stream.text
+        if tracker is not None:
+            taken = tracker.add([e.token for e in step.events])  # type: ignore[misc]
+            if tracker.matched is not None and step.finish_reason != FINISH_ABORT:
+                del step.events[taken:]
+                step.finish_reason, step.matched_stop_token_id = FINISH_STOP, None
+                step.matched_stop = tracker.matched
+                self._engine.abort([stream.request.ticket])  # its row may still be running
+            step.text = tracker.release(final=step.finish_reason is not None)
+        if step.events:
+            self._observe_tokens(stream, len(step.events))
+        if step.finish_reason is not None:
+            stream.finish_reason = step.finish_reason
+        return step
+
     async def _stream_responses(
         self, stream: RequestStream
     ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
         prompt_tokens = len(stream.request.prompt)
         completion_tokens = 0
         while True:
-            events = await stream.take()
-            last = events[-1]
-            tokens = [e.token for e in events if e.token is not None]
-            if tokens:
-                self._observe_tokens(stream, len(tokens))
-                completion_tokens += len(tokens)
+            step = self._advance(stream, await stream.take())
+            if step.events or step.text:
+                completion_tokens += len(step.events)
                 chunk = mlx_engine_pb2.GenerateStreamChunk(
-                    token_ids=tokens,
+                    token_ids=[e.token for e in step.events],  # type: ignore[misc]
                     prompt_tokens=prompt_tokens,
                     completion_tokens=completion_tokens,
-                    cached_tokens=last.cached_tokens,
+                    cached_tokens=step.cached_tokens,
+                    text=step.text,
                 )
                 if stream.request.top_logprobs is not None:
-                    chunk.output_logprobs.CopyFrom(_logprobs_proto(events))
+                    chunk.output_logprobs.CopyFrom(_logprobs_proto(step.events))
                 yield mlx_engine_pb2.GenerateResponse(chunk=chunk)
-            if last.finish_reason is not None:
-                stream.finish_reason = last.finish_reason
-                yield self._complete(stream, last, [], completion_tokens)
+            if step.finish_reason is not None:
+                yield self._complete(stream, step, [], completion_tokens)
                 return
 
     async def _unary_response(self, stream: RequestStream) -> mlx_engine_pb2.GenerateResponse:
         collected: list[RowEvent] = []
         while True:
-            events = await stream.take()
-            collected.extend(events)
-            self._observe_tokens(stream, sum(e.token is not None for e in events))
-            last = events[-1]
-            if last.finish_reason is not None:
-                stream.finish_reason = last.finish_reason
-                output_ids = [e.token for e in collected if e.token is not None]
-                response = self._complete(stream, last, output_ids, len(output_ids))
+            step = self._advance(stream, await stream.take())
+            collected.extend(step.events)
+            if step.finish_reason is not None:
+                output_ids = [e.token for e in collected]
+                response = self._complete(stream, step, output_ids, len(output_ids))  # type: ignore[arg-type]
+                if stream.text is not None:
+                    response.complete.output_text = stream.text.text
                 if stream.request.top_logprobs is not None:
                     response.complete.output_logprobs.CopyFrom(_logprobs_proto(collected))
                 return response
@@ -294,17 +353,19 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     @staticmethod
     def _complete(
-        stream: RequestStream, last: RowEvent, output_ids: list[int], completion_tokens: int
+        stream: RequestStream, step: _Progress, output_ids: list[int], completion_tokens: int
     ) -> mlx_engine_pb2.GenerateResponse:
         complete = mlx_engine_pb2.GenerateComplete(
             output_ids=output_ids,
-            finish_reason=last.finish_reason,
+            finish_reason=step.finish_reason,
             prompt_tokens=len(stream.request.prompt),
             completion_tokens=completion_tokens,
-            cached_tokens=last.cached_tokens,
+            cached_tokens=step.cached_tokens,
         )
-        if last.matched_stop_token_id is not None:
-            complete.matched_stop_token_id = last.matched_stop_token_id
+        if step.matched_stop_token_id is not None:
+            complete.matched_stop_token_id = step.matched_stop_token_id
+        if step.matched_stop is not None:
+            complete.matched_stop = step.matched_stop
         return mlx_engine_pb2.GenerateResponse(complete=complete)
 
     async def Abort(

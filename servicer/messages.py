@@ -48,6 +48,14 @@ class PenaltySpec:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """Structured output: an llguidance grammar (already validated) the output must follow."""
+
+    kind: str  # "json_schema", "regex" or "lark_grammar"
+    grammar: str
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """One validated request, ready for the engine to admit."""
@@ -60,6 +68,8 @@ class GenerationRequest:
     penalties: PenaltySpec = field(default_factory=PenaltySpec)
     stop_token_ids: frozenset[int] = frozenset()
     top_logprobs: int | None = None  # None: no logprobs; N >= 0: token logprob + top N
+    constraint: Constraint | None = None
+    thinking_budget: int | None = None  # tokens allowed inside the reasoning section
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +134,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     pad_token_id: int | None
+    has_thinking: bool = False  # the tokenizer marks a reasoning section
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,7 +122,7 @@ class WorkerServer:
     async def wait_ready(self, timeout: float | None = None) -> ModelInfo:
         """Wait for the engine to load and warm up, then report SERVING."""
         info = await asyncio.to_thread(self.engine.wait_ready, timeout)
-        self.servicer.attach(info)
+        self.servicer.attach(info, self.engine.codec)
         await self._set_health(SERVING)
         return info
 

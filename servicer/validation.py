@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from .messages import GenerationRequest, ModelInfo, PenaltySpec, SamplingSpec
+from .messages import Constraint, GenerationRequest, ModelInfo, PenaltySpec, SamplingSpec
 from .proto import mlx_engine_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 class RequestError(Exception):
@@ -39,10 +41,17 @@ class Limits:
     context_length: int
     eos_token_ids: tuple[int, ...]
     max_prompt_tokens: int | None = None
+    has_thinking: bool = False
 
     @classmethod
     def for_model(cls, info: ModelInfo, max_prompt_tokens: int | None = None) -> Limits:
-        return cls(info.vocab_size, info.context_length, info.eos_token_ids, max_prompt_tokens)
+        return cls(
+            info.vocab_size,
+            info.context_length,
+            info.eos_token_ids,
+            max_prompt_tokens,
+            info.has_thinking,
+        )
 
     @property
     def prompt_limit(self) -> int:
@@ -59,13 +68,21 @@ def _finite(name: str, value: float) -> float:
     return value
 
 
-def prompt_ids(request: pb.GenerateRequest, limits: Limits) -> list[int]:
+def prompt_ids(
+    request: pb.GenerateRequest, limits: Limits, text_ids: list[int] | None = None
+) -> list[int]:
+    """The prompt's token ids; `text_ids` is the worker's own encoding of a `text` input."""
     kind = request.WhichOneof("input")
     if kind == "text":
-        raise _invalid("text input is not supported; send tokenized.input_ids")
-    ids = list(request.tokenized.input_ids) if kind == "tokenized" else []
+        if text_ids is None:
+            raise _invalid("text input is not available on this worker")
+        ids = text_ids
+    else:
+        ids = list(request.tokenized.input_ids) if kind == "tokenized" else []
     if not ids:
-        raise _invalid("the prompt is empty: tokenized.input_ids needs at least one token")
+        raise _invalid(
+            "the prompt is empty: send tokenized.input_ids or text with at least one token"
+        )
     vocab = limits.vocab_size
     bad = next((t for t in ids if t >= vocab), None)
     if bad is not None:
@@ -113,11 +130,58 @@ def penalty_spec(params: pb.SamplingParams, vocab_size: int) -> PenaltySpec:
     return PenaltySpec(repetition, frequency, presence, tuple(bias))
 
 
-def build_request(request: pb.GenerateRequest, ticket: int, limits: Limits) -> GenerationRequest:
+@dataclass(frozen=True)
+class TextOptions:
+    """What the handler does with decoded text: stop strings and returning text."""
+
+    stops: tuple[str, ...] = ()
+    return_text: bool = False
+
+
+def text_options(params: pb.SamplingParams) -> TextOptions | None:
+    stops = tuple(params.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    for stop in stops:
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise _invalid(f"each stop string needs 1 to {MAX_STOP_CHARS} characters")
+    if not stops and not params.return_text:
+        return None
+    return TextOptions(stops, True)
+
+
+def constraint(params: pb.SamplingParams) -> Constraint | None:
+    kind = params.WhichOneof("constraint")
+    if kind is None:
+        return None
+    import llguidance  # only requests with a constraint pay for the import
+
+    source = getattr(params, kind)
+    try:
+        if kind == "json_schema":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source)
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(source)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(source)
+    except ValueError as exc:
+        raise _invalid(f"invalid {kind}: {exc}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise _invalid(f"invalid {kind}: {error}")
+    return Constraint(kind, grammar)
+
+
+def build_request(
+    request: pb.GenerateRequest,
+    ticket: int,
+    limits: Limits,
+    text_ids: list[int] | None = None,
+) -> tuple[GenerationRequest, TextOptions | None]:
     """Validate and normalise; raises RequestError with the status to send."""
     if not request.request_id:
         raise _invalid("request_id is empty")
-    prompt = prompt_ids(request, limits)
+    prompt = prompt_ids(request, limits, text_ids)
     params = request.sampling_params
     room = limits.context_length - len(prompt)
     max_tokens = room
@@ -130,10 +194,16 @@ def build_request(request: pb.GenerateRequest, ticket: int, limits: Limits) -> G
         if not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
             raise _invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs}")
         top_logprobs = params.logprobs
+    grammar = constraint(params)
+    thinking_budget = None
+    if params.HasField("thinking_budget"):
+        if not limits.has_thinking:
+            raise _invalid("thinking_budget: this model has no reasoning-section markers")
+        thinking_budget = params.thinking_budget
     stop = {t for t in params.stop_token_ids if t < limits.vocab_size}
-    if not params.ignore_eos:
+    if not params.ignore_eos or grammar is not None:  # a finished grammar ends with EOS
         stop.update(limits.eos_token_ids)
-    return GenerationRequest(
+    job = GenerationRequest(
         ticket=ticket,
         request_id=request.request_id,
         prompt=prompt,
@@ -142,4 +212,7 @@ def build_request(request: pb.GenerateRequest, ticket: int, limits: Limits) -> G
         penalties=penalty_spec(params, limits.vocab_size),
         stop_token_ids=frozenset(stop),
         top_logprobs=top_logprobs,
+        constraint=grammar,
+        thinking_budget=thinking_budget,
     )
+    return job, text_options(params)

@@ -74,12 +74,12 @@ def test_missing_input_and_request_id_are_invalid(channel, prompts):
     assert "request_id is empty" in no_id.error.details()
 
 
-def test_text_input_is_refused_until_supported(channel):
+def test_empty_text_input_is_invalid(channel):
     stub = pb_grpc.MlxEngineStub(channel)
-    request = pb.GenerateRequest(request_id="text-in", text="hello", stream=True)
+    request = pb.GenerateRequest(request_id="text-in", text="", stream=True)
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Generate(request, timeout=10))
-    assert caught.value.code() == INVALID
+    assert caught.value.code() == INVALID and "prompt is empty" in caught.value.details()
 
 
 @pytest.mark.parametrize("top_k", [VOCAB - 1, VOCAB, VOCAB + 1, 10**6, 2**32 - 1])

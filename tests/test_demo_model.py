@@ -204,3 +204,30 @@ def test_unknown_kind() -> None:
 def test_cli_prints_the_path(built: Path, capsys: pytest.CaptureFixture[str]) -> None:
     demo_model.main(["--kind", DEMO_MODEL_KIND, "--out", str(built)])
     assert capsys.readouterr().out.strip() == str(built)
+
+
+# The other kinds share the tokenizer and recipe; what differs is the cache they make.
+OTHER_KINDS = {
+    "hybrid": ["ArraysCache", "KVCache"],
+    "gemma3": ["RotatingKVCache", "KVCache"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_KINDS))
+def test_other_kinds(kind: str, cache_dir: Path) -> None:
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = demo_model_path(kind, cache_dir=cache_dir)
+    assert path.name == build_name(kind, 0) and is_finished_build(path)
+    model, tokenizer = load(str(path))
+    assert [type(c).__name__ for c in make_prompt_cache(model)] == OTHER_KINDS[kind]
+    distinct = {}
+    for text in TEST_PROMPTS:
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        distinct[text] = len(set(_greedy(model, prompt, 32)))
+    assert min(distinct.values()) >= 8, distinct
+    # Same tokenizer files for every kind.
+    llama = demo_model_path(DEMO_MODEL_KIND, cache_dir=cache_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (path / name).read_bytes() == (llama / name).read_bytes()

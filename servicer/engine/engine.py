@@ -27,9 +27,11 @@ from ..messages import (
     RowFailure,
     StepOutput,
 )
+from .constraints import GrammarFactory
 from .faults import FaultPlan
 from .model import LoadedModel, load_model
 from .sampling import SamplingFactory, gather_logprobs
+from .text import TextCodec
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,12 @@ class Engine:
     def info(self) -> ModelInfo | None:
         return self._info
 
+    @property
+    def codec(self) -> TextCodec:
+        """The model's tokenizer for text work off the engine thread (after `wait_ready`)."""
+        assert self._loaded is not None
+        return TextCodec(self._loaded.tokenizer._tokenizer)
+
     def submit(self, request: GenerationRequest) -> None:
         self._inbox.put(request)
 
@@ -188,7 +196,7 @@ class Engine:
         with mx.stream(self._stream):
             try:
                 self._loaded = self._load()
-                self._sampling = SamplingFactory(self._loaded.info.vocab_size)
+                self._sampling = self._sampling_factory(self._loaded)
                 self._generator = self._new_generator()
                 if self.config.warmup:
                     self._warm_up()
@@ -218,6 +226,17 @@ class Engine:
             model = str(demo_model_path(DEMO_MODEL_KIND))
             served = served or f"mlx-grpc-worker-demo-{DEMO_MODEL_KIND}"
         return load_model(model, self.config.adapter_path, served)
+
+    @staticmethod
+    def _sampling_factory(loaded: LoadedModel) -> SamplingFactory:
+        tokenizer, info = loaded.tokenizer, loaded.info
+        eos = info.eos_token_ids[0] if info.eos_token_ids else 0
+        return SamplingFactory(
+            info.vocab_size,
+            GrammarFactory(tokenizer._tokenizer, info.vocab_size, eos),
+            think_start=tokenizer.think_start_tokens,
+            think_end=tokenizer.think_end_tokens,
+        )
 
     def _new_generator(self) -> BatchGenerator:
         assert self._loaded is not None
@@ -296,7 +315,7 @@ class Engine:
                 [r.prompt for r in requests],
                 max_tokens=[r.max_tokens for r in requests],
                 samplers=[sampling.sampler(r.sampling) for r in requests],
-                logits_processors=[sampling.processors(r.penalties) for r in requests],
+                logits_processors=[sampling.processors(r) for r in requests],
                 stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
             )
         except Exception as exc:  # validation upstream should make this unreachable

@@ -92,5 +92,6 @@ def load_model(model: str, adapter_path: str | None, served_model_name: str | No
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
         bos_token_id=_first_id(config.get("bos_token_id", tokenizer.bos_token_id)),
         pad_token_id=_first_id(config.get("pad_token_id", tokenizer.pad_token_id)),
+        has_thinking=bool(tokenizer.think_start_tokens and tokenizer.think_end_tokens),
     )
     return LoadedModel(model=mlx_model, tokenizer=tokenizer, info=info)

@@ -7,15 +7,23 @@ equal sampling settings share one sampler object, and neutral penalties build no
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
-from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+    make_sampler,
+)
 
-from ..messages import PenaltySpec, SamplingSpec, TokenLogprob
+from ..messages import GenerationRequest, PenaltySpec, SamplingSpec, TokenLogprob
+from .constraints import GrammarFactory
 
 Sampler = Callable[[mx.array], mx.array]
 K = TypeVar("K", bound=Hashable)
@@ -42,17 +50,103 @@ class _BoundedCache(Generic[K, V]):
         return value
 
 
+class SeededSampler:
+    """A sampler with its own random key: a seed gives the same draws whatever else runs.
+
+    Seeded requests never touch MLX's global random state, so they neither disturb nor are
+    disturbed by other requests. Each request gets its own instance (the key advances).
+    """
+
+    def __init__(self, spec: SamplingSpec, vocab_size: int) -> None:
+        assert spec.seed is not None
+        self._key = mx.random.key(spec.seed % 2**32)
+        self._scale = 1.0 / spec.temperature
+        self._filters: list[Callable[[mx.array], mx.array]] = []
+        if spec.top_p < 1.0:
+            self._filters.append(lambda x: apply_top_p(x, spec.top_p))
+        if spec.min_p > 0.0:
+            self._filters.append(lambda x: apply_min_p(x, spec.min_p))
+        if 0 < spec.top_k < vocab_size:
+            self._filters.append(lambda x: apply_top_k(x, spec.top_k))
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        keys = mx.random.split(self._key)
+        self._key = keys[0]
+        for apply in self._filters:
+            logprobs = apply(logprobs)
+        return mx.random.categorical(logprobs * self._scale, key=keys[1])
+
+
+class ThinkingBudget:
+    """Forces the end of the reasoning section once it has run `budget` tokens.
+
+    The section opens with the tokenizer's think-start sequence (in the prompt, as chat
+    templates do, or generated) and closes with its think-end sequence; past the budget the
+    end sequence is forced token by token.
+    """
+
+    def __init__(self, budget: int, start: Sequence[int], end: Sequence[int]) -> None:
+        self._budget = budget
+        self._start = tuple(start)
+        self._end = tuple(end)
+        self._recent: deque[int] = deque(maxlen=max(len(self._start), len(self._end)))
+        self._seen = 0
+        self._inside = False
+        self._count = 0
+        self._forcing = 0  # how much of the end sequence has been forced so far
+
+    def _observe(self, new: list[int]) -> None:
+        for token in new:
+            self._recent.append(token)
+            window = tuple(self._recent)
+            if window[-len(self._start) :] == self._start:
+                self._inside, self._count = True, 0
+            elif window[-len(self._end) :] == self._end:
+                self._inside, self._forcing = False, 0
+            elif self._inside:
+                self._count += 1
+        self._seen += len(new)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        # `tokens` is the whole context: on the first call the prompt, then one more each step.
+        first = self._seen == 0
+        self._observe(tokens[self._seen :].tolist())
+        if first:
+            self._count = 0  # only generated tokens count against the budget
+        if not self._inside or self._count < self._budget:
+            return logits
+        forced = self._end[min(self._forcing, len(self._end) - 1)]
+        self._forcing += 1
+        keep = mx.arange(logits.shape[-1]) == forced
+        return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
 class SamplingFactory:
     """Per-engine builder of per-request sampling objects, sharing what can be shared."""
 
-    def __init__(self, vocab_size: int, cache_capacity: int = 128) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        grammars: GrammarFactory,
+        think_start: Sequence[int] | None = None,
+        think_end: Sequence[int] | None = None,
+        cache_capacity: int = 128,
+    ) -> None:
         self._vocab_size = vocab_size
+        self._grammars = grammars
+        self._think = (tuple(think_start), tuple(think_end)) if think_start and think_end else None
         self._samplers: _BoundedCache[SamplingSpec, Sampler] = _BoundedCache(cache_capacity)
         self._stops: _BoundedCache[frozenset[int], StopSequences] = _BoundedCache(cache_capacity)
+
+    @property
+    def supports_thinking(self) -> bool:
+        return self._think is not None
 
     def sampler(self, spec: SamplingSpec) -> Sampler:
         if spec.greedy:
             return greedy_sampler
+        if spec.seed is not None:
+            return SeededSampler(spec, self._vocab_size)
         return self._samplers.get_or_build(spec, lambda: self._build_sampler(spec))
 
     def _build_sampler(self, spec: SamplingSpec) -> Sampler:
@@ -65,8 +159,17 @@ class SamplingFactory:
             top_k=top_k,
         )
 
+    def processors(self, request: GenerationRequest) -> list[LogitsProcessor]:
+        """The request's own processors, in order: penalties, thinking budget, grammar."""
+        chain = self._penalties(request.penalties)
+        if request.thinking_budget is not None and self._think is not None:
+            chain.append(ThinkingBudget(request.thinking_budget, *self._think))
+        if request.constraint is not None:
+            chain.append(self._grammars.processor(request.constraint))
+        return chain
+
     @staticmethod
-    def processors(spec: PenaltySpec) -> list[LogitsProcessor]:
+    def _penalties(spec: PenaltySpec) -> list[LogitsProcessor]:
         if not spec.active:
             return []
         return make_logits_processors(
