@@ -159,7 +159,11 @@ def constraint(params: pb.SamplingParams) -> Constraint | None:
     source = getattr(params, kind)
     try:
         if kind == "json_schema":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source)
+            # Compact JSON unless the schema's own x-guidance says otherwise: free whitespace
+            # lets a weak model pad forever instead of finishing the object.
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                source, defaults={"whitespace_flexible": False, "item_separator": ", "}
+            )
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(source)
         else:
