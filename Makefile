@@ -37,5 +37,13 @@ proto: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py $(ARGS)
 
+# Served vs raw-engine throughput, burst, cancel (ARGS="--quick", "--side-by-side", ...).
+bench: $(STAMP)
+	$(BIN)/python bench/bench.py $(ARGS)
+
+# genai-bench through the smg router, offline (installs genai-bench into bench/.venv-genai).
+bench-genai: $(STAMP)
+	$(BIN)/python bench/genai.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

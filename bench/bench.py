@@ -1,0 +1,344 @@
+"""`make bench`: served tokens/s against the raw engine, bursts, and cancel-and-reuse.
+
+    python bench/bench.py                    # full suite on the demo model
+    python bench/bench.py --quick            # shorter: levels 1, 8, 32 and short runs
+    python bench/bench.py --side-by-side     # also smg-grpc-servicer's MLX servicer
+    python bench/bench.py --model DIR --levels 1,4,16
+
+For every concurrency level: the raw mlx-lm BatchGenerator loop (in its own process, no
+worker running) sets the ceiling and the request count; then each worker is started fresh
+on the same model, warmed up, and driven over gRPC by that many closed-loop clients with the
+same prompts. Then, on a fresh worker each: a staggered burst and cancel-and-reuse.
+Only one of the processes being measured runs at a time. Prints the tables, writes JSON and
+a PNG under bench/results/, and (full runs) rewrites the generated block of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import report
+from load import Client, Sampling, burst_summary
+from workers import (
+    BENCH,
+    SMG_SERVICER_VERSION,
+    BatchConfig,
+    Worker,
+    log,
+    our_worker,
+    smg_servicer_python,
+    smg_worker,
+)
+from workload import LevelStats, Shape, model_vocab_size
+
+RESULTS = BENCH / "results"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, help="mlx-lm model directory (default: demo model)")
+    parser.add_argument("--levels", help="concurrency levels, e.g. 1,8,32 (default 1,8,32,64)")
+    parser.add_argument("--quick", action="store_true", help="levels 1,8,32 and short runs")
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="also run smg-grpc-servicer's MLX servicer (installed into bench/.venv-smg)",
+    )
+    parser.add_argument(
+        "--smg-version",
+        default=SMG_SERVICER_VERSION,
+        help=f"smg-grpc-servicer version for --side-by-side (default {SMG_SERVICER_VERSION})",
+    )
+    parser.add_argument(
+        "--requests-per-client",
+        type=int,
+        help="at least this many requests per client at each level (default 3; quick 2)",
+    )
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        help="at least this long at each level, on the raw engine (default 10; quick 3)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        help="rounds per level, raw and workers interleaved; the best round counts "
+        "(default 2; quick 1)",
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--completion-batch-size", type=int, default=32)
+    parser.add_argument("--prefill-batch-size", type=int, default=8)
+    parser.add_argument(
+        "--sampling",
+        choices=["router", "minimal"],
+        default="router",
+        help="router: temperature 0 plus the router's defaults top_p=1, repetition_penalty=1 "
+        "(what a worker gets in production); minimal: temperature 0 only",
+    )
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated parts to leave out: sweep, burst, cancel",
+    )
+    parser.add_argument("--device-note", help="free text about the machine, kept in the report")
+    parser.add_argument(
+        "--results-md",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="rewrite bench/RESULTS.md (default: yes, except with --quick)",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where JSON and PNG go")
+    args = parser.parse_args(argv)
+    if args.levels:
+        args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    else:
+        args.levels = [1, 8, 32] if args.quick else [1, 8, 32, 64]
+    if args.requests_per_client is None:
+        args.requests_per_client = 2 if args.quick else 3
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 2
+    if args.min_seconds is None:
+        args.min_seconds = 3.0 if args.quick else 10.0
+    if args.results_md is None:
+        args.results_md = not args.quick
+    args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    unknown = args.skip - {"sweep", "burst", "cancel"}
+    if unknown:
+        parser.error(f"unknown parts in --skip: {', '.join(sorted(unknown))}")
+    return args
+
+
+class Suite:
+    """One run: the settings, the workers to measure, and everything measured so far."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        if args.model is None:
+            from servicer.demo_model import demo_model_path
+
+            self.model = demo_model_path()
+            self.model_name = f"demo llama, 2 layers, d=128 ({self.model.name})"
+        else:
+            self.model = args.model.expanduser().resolve()
+            self.model_name = self.model.name
+        self.vocab_size = model_vocab_size(self.model)
+        self.shape = Shape(args.prompt_tokens, args.max_tokens)
+        self.batch = BatchConfig(args.completion_batch_size, args.prefill_batch_size)
+        self.sampling = Sampling(args.sampling)
+        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.log_dir = args.out / "logs" / self.stamp
+        self.smg_python: Path | None = None
+        if args.side_by_side:
+            self.smg_python = smg_servicer_python(args.smg_version)
+        self.burst = {"clients": 4, "per_client": 4, "stagger_s": 0.3, "max_tokens": 64}
+        self.cancel = {
+            "repeats": 3 if args.quick else 5,
+            "cancel_after": 10,
+            "long_tokens": 2048,
+            "max_tokens": 64,
+        }
+        self.run: dict[str, Any] = {
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+            "command": " ".join(["bench/bench.py", *sys.argv[1:]]),
+            "machine": report.machine_info(args.device_note),
+            "settings": {
+                "model": str(self.model),
+                "model_name": self.model_name,
+                "levels": args.levels,
+                "shape": asdict(self.shape),
+                "batch": asdict(self.batch),
+                "sampling": args.sampling,
+                "requests_per_client": args.requests_per_client,
+                "min_seconds": args.min_seconds,
+                "repeats": args.repeats,
+                "burst": self.burst,
+                "cancel": self.cancel,
+            },
+            "sweep": {report.RAW: [], "ours": []},
+            "burst": {},
+            "cancel": {},
+            "failures": [],
+        }
+        if self.smg_python is not None:
+            self.run["sweep"]["smg"] = []
+
+    # ----- workers -----
+
+    def workers(self, tag: str) -> list[tuple[str, Worker]]:
+        found = [("ours", our_worker(self.model, self.batch, self.log_dir, tag))]
+        if self.smg_python is not None:
+            found.append(
+                ("smg", smg_worker(self.smg_python, self.model, self.batch, self.log_dir, tag))
+            )
+        return found
+
+    def client(self, worker: Worker) -> Client:
+        return Client(worker.address, self.vocab_size, self.sampling)
+
+    # ----- the parts -----
+
+    def sweep(self) -> None:
+        """Every level: `repeats` rounds of raw then each worker; the best round counts."""
+        for level in self.args.levels:
+            rounds: dict[str, list[LevelStats]] = {name: [] for name in self.run["sweep"]}
+            for round_ in range(1, self.args.repeats + 1):
+                raw = self.raw_level(level)
+                rounds[report.RAW].append(raw)
+                log(
+                    f"c={level} round {round_}: raw {raw.tokens_per_s:.0f} tok/s over "
+                    f"{raw.requests} requests in {raw.seconds:.1f} s"
+                )
+                for name, worker in self.workers(f"c{level}-r{round_}"):
+                    try:
+                        with worker:
+                            stats = asyncio.run(self.served_level(worker, level, raw.requests))
+                    except RuntimeError as exc:
+                        self.fail(f"{report.LABELS[name]} at concurrency {level}: {exc}")
+                        continue
+                    rounds[name].append(stats)
+                    ratio = stats.tokens_per_s / raw.tokens_per_s if raw.tokens_per_s else 0.0
+                    log(
+                        f"c={level} round {round_}: {report.LABELS[name]} "
+                        f"{stats.tokens_per_s:.0f} tok/s ({ratio:.2f} of raw), "
+                        f"{stats.errors} errors, client CPU {stats.extra['client_cpu']:.2f} cores"
+                    )
+            for name, measured in rounds.items():
+                if measured:
+                    best = max(measured, key=lambda stats: stats.tokens_per_s)
+                    best.extra["rounds_tokens_per_s"] = [s.tokens_per_s for s in measured]
+                    best.extra["errors_all_rounds"] = sum(s.errors for s in measured)
+                    self.run["sweep"][name].append(asdict(best))
+
+    def raw_level(self, level: int) -> LevelStats:
+        command = [
+            sys.executable,
+            str(BENCH / "raw.py"),
+            "--model",
+            str(self.model),
+            "--concurrency",
+            str(level),
+            "--min-requests",
+            str(level * self.args.requests_per_client),
+            "--min-seconds",
+            str(self.args.min_seconds),
+            "--prompt-tokens",
+            str(self.shape.prompt_tokens),
+            "--max-tokens",
+            str(self.shape.max_tokens),
+            "--completion-batch-size",
+            str(self.batch.completion_batch_size),
+            "--prefill-batch-size",
+            str(self.batch.prefill_batch_size),
+        ]
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        return LevelStats(**json.loads(done.stdout))
+
+    async def served_level(self, worker: Worker, level: int, requests: int) -> LevelStats:
+        client = self.client(worker)
+        try:
+            await client.warm_up(level, self.shape)
+            cpu, start = worker.cpu_seconds(), time.perf_counter()
+            records, client_cpu = await client.closed_loop(level, requests, self.shape)
+            worker_cpu = (worker.cpu_seconds() - cpu) / (time.perf_counter() - start)
+        finally:
+            await client.close()
+        return LevelStats.from_records(
+            level,
+            records,
+            expected_tokens=self.shape.max_tokens,
+            client_cpu=client_cpu,
+            worker_cpu=worker_cpu,
+        )
+
+    def burst_and_cancel(self) -> None:
+        for name, worker in self.workers("burst-cancel"):
+            try:
+                with worker:
+                    asyncio.run(self.burst_and_cancel_on(name, worker))
+            except RuntimeError as exc:
+                self.fail(f"{report.LABELS[name]} burst/cancel: {exc}")
+
+    async def burst_and_cancel_on(self, name: str, worker: Worker) -> None:
+        client = self.client(worker)
+        label = report.LABELS[name]
+        try:
+            await client.warm_up(self.burst["clients"], self.shape)
+            if "burst" not in self.args.skip:
+                shape = Shape(self.shape.prompt_tokens, self.burst["max_tokens"])
+                records = await client.staggered_burst(
+                    self.burst["clients"],
+                    self.burst["per_client"],
+                    self.burst["stagger_s"],
+                    shape,
+                    seed="burst",
+                )
+                burst = burst_summary(records, shape.max_tokens)
+                self.run["burst"][name] = burst
+                log(
+                    f"burst: {label} TTFT p50 {burst['ttft_p50_ms']:.0f} ms, "
+                    f"max {burst['ttft_max_ms']:.0f} ms"
+                )
+            if "cancel" not in self.args.skip:
+                cancel = await client.cancel_and_reuse(
+                    self.cancel["repeats"],
+                    Shape(self.shape.prompt_tokens, self.cancel["max_tokens"]),
+                    self.cancel["cancel_after"],
+                    self.cancel["long_tokens"],
+                    seed="cancel",
+                )
+                self.run["cancel"][name] = cancel
+                log(f"cancel and reuse: {label} follow-up ÷ idle {cancel['ratio']:.2f}")
+        finally:
+            await client.close()
+
+    def fail(self, message: str) -> None:
+        log(f"FAILED {message}")
+        self.run["failures"].append(message)
+
+    # ----- output -----
+
+    def finish(self) -> int:
+        out: Path = self.args.out
+        self.run["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+        json_path = out / f"bench-{self.stamp}.json"
+        png_path = out / f"bench-{self.stamp}.png"
+        report.write_json(self.run, json_path)
+        print(report.render(self.run))
+        if self.run["failures"]:
+            print("\nFailures:\n" + "\n".join(f"- {f}" for f in self.run["failures"]))
+        print(f"\nJSON: {json_path}")
+        if report.plot(self.run, png_path):
+            print(f"plot: {png_path}")
+        else:
+            print("plot: skipped (matplotlib is not installed; `make install` brings it)")
+        if self.args.results_md:
+            report.update_results_md(self.run)
+            print(f"updated {report.RESULTS_MD}")
+        return 1 if self.run["failures"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    suite = Suite(args)
+    log(f"model {suite.model}; levels {args.levels}; log files in {suite.log_dir}")
+    if "sweep" not in args.skip:
+        suite.sweep()
+    if not {"burst", "cancel"} <= args.skip:
+        suite.burst_and_cancel()
+    return suite.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Reporting a benchmark run: tables, JSON, a PNG plot and bench/RESULTS.md.
+
+A run is one JSON-able dict (see bench.py): machine, settings, and per worker the sweep
+levels, the burst and the cancel-and-reuse numbers. Everything here reads only that dict,
+so a saved JSON can be re-rendered (`python bench/report.py results/bench-....json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+RESULTS_MD = BENCH / "RESULTS.md"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+RAW = "raw"
+LABELS = {
+    RAW: "raw BatchGenerator",
+    "ours": "mlx-grpc-worker",
+    "smg": "smg-grpc-servicer",
+}
+COLORS = {RAW: "#555555", "ours": "#1f77b4", "smg": "#d62728"}
+
+Run = dict[str, Any]
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _os_name() -> str:
+    try:
+        text = Path("/etc/os-release").read_text()
+        match = re.search(r'^PRETTY_NAME="?([^"\n]+)"?', text, re.MULTILINE)
+        if match:
+            return f"{match.group(1)} ({platform.system()} {platform.release()})"
+    except OSError:
+        pass
+    return platform.platform()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(note: str | None = None) -> dict[str, Any]:
+    import mlx.core as mx
+
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "os": _os_name(),
+        "python": platform.python_version(),
+        "mlx": _version("mlx"),
+        "mlx_lm": _version("mlx-lm"),
+        "grpcio": _version("grpcio"),
+        "mlx_device": str(mx.default_device()),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "note": note,
+    }
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(headers), *[[_fmt(v) for v in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
+
+
+def _workers(run: Run) -> list[str]:
+    return [name for name in ("ours", "smg") if name in run["sweep"]]
+
+
+def _ratio(value: float | None, ceiling: float | None) -> float | None:
+    return value / ceiling if value and ceiling else None
+
+
+def _by_level(levels: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {level["concurrency"]: level for level in levels}
+
+
+def headline_table(run: Run) -> str:
+    raw = _by_level(run["sweep"].get(RAW, []))
+    workers = _workers(run)
+    headers = ["concurrency", "raw tok/s"]
+    for name in workers:
+        headers += [f"{LABELS[name]} tok/s", "÷ raw"]
+    rows = []
+    for concurrency in run["settings"]["levels"]:
+        ceiling = raw.get(concurrency, {}).get("tokens_per_s")
+        row: list[Any] = [concurrency, ceiling]
+        for name in workers:
+            level = _by_level(run["sweep"][name]).get(concurrency, {})
+            served = level.get("tokens_per_s")
+            ratio = _ratio(served, ceiling)
+            row += [served, _fmt(ratio, 2)]
+        rows.append(row)
+    return markdown_table(headers, rows)
+
+
+def sweep_table(run: Run) -> str:
+    raw = _by_level(run["sweep"].get(RAW, []))
+    headers = [
+        "conc",
+        "worker",
+        "tok/s",
+        "÷ raw",
+        "TTFT p50 ms",
+        "TTFT p90 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "requests",
+        "errors",
+        "tok/s each round",
+        "client CPU",
+        "worker CPU",
+    ]
+    rows = []
+    for concurrency in run["settings"]["levels"]:
+        ceiling = raw.get(concurrency, {}).get("tokens_per_s")
+        for name in (RAW, *_workers(run)):
+            level = _by_level(run["sweep"].get(name, [])).get(concurrency)
+            if level is None:
+                continue
+            extra = level.get("extra", {})
+            rows.append(
+                [
+                    concurrency,
+                    LABELS[name],
+                    level["tokens_per_s"],
+                    _fmt(_ratio(level["tokens_per_s"], ceiling), 2),
+                    level["ttft_p50_ms"],
+                    level["ttft_p90_ms"],
+                    _fmt(level["itl_p50_ms"], 2),
+                    _fmt(level["itl_p99_ms"], 2),
+                    level["requests"],
+                    extra.get("errors_all_rounds", level["errors"]),
+                    " / ".join(f"{x:.0f}" for x in extra.get("rounds_tokens_per_s", [])),
+                    _fmt(extra.get("client_cpu"), 2),
+                    _fmt(extra.get("worker_cpu"), 2),
+                ]
+            )
+    return markdown_table(headers, rows)
+
+
+def burst_table(run: Run) -> str:
+    headers = ["worker", "TTFT p50 ms", "TTFT p90 ms", "TTFT max ms", "max ÷ p50", "errors"]
+    rows = [
+        [
+            LABELS[name],
+            burst["ttft_p50_ms"],
+            burst["ttft_p90_ms"],
+            burst["ttft_max_ms"],
+            _fmt(burst["max_over_p50"], 2),
+            burst["errors"],
+        ]
+        for name, burst in run.get("burst", {}).items()
+    ]
+    return markdown_table(headers, rows)
+
+
+def cancel_table(run: Run) -> str:
+    headers = [
+        "worker",
+        "idle latency ms",
+        "after cancel ms",
+        "ratio",
+        "idle TTFT ms",
+        "after cancel TTFT ms",
+        "errors",
+    ]
+    rows = [
+        [
+            LABELS[name],
+            cancel["idle_latency_ms"],
+            cancel["follow_up_latency_ms"],
+            _fmt(cancel["ratio"], 2),
+            cancel["idle_ttft_ms"],
+            cancel["follow_up_ttft_ms"],
+            cancel["errors"],
+        ]
+        for name, cancel in run.get("cancel", {}).items()
+    ]
+    return markdown_table(headers, rows)
+
+
+def machine_line(run: Run) -> str:
+    m = run["machine"]
+    line = (
+        f"{m['cpu']}, {m['cores']} cores, {m['os']}; Python {m['python']}, "
+        f"mlx {m['mlx']} ({m['mlx_device']}), mlx-lm {m['mlx_lm']}, grpcio {m['grpcio']}; "
+        f"load average (1, 5, 15 min) {'/'.join(str(x) for x in m['load_average'])} at start"
+    )
+    if m.get("load_average_end"):
+        line += f", {'/'.join(str(x) for x in m['load_average_end'])} at the end"
+    if m.get("note"):
+        line += f". {m['note']}"
+    return line
+
+
+def render(run: Run) -> str:
+    """The whole report as markdown (what the terminal shows and RESULTS.md holds)."""
+    s = run["settings"]
+    shape, burst, cancel = s["shape"], s["burst"], s["cancel"]
+    parts = [
+        f"Run {run['date']} (`{run['command']}`), model `{s['model_name']}`",
+        "",
+        f"Machine: {machine_line(run)}",
+        "",
+        f"### Sweep: output tokens/s, served ÷ raw ({shape['prompt_tokens']}-token prompts, "
+        f"{shape['max_tokens']} new tokens, ignore_eos, temperature 0, sampling "
+        f"`{s['sampling']}`, completion batch {s['batch']['completion_batch_size']}, "
+        f"prefill batch {s['batch']['prefill_batch_size']}; best of {s.get('repeats', 1)} "
+        "interleaved rounds per level)",
+        "",
+        headline_table(run),
+        "",
+        sweep_table(run),
+    ]
+    if run.get("burst"):
+        parts += [
+            "",
+            f"### Staggered burst ({burst['clients']} clients {burst['stagger_s']} s apart, "
+            f"{burst['per_client']} requests each back to back, {burst['max_tokens']} new tokens)",
+            "",
+            burst_table(run),
+        ]
+    if run.get("cancel"):
+        parts += [
+            "",
+            f"### Cancel and reuse (a stream cancelled after {cancel['cancel_after']} tokens, "
+            f"then a {shape['prompt_tokens']}+{cancel['max_tokens']}-token request; median of "
+            f"{cancel['repeats']})",
+            "",
+            cancel_table(run),
+        ]
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def write_json(run: Run, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run, indent=2) + "\n")
+
+
+def plot(run: Run, path: Path) -> bool:
+    """Tokens/s and TTFT p50 against concurrency; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return False
+    levels = run["settings"]["levels"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in (RAW, *_workers(run)):
+        points = _by_level(run["sweep"].get(name, []))
+        xs = [c for c in levels if c in points]
+        style = {"color": COLORS[name], "marker": "o", "label": LABELS[name]}
+        if name == RAW:
+            style["linestyle"] = "--"
+        left.plot(xs, [points[c]["tokens_per_s"] for c in xs], **style)
+        ttft = [(c, points[c]["ttft_p50_ms"]) for c in xs if points[c]["ttft_p50_ms"]]
+        right.plot([c for c, _ in ttft], [v for _, v in ttft], **style)
+    for axis, title, unit in (
+        (left, "Output tokens/s", "tokens/s"),
+        (right, "Time to first token, p50", "ms"),
+    ):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(levels, [str(c) for c in levels])
+        axis.set_xlabel("concurrent requests")
+        axis.set_ylabel(unit)
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    right.set_yscale("log")
+    right.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    fig.suptitle(f"{run['settings']['model_name']} on {run['machine']['cpu']} ({run['date']})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def update_results_md(run: Run, path: Path = RESULTS_MD) -> None:
+    """Replace the generated block of RESULTS.md (between the markers), keeping the rest."""
+    block = f"{BEGIN}\n{render(run)}\n{END}"
+    if path.exists():
+        text = path.read_text()
+        if BEGIN in text and END in text:
+            head, rest = text.split(BEGIN, 1)
+            _, tail = rest.split(END, 1)
+            path.write_text(head + block + tail)
+            return
+        path.write_text(text.rstrip() + "\n\n" + block + "\n")
+        return
+    path.write_text(f"# Benchmark results\n\n{block}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Re-render a saved benchmark JSON")
+    parser.add_argument("json", type=Path)
+    parser.add_argument("--plot", type=Path, help="also draw the PNG here")
+    parser.add_argument("--results-md", action="store_true", help="rewrite bench/RESULTS.md")
+    args = parser.parse_args(argv)
+    run = json.loads(args.json.read_text())
+    print(render(run))
+    if args.plot:
+        plot(run, args.plot)
+    if args.results_md:
+        update_results_md(run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Starting the workers the benchmarks measure, and the virtual environments they need.
+
+Our worker runs from the project's own venv (`python -m servicer`); smg-grpc-servicer's
+MLX servicer needs mlx-lm < 0.32, so it gets its own venv under bench/, installed on first
+use from the package registry. Every worker gets a free loopback port chosen here and is
+ready when `MlxEngine/HealthCheck` says healthy (both workers answer it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from servicer.proto import mlx_engine_pb2 as pb
+from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+SMG_VENV = BENCH / ".venv-smg"
+SMG_SERVICER_VERSION = "0.14.1"
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- venvs
+
+
+def ensure_venv(path: Path, requirements: Sequence[str]) -> Path:
+    """A venv at `path` with `requirements` installed; returns its python.
+
+    Installs once: a stamp file records what was installed, and a venv whose stamp matches
+    is reused as it is.
+    """
+    python = path / "bin" / "python"
+    stamp = path / ".bench-requirements"
+    wanted = "\n".join(requirements) + "\n"
+    if python.exists() and stamp.exists() and stamp.read_text() == wanted:
+        return python
+    log(f"installing {' '.join(requirements)} into {path.relative_to(ROOT)} (once)")
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *requirements], check=True)
+    stamp.write_text(wanted)
+    return python
+
+
+def mlx_requirement() -> str:
+    """MLX for a side venv: the same version as ours, with the same backend."""
+    version = importlib.metadata.version("mlx")
+    if platform.system() == "Darwin":
+        return f"mlx=={version}"
+    installed = {dist.metadata["Name"].lower() for dist in importlib.metadata.distributions()}
+    for extra in ("cuda13", "cuda12"):
+        if f"mlx-{extra.replace('cuda', 'cuda-')}" in installed:
+            return f"mlx[{extra}]=={version}"
+    return f"mlx[cpu]=={version}"
+
+
+def smg_servicer_python(version: str = SMG_SERVICER_VERSION) -> Path:
+    """The python of bench/.venv-smg, with smg-grpc-servicer's MLX servicer installed."""
+    return ensure_venv(SMG_VENV, [f"smg-grpc-servicer[mlx]=={version}", mlx_requirement()])
+
+
+# --------------------------------------------------------------------------- workers
+
+
+@dataclass
+class Worker:
+    """A worker process on a loopback port; its output goes to a log file."""
+
+    name: str
+    command: list[str]
+    port: int
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300) -> Worker:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                self.command,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **OFFLINE_ENV, **self.env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self._wait_healthy(timeout)
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.MlxEngineStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited with code {self.proc.returncode}:\n{self.tail()}"
+                    )
+                try:
+                    if stub.HealthCheck(pb.HealthCheckRequest(), timeout=2).healthy:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{self.name} was not healthy after {timeout:.0f} s:\n{self.tail()}")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the worker process so far (0 when unknown)."""
+        try:
+            import psutil
+        except ImportError:
+            return 0.0
+        assert self.proc is not None
+        try:
+            times = psutil.Process(self.proc.pid).cpu_times()
+        except psutil.Error:
+            return 0.0
+        return times.user + times.system
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    completion_batch_size: int = 32
+    prefill_batch_size: int = 8
+
+    def flags(self) -> list[str]:
+        return [
+            "--completion-batch-size",
+            str(self.completion_batch_size),
+            "--prefill-batch-size",
+            str(self.prefill_batch_size),
+        ]
+
+
+def our_worker(model: Path, batch: BatchConfig, log_dir: Path, tag: str) -> Worker:
+    port = free_port()
+    command = [sys.executable, "-m", "servicer", "--model", str(model), "--port", str(port)]
+    command += [*batch.flags(), "--log-level", "warning"]
+    return Worker("mlx-grpc-worker", command, port, log_dir / f"ours-{tag}.log")
+
+
+def smg_worker(python: Path, model: Path, batch: BatchConfig, log_dir: Path, tag: str) -> Worker:
+    port = free_port()
+    command = [str(python), "-m", "smg_grpc_servicer.mlx.server", "--model", str(model)]
+    command += ["--host", "127.0.0.1", "--port", str(port), *batch.flags()]
+    return Worker("smg-grpc-servicer", command, port, log_dir / f"smg-{tag}.log")

@@ -1,0 +1,141 @@
+"""The benchmark's workload: prompts, request shapes and the statistics it reports.
+
+Shared by the raw-engine loop (raw.py) and the gRPC load driver (load.py), so both run
+exactly the same prompts. Imports nothing heavy: raw.py runs it next to MLX, load.py next
+to grpc.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Warm-up requests use their own prompts, so a worker with a prompt cache gets no head start.
+WARMUP_SEED = "warmup"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One request shape: prompt length and new tokens (always ignore_eos, temperature 0)."""
+
+    prompt_tokens: int = 128
+    max_tokens: int = 128
+
+
+def model_vocab_size(model_dir: Path) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    for section in (config, config.get("text_config") or {}):
+        if isinstance(section.get("vocab_size"), int):
+            return int(section["vocab_size"])
+    raise ValueError(f"{model_dir}/config.json names no vocab_size")
+
+
+def make_prompts(
+    count: int, length: int, vocab_size: int, seed: int | str = 0, start: int = 0
+) -> list[list[int]]:
+    """Prompts `start` .. `start + count - 1` of the sequence that `seed` names.
+
+    Each prompt depends only on (seed, index), so any run gets the same prompts in the same
+    order. They are random token ids (no shared prefixes, so no prompt-cache hits), clear of
+    the lowest ids, where tokenizers keep their special tokens.
+    """
+    low = min(max(8, vocab_size // 16), vocab_size - 1)
+    prompts = []
+    for index in range(start, start + count):
+        rng = random.Random(f"{seed}/{index}")
+        prompts.append([rng.randrange(low, vocab_size) for _ in range(length)])
+    return prompts
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass
+class RequestRecord:
+    """What one request did, seen from whoever sent it (times in seconds)."""
+
+    start: float
+    end: float = 0.0
+    ttft: float | None = None
+    tokens: int = 0
+    # Gap between successive arrivals divided by the tokens that arrived, once per token
+    # (the same convention as the worker's inter-token metric).
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class LevelStats:
+    """One measured run of N requests at one concurrency."""
+
+    concurrency: int
+    requests: int
+    seconds: float
+    output_tokens: int
+    tokens_per_s: float
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    ttft_max_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    e2e_p50_ms: float | None
+    errors: int
+    error_samples: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_records(
+        cls,
+        concurrency: int,
+        records: Sequence[RequestRecord],
+        expected_tokens: int | None = None,
+        **extra: Any,
+    ) -> LevelStats:
+        """Aggregate; a request is an error if it failed or (with expected_tokens) came up short."""
+        seconds = max(r.end for r in records) - min(r.start for r in records) if records else 0.0
+        tokens = sum(r.tokens for r in records)
+        errors = [
+            r
+            for r in records
+            if r.error is not None or (expected_tokens is not None and r.tokens != expected_tokens)
+        ]
+        ok = [r for r in records if r.error is None]
+        ttfts = [r.ttft for r in ok if r.ttft is not None]
+        itl = [gap for r in ok for gap in r.itl]
+        e2e = [r.end - r.start for r in ok]
+        samples = sorted(
+            {r.error or f"{r.tokens} tokens, expected {expected_tokens}" for r in errors}
+        )
+
+        def ms(value: float | None) -> float | None:
+            return None if value is None else value * 1000
+
+        return cls(
+            concurrency=concurrency,
+            requests=len(records),
+            seconds=seconds,
+            output_tokens=tokens,
+            tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+            ttft_p50_ms=ms(percentile(ttfts, 50)),
+            ttft_p90_ms=ms(percentile(ttfts, 90)),
+            ttft_max_ms=ms(max(ttfts)) if ttfts else None,
+            itl_p50_ms=ms(percentile(itl, 50)),
+            itl_p99_ms=ms(percentile(itl, 99)),
+            e2e_p50_ms=ms(percentile(e2e, 50)),
+            errors=len(errors),
+            error_samples=samples[:5],
+            extra=dict(extra),
+        )
