@@ -1,0 +1,277 @@
+"""Scale out: two worker processes behind one real SMG router.
+
+Phase 1: 40 chat completions at concurrency 8 all succeed and both workers serve some.
+Phase 2: one worker gets SIGTERM while it has requests in flight; it drains them (they finish
+in full) and refuses new ones with UNAVAILABLE, which the router retries on the other worker,
+so every request of the run still succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from support import WorkerProcess, free_port, wait_until
+
+SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+pytestmark = pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
+
+REQUESTS = 40
+CONCURRENCY = 8
+MAX_TOKENS = 48
+SHUTDOWN_GRACE_S = 30  # long enough that no in-flight request is cut short
+
+# The router settings the README recommends for a fleet, tightened for a quick test:
+# - round_robin makes "both workers served some" certain (least_load / cache_aware are the
+#   production choices; cache_aware pins these same-prefix prompts to one worker);
+# - a 1 s health check with threshold 1 takes a stopping worker (NOT_SERVING) out of rotation
+#   within about a second;
+# - retries resend a request the worker refused (UNAVAILABLE -> 503: "the worker is shutting
+#   down", or "tcp connect error" once it has exited) to another worker; without them those
+#   requests fail with 503;
+# - the circuit breaker stops routing to a worker after 2 failures, before health checks notice.
+ROUTER_FLAGS = [
+    "--policy", "round_robin",
+    "--health-check-interval-secs", "1",
+    "--health-failure-threshold", "1",
+    "--health-check-timeout-secs", "2",
+    "--retry-max-retries", "5",
+    "--retry-initial-backoff-ms", "50",
+    "--retry-max-backoff-ms", "1000",
+    "--cb-failure-threshold", "2",
+    "--cb-timeout-duration-secs", "10",
+]  # fmt: skip
+
+
+class Router:
+    """`smg launch` in front of several workers."""
+
+    def __init__(self, worker_addresses: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        http_port = free_port()
+        self.proc = subprocess.Popen(
+            [
+                str(SMG),
+                "launch",
+                "--worker-urls",
+                *(f"grpc://{address}" for address in worker_addresses),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(http_port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                *ROUTER_FLAGS,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        limits = httpx.Limits(max_connections=4 * CONCURRENCY)
+        self.client = httpx.Client(
+            base_url=f"http://127.0.0.1:{http_port}", timeout=120, limits=limits
+        )
+
+    def wait_until_serving(self, timeout: float = 120) -> str:
+        """The model name, once /v1/models lists it and the tokenizer has been fetched."""
+        deadline = time.monotonic() + timeout
+        model = None
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if model is None:
+                    response = self.client.get("/v1/models")
+                    if response.status_code == 200 and response.json().get("data"):
+                        model = response.json()["data"][0]["id"]
+                else:
+                    # 503 tokenizer_not_ready until the GetTokenizer fetch lands.
+                    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+                    response = self.client.post(
+                        "/v1/chat/completions", json={**body, "max_tokens": 1}
+                    )
+                    if response.status_code == 200:
+                        return model
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"router never became ready:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        self._log.flush()
+        return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text())[-chars:]
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()  # graceful shutdown keeps the listener open ~5 s; no need here
+        try:
+            self.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+@dataclass
+class Fleet:
+    workers: list[WorkerProcess]
+    metrics_ports: list[int]
+    router: Router
+    model: str
+
+    def metric(self, index: int, name: str) -> float:
+        """Sum of every sample of `name` on worker `index`'s /metrics."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_ports[index]}/metrics", timeout=10).text
+        pattern = rf"^{name}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$"
+        return sum(float(value) for value in re.findall(pattern, text, re.M))
+
+    def served(self, index: int) -> float:
+        return self.metric(index, "mlx_worker_requests_total")
+
+
+@pytest.fixture(scope="module")
+def fleet(demo_dir, tmp_path_factory) -> Iterator[Fleet]:
+    ports = [free_port(), free_port()]
+    workers = [
+        WorkerProcess(
+            "--model",
+            str(demo_dir),
+            "--metrics-port",
+            str(port),
+            "--shutdown-grace",
+            str(SHUTDOWN_GRACE_S),
+        ).start()
+        for port in ports
+    ]
+    router = None
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        # Workers first: the router probes them once at startup.
+        log_path = tmp_path_factory.mktemp("scale-out") / "smg.log"
+        router = Router([worker.address for worker in workers], log_path)
+        yield Fleet(workers, ports, router, router.wait_until_serving())
+    finally:
+        if router is not None:
+            router.close()
+        for worker in workers:
+            worker.kill()
+
+
+@dataclass
+class Reply:
+    index: int
+    status: int | str
+    usage: dict | None = None
+    finish_reason: str | None = None
+    detail: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return (
+            self.status == 200
+            and self.usage is not None
+            and self.usage.get("prompt_tokens", 0) > 0
+            and self.usage.get("completion_tokens") == MAX_TOKENS
+            and self.finish_reason == "length"
+        )
+
+
+def _chat(fleet: Fleet, index: int) -> Reply:
+    """One chat completion; odd indices stream. Failures are returned, never raised."""
+    body = {
+        "model": fleet.model,
+        "messages": [{"role": "user", "content": f"Tell me about river number {index}."}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,  # every request runs to max_tokens: a cut-short one shows
+    }
+    client = fleet.router.client
+    try:
+        if index % 2 == 0:
+            response = client.post("/v1/chat/completions", json=body)
+            if response.status_code != 200:
+                return Reply(index, response.status_code, detail=response.text[:300])
+            reply = response.json()
+            return Reply(index, 200, reply.get("usage"), reply["choices"][0]["finish_reason"])
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        usage, finish = None, None
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                return Reply(index, response.status_code, detail=response.read().decode()[:300])
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[len("data: ") :])
+                usage = event.get("usage") or usage
+                for choice in event.get("choices", []):
+                    finish = choice.get("finish_reason") or finish
+        return Reply(index, 200, usage, finish)
+    except httpx.HTTPError as exc:
+        return Reply(index, type(exc).__name__, detail=str(exc))
+
+
+def _describe(replies: list[Reply], fleet: Fleet) -> str:
+    bad = [reply for reply in replies if not reply.complete]
+    return f"{len(bad)} of {len(replies)} requests failed: {bad[:5]}\n{fleet.router.log_tail()}"
+
+
+def test_both_workers_serve_requests_through_one_router(fleet):
+    before = [fleet.served(0), fleet.served(1)]
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        replies = list(pool.map(lambda i: _chat(fleet, i), range(REQUESTS)))
+    assert all(reply.complete for reply in replies), _describe(replies, fleet)
+    served = [fleet.served(0) - before[0], fleet.served(1) - before[1]]
+    assert sum(served) == REQUESTS, served
+    assert min(served) > 0, f"one worker served everything: {served}"
+
+
+def test_stopping_one_worker_mid_run_loses_no_request(fleet):
+    stopping, remaining = fleet.workers
+    before_remaining = fleet.served(1)
+    replies: list[Reply] = []
+    done = threading.Lock()
+
+    def run(index: int) -> None:
+        reply = _chat(fleet, index)
+        with done:
+            replies.append(reply)
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        futures = [pool.submit(run, 1000 + i) for i in range(REQUESTS)]
+        # SIGTERM once the run is under way and the worker has requests decoding.
+        assert wait_until(
+            lambda: (
+                len(replies) >= CONCURRENCY // 2
+                and fleet.metric(0, "mlx_worker_running_requests")
+                + fleet.metric(0, "mlx_worker_waiting_requests")
+                > 0
+            ),
+            timeout=60,
+            interval=0.05,
+        ), f"the first worker never had requests in flight: {replies}"
+        stopping.terminate()
+        for future in futures:
+            future.result(180)
+
+    assert stopping.wait(SHUTDOWN_GRACE_S + 30) == 0, stopping.output[-3000:]
+    assert all(reply.complete for reply in replies), _describe(replies, fleet)
+    assert len(replies) == REQUESTS
+    # It had requests in flight at SIGTERM, and finished them all within the grace period.
+    drained = re.search(r"shutting down: finishing (\d+) requests", stopping.output)
+    assert drained and int(drained.group(1)) > 0, stopping.output[-3000:]
+    assert "still running" not in stopping.output, stopping.output[-3000:]
+    # The rest went to the other worker.
+    assert fleet.served(1) - before_remaining > 0
+    assert remaining.proc is not None and remaining.proc.poll() is None
