@@ -23,6 +23,23 @@ def _positive(text: str) -> int:
     return value
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """Bytes, with an optional K/M/G/T suffix (powers of 1024)."""
+    number, unit = text.strip().upper().rstrip("IB").rstrip("B"), ""
+    if number and number[-1] in _UNITS:
+        number, unit = number[:-1], number[-1]
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512M or 8G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="mlx-grpc-worker",
@@ -59,6 +76,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-prompt-tokens",
         type=_positive,
         help="refuse longer prompts (default: the model's context length - 1)",
+    )
+    parser.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=64,
+        help="prompt prefixes kept for reuse (default 64; 0 turns prefix reuse off)",
+    )
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        type=_size,
+        help="bytes the kept prefixes may hold, e.g. 512M (default: a quarter of "
+        "--max-kv-memory, at most 1G)",
+    )
+    parser.add_argument(
+        "--max-kv-memory",
+        type=_size,
+        help="KV and recurrent-state bytes running requests may reserve, e.g. 8G (default: "
+        "half the device's memory less the weights); a request that cannot fit alone gets "
+        "RESOURCE_EXHAUSTED",
     )
     parser.add_argument(
         "--max-queued-requests",
@@ -105,6 +141,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         completion_batch_size=args.completion_batch_size,
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
+        prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        max_kv_memory=args.max_kv_memory,
         faults=FaultPlan.parse(faults) if (faults := os.environ.get(FAULTS_ENV_VAR)) else None,
     )
     handlers = HandlerOptions(

@@ -143,3 +143,31 @@ class EngineLoad:
 
     waiting: int
     running: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryModel:
+    """Cache bytes one request needs: per token for attention layers (up to a sliding
+    window), a fixed amount for recurrent state."""
+
+    per_token: tuple[tuple[int, int | None], ...]  # (bytes per token, window or None)
+    fixed_bytes: int
+    allocation_step: int = 256  # full-attention caches grow in steps of this many tokens
+
+    def estimate(self, tokens: int) -> int:
+        step = self.allocation_step
+        total = self.fixed_bytes
+        for per_token, window in self.per_token:
+            total += per_token * (min(tokens, window) if window else -(-tokens // step) * step)
+        return total
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The admission guard's inputs: what requests cost and what may be reserved at once."""
+
+    memory: MemoryModel
+    limit_bytes: int
+
+    def estimate(self, request: GenerationRequest) -> int:
+        return self.memory.estimate(len(request.prompt) + request.max_tokens)

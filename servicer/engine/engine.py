@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from mlx_lm.generate import BatchGenerator
 from ..messages import (
     FINISH_ABORT,
     FINISH_STOP,
+    Admission,
     EngineLoad,
     FailureKind,
     GenerationRequest,
@@ -29,7 +31,9 @@ from ..messages import (
 )
 from .constraints import GrammarFactory
 from .faults import FaultPlan
+from .memory import device_memory_bytes, measure, weights_bytes
 from .model import LoadedModel, load_model
+from .prefix_cache import PrefixCache
 from .sampling import SamplingFactory, gather_logprobs
 from .text import TextCodec
 
@@ -51,6 +55,14 @@ class EngineConfig:
     coalesce_quiet_s: float = 0.002
     coalesce_max_s: float = 0.010
     warmup: bool = True
+    # Prompt-prefix reuse: entries kept, and their bytes (None: a quarter of max_kv_memory,
+    # at most 1 GiB). 0 entries turns it off.
+    prompt_cache_size: int = 64
+    prompt_cache_bytes: int | None = None
+    # KV and recurrent state the running requests may reserve (None: half the device's
+    # memory less the weights). A request that cannot fit alone is refused; one that cannot
+    # fit beside the others waits.
+    max_kv_memory: int | None = None
     faults: FaultPlan | None = None  # testing only
 
 
@@ -119,6 +131,7 @@ class _Row:
 
     request: GenerationRequest
     uid: int
+    reserved: int  # bytes of cache state set aside for it
     cached_tokens: int = 0
     generated: int = 0
 
@@ -136,6 +149,10 @@ class Engine:
         self._info: ModelInfo | None = None
         # Read by other threads for load reports; written only by the engine thread.
         self._rows: dict[int, _Row] = {}
+        self._deferred: deque[GenerationRequest] = deque()  # waiting for memory to free up
+        self._reserved = 0
+        self._prefix: PrefixCache | None = None
+        self._admission: Admission | None = None
         self._generator: BatchGenerator | None = None
         self._loaded: LoadedModel | None = None
         self._errors = _ErrorLog()
@@ -167,6 +184,16 @@ class Engine:
         return self._info
 
     @property
+    def admission(self) -> Admission:
+        """The cache-memory model and limit (after `wait_ready`)."""
+        assert self._admission is not None
+        return self._admission
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self._prefix
+
+    @property
     def codec(self) -> TextCodec:
         """The model's tokenizer for text work off the engine thread (after `wait_ready`)."""
         assert self._loaded is not None
@@ -181,7 +208,8 @@ class Engine:
     def load(self) -> EngineLoad:
         rows = list(self._rows.values())
         running = sum(1 for row in rows if row.generated)
-        return EngineLoad(waiting=len(self._inbox) + len(rows) - running, running=running)
+        waiting = len(self._inbox) + len(self._deferred) + len(rows) - running
+        return EngineLoad(waiting=waiting, running=running)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """End every request with `abort`, release MLX objects and join the thread."""
@@ -197,6 +225,8 @@ class Engine:
             try:
                 self._loaded = self._load()
                 self._sampling = self._sampling_factory(self._loaded)
+                self._admission = self._admission_limits(self._loaded)
+                self._prefix = self._new_prefix_cache(self._admission)
                 self._generator = self._new_generator()
                 if self.config.warmup:
                     self._warm_up()
@@ -238,6 +268,20 @@ class Engine:
             think_end=tokenizer.think_end_tokens,
         )
 
+    def _admission_limits(self, loaded: LoadedModel) -> Admission:
+        limit = self.config.max_kv_memory
+        if limit is None:
+            limit = max(device_memory_bytes() // 2 - weights_bytes(loaded.model), 64 << 20)
+        return Admission(measure(loaded.model), limit)
+
+    def _new_prefix_cache(self, admission: Admission) -> PrefixCache | None:
+        if self.config.prompt_cache_size <= 0:
+            return None
+        max_bytes = self.config.prompt_cache_bytes
+        if max_bytes is None:
+            max_bytes = min(admission.limit_bytes // 4, 1 << 30)
+        return PrefixCache(self.config.prompt_cache_size, max_bytes)
+
     def _new_generator(self) -> BatchGenerator:
         assert self._loaded is not None
         return BatchGenerator(
@@ -262,7 +306,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             take = self._inbox.take(
-                idle=not self._rows,
+                idle=not self._rows and not self._deferred,
                 quiet_s=self.config.coalesce_quiet_s,
                 max_s=self.config.coalesce_max_s,
                 burst_size=self.config.prefill_batch_size,
@@ -275,7 +319,8 @@ class Engine:
             started = time.perf_counter()
             try:
                 self._apply_aborts(take, out)
-                self._admit(take.requests, out)
+                self._deferred.extend(take.requests)
+                self._admit(out)
                 if self._rows:
                     self._step(out)
                     out.step_seconds = time.perf_counter() - started
@@ -288,52 +333,78 @@ class Engine:
             self._deliver(out)
 
     def _apply_aborts(self, take: _InboxTake, out: StepOutput) -> None:
-        if not take.aborts:
+        aborts = take.aborts
+        if not aborts:
             return
-        kept = []
-        for request in take.requests:
-            if request.ticket in take.aborts:
+        for waiting in (take.requests, self._deferred):
+            for request in [r for r in waiting if r.ticket in aborts]:
+                waiting.remove(request)
                 out.events.append(RowEvent(request.ticket, None, FINISH_ABORT))
-            else:
-                kept.append(request)
-        take.requests[:] = kept
-        removed = [row for row in self._rows.values() if row.request.ticket in take.aborts]
+        removed = [row for row in self._rows.values() if row.request.ticket in aborts]
         if removed:
             assert self._generator is not None
             self._generator.remove([row.uid for row in removed])
             for row in removed:
-                del self._rows[row.uid]
+                self._drop(row)
                 out.events.append(RowEvent(row.request.ticket, None, FINISH_ABORT))
 
-    def _admit(self, requests: list[GenerationRequest], out: StepOutput) -> None:
-        if not requests:
+    def _drop(self, row: _Row) -> None:
+        del self._rows[row.uid]
+        self._reserved -= row.reserved
+
+    def _admit(self, out: StepOutput) -> None:
+        """Admit waiting requests, oldest first, while their cache state fits in memory."""
+        admission = self._admission
+        assert admission is not None and self._generator is not None
+        chosen: list[tuple[GenerationRequest, int]] = []
+        while self._deferred:
+            request = self._deferred[0]
+            need = admission.estimate(request)
+            if self._rows and self._reserved + need > admission.limit_bytes:
+                break  # it waits for running requests to finish
+            self._deferred.popleft()
+            self._reserved += need
+            chosen.append((request, need))
+        if not chosen:
             return
-        assert self._generator is not None
+        requests = [request for request, _ in chosen]
+        hits = [self._lookup(r.prompt) for r in requests]
+        cached = [n for _, n in hits]
         sampling = self._sampling
         try:
             uids = self._generator.insert(
-                [r.prompt for r in requests],
+                [r.prompt[n:] for r, n in zip(requests, cached, strict=True)],
                 max_tokens=[r.max_tokens for r in requests],
+                caches=[cache for cache, _ in hits],
+                all_tokens=[r.prompt[:n] for r, n in zip(requests, cached, strict=True)],
                 samplers=[sampling.sampler(r.sampling) for r in requests],
                 logits_processors=[sampling.processors(r) for r in requests],
                 stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
             )
         except Exception as exc:  # validation upstream should make this unreachable
             log.exception("could not admit %d requests", len(requests))
+            self._reserved -= sum(need for _, need in chosen)
             out.failures.extend(
                 RowFailure(r.ticket, FailureKind.INTERNAL, f"could not admit request: {exc}")
                 for r in requests
             )
             return
-        for uid, request in zip(uids, requests, strict=True):
-            self._rows[uid] = _Row(request=request, uid=uid)
+        for uid, (request, need), n in zip(uids, chosen, cached, strict=True):
+            self._rows[uid] = _Row(request, uid, need, cached_tokens=n)
+
+    def _lookup(self, prompt: list[int]) -> tuple[list[Any] | None, int]:
+        if self._prefix is None:
+            return None, 0
+        return self._prefix.lookup(prompt)
 
     def _step(self, out: StepOutput) -> None:
         assert self._generator is not None
         self._steps += 1
         if self.config.faults is not None:
             self.config.faults.before_step(self._steps)
-        _, responses = self._generator.next()
+        prompt_progress, responses = self._generator.next()
+        if self._prefix is not None:
+            self._snapshot_prefills(prompt_progress)
         rows = self._rows
         wants_logprobs = []
         for response in responses:
@@ -354,9 +425,19 @@ class Engine:
             if row.request.top_logprobs is not None:
                 wants_logprobs.append((event, response.logprobs, row.request.top_logprobs))
             if finish is not None:
-                del rows[response.uid]
+                self._drop(row)
+                if self._prefix is not None and response.prompt_cache is not None:
+                    self._prefix.store(response.all_tokens, response.prompt_cache)
         if wants_logprobs:
             self._attach_logprobs(wants_logprobs)
+
+    def _snapshot_prefills(self, progress: list[Any]) -> None:
+        """Keep the state of prompts whose prefill just reached their last token."""
+        assert self._generator is not None and self._prefix is not None
+        done = [p.uid for p in progress if p.end_of_segment and not p.end_of_prompt]
+        if done:
+            for cache, tokens in self._generator.extract_cache(done).values():
+                self._prefix.store(tokens, cache)
 
     @staticmethod
     def _attach_logprobs(wanted: list[tuple[RowEvent, Any, int]]) -> None:
@@ -377,14 +458,18 @@ class Engine:
         out.events[:] = [e for e in out.events if e.ticket not in failed]
         out.failures.extend(RowFailure(t, FailureKind.INTERNAL, message) for t in failed)
         self._rows.clear()
+        self._reserved = 0
         if self._generator is not None:
             self._generator.close()
         self._generator = self._new_generator()
 
     def _end_all(self, pending: list[GenerationRequest], out: StepOutput) -> None:
-        tickets = [r.ticket for r in pending] + [row.request.ticket for row in self._rows.values()]
+        waiting = [*pending, *self._deferred]
+        tickets = [r.ticket for r in waiting] + [row.request.ticket for row in self._rows.values()]
         out.events.extend(RowEvent(ticket, None, FINISH_ABORT) for ticket in tickets)
         self._rows.clear()
+        self._deferred.clear()
+        self._reserved = 0
 
     def _deliver_fatal(self, reason: str) -> None:
         try:
