@@ -20,6 +20,7 @@ import grpc
 from .messages import (
     FINISH_ABORT,
     FINISH_STOP,
+    Admission,
     EngineLoad,
     FailureKind,
     GenerationRequest,
@@ -154,6 +155,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._metrics = metrics or WorkerMetrics(engine.load)
         self._info: ModelInfo | None = None
         self._codec: Codec | None = None
+        self._admission: Admission | None = None
         self._limits: Limits | None = None
         self._tickets = itertools.count(1)
         self._streams: dict[int, RequestStream] = {}
@@ -165,9 +167,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     # ----- lifecycle, driven by the server -----
 
-    def attach(self, info: ModelInfo, codec: Codec) -> None:
+    def attach(self, info: ModelInfo, codec: Codec, admission: Admission) -> None:
         self._info = info
         self._codec = codec
+        self._admission = admission
         self._limits = Limits.for_model(info, self._options.max_prompt_tokens)
         self.refusal = None
 
@@ -252,6 +255,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             errors.labels("duplicate_request").inc()
             message = f"request_id {job.request_id!r} is already in flight"
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, message)
+        self._check_memory(job)
         waiting = self._engine.load().waiting
         if waiting >= self._options.max_queued_requests:
             errors.labels("queue_full").inc()
@@ -269,6 +273,20 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._by_request_id[job.request_id] = stream
         self._engine.submit(job)
         return stream
+
+    def _check_memory(self, job: GenerationRequest) -> None:
+        """Refuse what could never fit; what fits only later waits in the engine."""
+        if self._admission is None:
+            return
+        need, limit = self._admission.estimate(job), self._admission.limit_bytes
+        if need > limit:
+            self._metrics.errors.labels("kv_memory").inc()
+            message = (
+                f"this request needs about {need / 2**20:.1f} MiB of KV cache "
+                f"({len(job.prompt)} prompt + {job.max_tokens} new tokens) but the worker "
+                f"allows {limit / 2**20:.1f} MiB (--max-kv-memory); ask for fewer max_tokens"
+            )
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     def _release(self, stream: RequestStream) -> None:
         ticket = stream.request.ticket

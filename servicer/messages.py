@@ -138,6 +138,14 @@ class ModelInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineLoad:
     """A snapshot of the engine's occupancy (for server info, metrics and tests)."""
 

@@ -8,14 +8,18 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .messages import EngineLoad
+from .messages import EngineLoad, PrefixCacheStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
 class WorkerMetrics:
-    def __init__(self, load: Callable[[], EngineLoad]) -> None:
+    def __init__(
+        self,
+        load: Callable[[], EngineLoad],
+        prefix_cache: Callable[[], PrefixCacheStats | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter(
@@ -56,11 +60,21 @@ class WorkerMetrics:
         )
         self.errors = Counter(
             "mlx_worker_errors",
-            "Errors by kind: invalid_request, duplicate_request, queue_full, "
+            "Errors by kind: invalid_request, duplicate_request, queue_full, kv_memory, "
             "engine_step, engine_death",
             ["kind"],
             registry=reg,
         )
+        for name, doc, field in (
+            ("entries", "Prompt prefixes kept for reuse", "entries"),
+            ("bytes", "Bytes held by kept prompt prefixes", "bytes"),
+            ("hits", "Requests that reused a kept prefix", "hits"),
+            ("misses", "Requests that found no prefix to reuse", "misses"),
+        ):
+            gauge = Gauge(f"mlx_worker_prompt_cache_{name}", doc, registry=reg)
+            gauge.set_function(
+                lambda field=field: getattr(prefix_cache() or PrefixCacheStats(), field)
+            )
         self._http: Any = None
 
     def serve(self, host: str, port: int) -> int:

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .engine import Engine, EngineConfig, EngineStartupError
 from .handlers import HandlerOptions, MlxEngineServicer
-from .messages import ModelInfo, StepOutput
+from .messages import ModelInfo, PrefixCacheStats, StepOutput
 from .metrics import WorkerMetrics
 from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
 
@@ -51,7 +51,7 @@ class WorkerServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.engine = Engine(config.engine, self._deliver)
-        self.metrics = WorkerMetrics(self.engine.load)
+        self.metrics = WorkerMetrics(self.engine.load, self._prefix_stats)
         self.servicer = MlxEngineServicer(self.engine, config.handlers, self.metrics)
         self.servicer.on_fatal = self._on_fatal
         self.metrics_port: int | None = None
@@ -61,6 +61,10 @@ class WorkerServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = asyncio.Event()
         self._server: grpc.aio.Server | None = None
+
+    def _prefix_stats(self) -> PrefixCacheStats | None:
+        cache = self.engine.prefix_cache
+        return cache.stats() if cache is not None else None
 
     # ----- engine -> loop -----
 
@@ -122,7 +126,7 @@ class WorkerServer:
     async def wait_ready(self, timeout: float | None = None) -> ModelInfo:
         """Wait for the engine to load and warm up, then report SERVING."""
         info = await asyncio.to_thread(self.engine.wait_ready, timeout)
-        self.servicer.attach(info, self.engine.codec)
+        self.servicer.attach(info, self.engine.codec, self.engine.admission)
         await self._set_health(SERVING)
         return info
 
@@ -182,13 +186,14 @@ async def run_worker(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_shutdown)
     log.info(
-        "ready: serving %s on %s:%d%s (context %d tokens, vocab %d)%s",
+        "ready: serving %s on %s:%d%s (context %d tokens, vocab %d, KV limit %.0f MiB)%s",
         info.served_model_name,
         config.host,
         port,
         " with TLS" if config.tls_cert else "",
         info.context_length,
         info.vocab_size,
+        server.engine.admission.limit_bytes / 2**20,
         f"; metrics on http://{config.host}:{server.metrics_port}/metrics"
         if server.metrics_port
         else "",

@@ -16,6 +16,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from ..messages import PrefixCacheStats
+
 _MODEL_KEY = "model"  # one model per engine
 
 
@@ -27,6 +29,9 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(len(self._lru), self._lru.nbytes, self.hits, self.misses)
 
     @property
     def nbytes(self) -> int:
