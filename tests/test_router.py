@@ -160,3 +160,25 @@ def test_text_completion_through_the_router(router, reference):
     )
     assert reply["usage"]["prompt_tokens"] == len(prompt)
     assert reply["usage"]["completion_tokens"] == len(tokens)
+
+
+def test_second_chat_turn_reports_cached_tokens(router):
+    running, model = router
+    first_turn = [{"role": "user", "content": "Where does the old road go after the bridge?"}]
+    body = {"model": model, "messages": first_turn, "max_tokens": 12, "temperature": 0}
+    first = _wait_for_tokenizer(running.client, body)
+    assert first.status_code == 200, first.text
+    reply = first.json()["choices"][0]["message"]["content"]
+    second_turn = [
+        *first_turn,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And then?"},
+    ]
+    second = running.client.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": second_turn, "max_tokens": 12, "temperature": 0},
+    )
+    assert second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
