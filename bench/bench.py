@@ -207,8 +207,9 @@ class Suite:
                     except RuntimeError as exc:
                         self.fail(f"{report.LABELS[name]} at concurrency {level}: {exc}")
                         continue
-                    rounds[name].append(stats)
                     ratio = stats.tokens_per_s / raw.tokens_per_s if raw.tokens_per_s else 0.0
+                    stats.extra["ratio_to_round_raw"] = ratio
+                    rounds[name].append(stats)
                     log(
                         f"c={level} round {round_}: {report.LABELS[name]} "
                         f"{stats.tokens_per_s:.0f} tok/s ({ratio:.2f} of raw), "
@@ -217,7 +218,10 @@ class Suite:
             for name, measured in rounds.items():
                 if measured:
                     best = max(measured, key=lambda stats: stats.tokens_per_s)
-                    best.extra["rounds_tokens_per_s"] = [s.tokens_per_s for s in measured]
+                    best.extra["rounds"] = [
+                        {"tokens_per_s": s.tokens_per_s, "ratio": s.extra.get("ratio_to_round_raw")}
+                        for s in measured
+                    ]
                     best.extra["errors_all_rounds"] = sum(s.errors for s in measured)
                     self.run["sweep"][name].append(asdict(best))
 

@@ -94,7 +94,9 @@ class Client:
         try:
             async for response in call:
                 if not response.HasField("chunk"):
+                    record.cached_tokens = response.complete.cached_tokens
                     continue
+                record.cached_tokens = response.chunk.cached_tokens
                 count = len(response.chunk.token_ids)
                 if not count:
                     continue

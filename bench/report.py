@@ -134,6 +134,14 @@ def headline_table(run: Run) -> str:
     return markdown_table(headers, rows)
 
 
+def _rounds(rounds: list[dict[str, Any]]) -> str:
+    parts = []
+    for r in rounds:
+        ratio = r.get("ratio")
+        parts.append(f"{r['tokens_per_s']:.0f}" + (f" ({ratio:.2f})" if ratio else ""))
+    return " / ".join(parts)
+
+
 def sweep_table(run: Run) -> str:
     raw = _by_level(run["sweep"].get(RAW, []))
     headers = [
@@ -147,7 +155,7 @@ def sweep_table(run: Run) -> str:
         "ITL p99 ms",
         "requests",
         "errors",
-        "tok/s each round",
+        "each round: tok/s (÷ its raw)",
         "client CPU",
         "worker CPU",
     ]
@@ -171,7 +179,7 @@ def sweep_table(run: Run) -> str:
                     _fmt(level["itl_p99_ms"], 2),
                     level["requests"],
                     extra.get("errors_all_rounds", level["errors"]),
-                    " / ".join(f"{x:.0f}" for x in extra.get("rounds_tokens_per_s", [])),
+                    _rounds(extra.get("rounds", [])),
                     _fmt(extra.get("client_cpu"), 2),
                     _fmt(extra.get("worker_cpu"), 2),
                 ]
@@ -253,6 +261,17 @@ def render(run: Run) -> str:
         "",
         sweep_table(run),
     ]
+    cached = {
+        LABELS[name]: sum(level.get("cached_tokens", 0) for level in run["sweep"][name])
+        for name in _workers(run)
+    }
+    if any(cached.values()):
+        parts += [
+            "",
+            "Prompt tokens reported as served from a prompt cache (the prompts are distinct, so "
+            "a worker should reuse none): "
+            + ", ".join(f"{name} {count}" for name, count in cached.items()),
+        ]
     if run.get("burst"):
         parts += [
             "",

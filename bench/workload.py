@@ -75,6 +75,7 @@ class RequestRecord:
     # (the same convention as the worker's inter-token metric).
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens the worker reported as reused from its cache
 
 
 @dataclass
@@ -93,6 +94,7 @@ class LevelStats:
     itl_p99_ms: float | None
     e2e_p50_ms: float | None
     errors: int
+    cached_tokens: int = 0
     error_samples: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -136,6 +138,7 @@ class LevelStats:
             itl_p99_ms=ms(percentile(itl, 99)),
             e2e_p50_ms=ms(percentile(e2e, 50)),
             errors=len(errors),
+            cached_tokens=sum(r.cached_tokens for r in records),
             error_samples=samples[:5],
             extra=dict(extra),
         )
