@@ -139,6 +139,19 @@ class Fleet:
     def served(self, index: int) -> float:
         return self.metric(index, "mlx_worker_requests_total")
 
+    def settled_counts(self, timeout: float = 10) -> list[float]:
+        """Requests each worker has counted, once the counts stop moving (a worker counts a
+        request just after sending its last message, so the router may answer first)."""
+        counts = [self.served(0), self.served(1)]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            latest = [self.served(0), self.served(1)]
+            if latest == counts:
+                break
+            counts = latest
+        return counts
+
 
 @pytest.fixture(scope="module")
 def fleet(demo_dir, tmp_path_factory) -> Iterator[Fleet]:
@@ -228,11 +241,12 @@ def _describe(replies: list[Reply], fleet: Fleet) -> str:
 
 
 def test_both_workers_serve_requests_through_one_router(fleet):
-    before = [fleet.served(0), fleet.served(1)]
+    before = fleet.settled_counts()
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         replies = list(pool.map(lambda i: _chat(fleet, i), range(REQUESTS)))
     assert all(reply.complete for reply in replies), _describe(replies, fleet)
-    served = [fleet.served(0) - before[0], fleet.served(1) - before[1]]
+    after = fleet.settled_counts()
+    served = [after[0] - before[0], after[1] - before[1]]
     assert sum(served) == REQUESTS, served
     assert min(served) > 0, f"one worker served everything: {served}"
 
