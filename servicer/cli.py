@@ -7,13 +7,15 @@ import asyncio
 import logging
 import os
 import sys
+import threading
+from dataclasses import replace
 from pathlib import Path
 
 from .engine import EngineConfig
 from .engine.faults import ENV_VAR as FAULTS_ENV_VAR
 from .engine.faults import FaultPlan
 from .handlers import HandlerOptions
-from .server import ServerConfig, run_worker
+from .server import ServerConfig, run_follower, run_worker
 
 
 def _positive(text: str) -> int:
@@ -122,6 +124,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds in-flight requests get to finish after SIGTERM (default 30)",
     )
     parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="serve one model sharded over the processes of an mx.distributed group (start "
+        "them with mlx.launch); rank 0 serves gRPC, the others follow its steps",
+    )
+    parser.add_argument(
+        "--distributed-backend",
+        default="any",
+        choices=["any", "ring", "jaccl", "mpi", "nccl"],
+        help="mx.distributed backend (default: the first that works)",
+    )
+    parser.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without lockstep progress before a rank gives up on its peers and exits "
+        "(default 60; startup may take ten times as long)",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -165,8 +186,43 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    rank = (
+        f"[rank {os.environ['MLX_RANK']}] " if args.distributed and "MLX_RANK" in os.environ else ""
+    )
     logging.basicConfig(
         level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s",
     )
-    sys.exit(asyncio.run(run_worker(config_from_args(args))))
+    config = config_from_args(args)
+    if not args.distributed:
+        sys.exit(asyncio.run(run_worker(config)))
+    sys.exit(_run_distributed(config, args))
+
+
+def _run_distributed(config: ServerConfig, args: argparse.Namespace) -> int:
+    from .engine.lockstep import Lockstep, connect
+
+    # Joining the group and loading the shards block in native code when a peer never shows
+    # up; only exiting the process ends that.
+    startup = threading.Timer(10 * args.distributed_timeout, _give_up_starting)
+    startup.daemon = True
+    startup.start()
+    lockstep = Lockstep(
+        connect(args.distributed_backend),
+        timeout_s=args.distributed_timeout,
+        heartbeat_s=min(0.5, args.distributed_timeout / 4),
+    )
+    config = replace(config, engine=replace(config.engine, lockstep=lockstep))
+    if lockstep.leads:
+        code = asyncio.run(run_worker(config, on_ready=startup.cancel))
+    else:
+        code = run_follower(config, on_ready=startup.cancel)
+    # A peer may still hold a collective open: leave without waiting on native teardown.
+    logging.shutdown()
+    os._exit(code)
+
+
+def _give_up_starting() -> None:
+    logging.getLogger(__name__).critical("the distributed group did not start in time; exiting")
+    logging.shutdown()
+    os._exit(1)

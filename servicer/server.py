@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,7 +171,7 @@ class WorkerServer:
                 await asyncio.sleep(0.02)
 
 
-async def run_worker(config: ServerConfig) -> int:
+async def run_worker(config: ServerConfig, on_ready: Callable[[], None] = lambda: None) -> int:
     """The process's main coroutine: serve until SIGTERM/SIGINT or an engine failure."""
     server = WorkerServer(config)
     try:
@@ -182,6 +185,7 @@ async def run_worker(config: ServerConfig) -> int:
         log.error("cannot serve: %s", exc)
         await server.stop()
         return 1
+    on_ready()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_shutdown)
@@ -201,3 +205,38 @@ async def run_worker(config: ServerConfig) -> int:
     code = await server.serve_until_stopped()
     log.info("stopped (exit code %d)", code)
     return code
+
+
+def run_follower(config: ServerConfig, on_ready: Callable[[], None] = lambda: None) -> int:
+    """A rank past 0 of a distributed group: the same engine steps as rank 0, and nothing else.
+
+    It serves no gRPC, health or metrics. It ends when rank 0 shares its stop (exit 0), or
+    when the lockstep breaks (exit 1). A signal here only arms a deadline for that stop.
+    """
+    lockstep = config.engine.lockstep
+    assert lockstep is not None and not lockstep.leads
+    engine = Engine(config.engine, deliver=lambda out: None)
+
+    def on_signal(signum: int, frame: object) -> None:
+        deadline = config.shutdown_grace_s + lockstep.timeout_s
+        log.info("signal %d: waiting up to %.0f s for rank 0 to stop the group", signum, deadline)
+        timer = threading.Timer(deadline, lambda: os._exit(1))
+        timer.daemon = True
+        timer.start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    engine.start()
+    try:
+        engine.wait_ready()
+    except EngineStartupError as exc:
+        log.error("cannot serve: %s", exc)
+        return 1
+    on_ready()
+    log.info("ready: rank %d of %d follows rank 0", lockstep.rank, lockstep.size)
+    engine.join()
+    if engine.failure is not None:
+        log.error("%s", engine.failure)
+        return 1
+    log.info("stopped with rank 0")
+    return 0

@@ -31,6 +31,7 @@ from ..messages import (
 )
 from .constraints import GrammarFactory
 from .faults import FaultPlan
+from .lockstep import Lockstep, LockstepBroken
 from .memory import device_memory_bytes, measure, weights_bytes
 from .model import LoadedModel, load_model
 from .prefix_cache import PrefixCache
@@ -63,6 +64,8 @@ class EngineConfig:
     # memory less the weights). A request that cannot fit alone is refused; one that cannot
     # fit beside the others waits.
     max_kv_memory: int | None = None
+    # One model over several processes: rank 0 plans every step and shares the plan.
+    lockstep: Lockstep | None = None
     faults: FaultPlan | None = None  # testing only
 
 
@@ -101,12 +104,25 @@ class _Inbox:
             self.stopping = True
             self.cond.notify()
 
-    def take(self, *, idle: bool, quiet_s: float, max_s: float, burst_size: int) -> _InboxTake:
-        """Everything waiting. When idle, block for work, then let a burst finish arriving."""
+    def take(
+        self,
+        *,
+        idle: bool,
+        quiet_s: float,
+        max_s: float,
+        burst_size: int,
+        timeout_s: float | None = None,
+    ) -> _InboxTake:
+        """Everything waiting. When idle, block for work (at most `timeout_s`), then let a
+        burst finish arriving."""
         with self.cond:
             if idle:
+                deadline = None if timeout_s is None else time.monotonic() + timeout_s
                 while not (self.requests or self.aborts or self.stopping):
-                    self.cond.wait()
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    self.cond.wait(remaining)
                 deadline = time.monotonic() + max_s
                 seen = len(self.requests)
                 while 0 < seen < burst_size and not self.stopping:
@@ -136,6 +152,23 @@ class _Row:
     generated: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Admit:
+    request: GenerationRequest
+    reserved: int  # bytes of cache state set aside for it
+    cached_tokens: int  # prompt tokens covered by a reused prefix
+
+
+@dataclass(slots=True)
+class _Plan:
+    """The next step's changes to the batch, decided on rank 0 and applied by every rank."""
+
+    aborts: list[int] = field(default_factory=list)  # tickets of admitted rows to remove
+    admits: list[_Admit] = field(default_factory=list)
+    stop: bool = False
+    check: int = 0  # what the previous step produced, so the ranks can compare notes
+
+
 class Engine:
     """Owns one generation thread; construct, `start()`, then `wait_ready()`."""
 
@@ -157,6 +190,11 @@ class Engine:
         self._loaded: LoadedModel | None = None
         self._errors = _ErrorLog()
         self._steps = 0
+        self._lockstep = config.lockstep
+        self._leads = self._lockstep is None or self._lockstep.leads
+        self._fetched: dict[int, list[Any] | None] = {}  # prefixes rank 0 found while planning
+        self._check = 0
+        self.failure: str | None = None  # why the engine thread ended, when it failed
 
     # ----- called from any thread -----
 
@@ -214,6 +252,9 @@ class Engine:
     def shutdown(self, timeout: float | None = None) -> None:
         """End every request with `abort`, release MLX objects and join the thread."""
         self._inbox.stop()
+        self.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -224,6 +265,8 @@ class Engine:
         with mx.stream(self._stream):
             try:
                 self._loaded = self._load()
+                if self._lockstep is not None:
+                    self._lockstep.sync_seed()
                 self._sampling = self._sampling_factory(self._loaded)
                 self._admission = self._admission_limits(self._loaded)
                 self._prefix = self._new_prefix_cache(self._admission)
@@ -236,12 +279,15 @@ class Engine:
                 self._ready.set()
                 return
             self._info = self._loaded.info
+            if self._lockstep is not None:
+                self._lockstep.watch(self._on_stall)
             self._ready.set()
             try:
                 self._loop()
             except BaseException as exc:
                 log.exception("engine thread died")
-                self._deliver_fatal(f"engine thread died: {exc}")
+                self.failure = f"engine thread died: {exc}"
+                self._deliver_fatal(self.failure)
             finally:
                 if self._generator is not None:
                     self._generator.close()
@@ -255,7 +301,8 @@ class Engine:
 
             model = str(demo_model_path(DEMO_MODEL_KIND))
             served = served or f"mlx-grpc-worker-demo-{DEMO_MODEL_KIND}"
-        return load_model(model, self.config.adapter_path, served)
+        group = self._lockstep.group if self._lockstep is not None else None
+        return load_model(model, self.config.adapter_path, served, group)
 
     @staticmethod
     def _sampling_factory(loaded: LoadedModel) -> SamplingFactory:
@@ -279,7 +326,9 @@ class Engine:
             return None
         max_bytes = self.config.prompt_cache_bytes
         if max_bytes is None:
-            max_bytes = min(admission.limit_bytes // 4, 1 << 30)
+            # Ranks must evict alike, so a distributed engine does not size it per machine.
+            shared = self._lockstep is not None
+            max_bytes = 1 << 30 if shared else min(admission.limit_bytes // 4, 1 << 30)
         return PrefixCache(self.config.prompt_cache_size, max_bytes)
 
     def _new_generator(self) -> BatchGenerator:
@@ -304,93 +353,111 @@ class Engine:
         self._generator.remove([uid])
 
     def _loop(self) -> None:
+        lockstep = self._lockstep
         while True:
-            take = self._inbox.take(
-                idle=not self._rows and not self._deferred,
-                quiet_s=self.config.coalesce_quiet_s,
-                max_s=self.config.coalesce_max_s,
-                burst_size=self.config.prefill_batch_size,
-            )
             out = StepOutput()
-            if take.stopping:
-                self._end_all(take.requests, out)
+            plan = self._plan(out) if self._leads else None
+            if lockstep is not None:
+                plan = lockstep.share(plan)
+                if plan.check != self._check:
+                    raise LockstepBroken(f"the ranks disagree on the last step ({plan.check})")
+            assert plan is not None
+            if plan.stop:
+                self._end_all(out)
                 self._send(out)
                 return
             started = time.perf_counter()
             try:
-                self._apply_aborts(take, out)
-                self._deferred.extend(take.requests)
-                self._admit(out)
+                self._apply(plan, out)
                 if self._rows:
                     self._step(out)
                     out.step_seconds = time.perf_counter() - started
             except Exception as exc:
-                self._recover(exc, out)
+                if lockstep is not None:
+                    raise  # the ranks may no longer hold the same batch: nothing to recover
+                self._recover(exc, plan, out)
+            if lockstep is not None:
+                lockstep.progress()
             self._send(out)
 
     def _send(self, out: StepOutput) -> None:
         if out:
             self._deliver(out)
 
-    def _apply_aborts(self, take: _InboxTake, out: StepOutput) -> None:
-        aborts = take.aborts
-        if not aborts:
-            return
-        for waiting in (take.requests, self._deferred):
-            for request in [r for r in waiting if r.ticket in aborts]:
-                waiting.remove(request)
-                out.events.append(RowEvent(request.ticket, None, FINISH_ABORT))
-        removed = [row for row in self._rows.values() if row.request.ticket in aborts]
-        if removed:
-            assert self._generator is not None
+    def _plan(self, out: StepOutput) -> _Plan:
+        """Rank 0's decisions: aborts, and which waiting requests fit in memory now."""
+        lockstep = self._lockstep
+        take = self._inbox.take(
+            idle=not self._rows and not self._deferred,
+            quiet_s=self.config.coalesce_quiet_s,
+            max_s=self.config.coalesce_max_s,
+            burst_size=self.config.prefill_batch_size,
+            timeout_s=lockstep.heartbeat_s if lockstep is not None else None,
+        )
+        plan = _Plan(stop=take.stopping, check=self._check)
+        if take.aborts:  # requests not admitted yet end here; admitted rows end on every rank
+            for waiting in (take.requests, self._deferred):
+                for request in [r for r in waiting if r.ticket in take.aborts]:
+                    waiting.remove(request)
+                    out.events.append(RowEvent(request.ticket, None, FINISH_ABORT))
+            running = {row.request.ticket for row in self._rows.values()}
+            plan.aborts = sorted(take.aborts & running)
+        self._deferred.extend(take.requests)
+        admission = self._admission
+        assert admission is not None
+        reserved = self._reserved
+        while self._deferred and not plan.stop:
+            request = self._deferred[0]
+            need = admission.estimate(request)
+            busy = self._rows or plan.admits
+            if busy and reserved + need > admission.limit_bytes:
+                break  # it waits for running requests to finish
+            self._deferred.popleft()
+            reserved += need
+            cache, cached = self._lookup(request.prompt)
+            self._fetched[request.ticket] = cache
+            plan.admits.append(_Admit(request, need, cached))
+        return plan
+
+    def _apply(self, plan: _Plan, out: StepOutput) -> None:
+        """Remove aborted rows and insert admitted requests: the same on every rank."""
+        assert self._generator is not None
+        if plan.aborts:
+            aborted = set(plan.aborts)
+            removed = [row for row in self._rows.values() if row.request.ticket in aborted]
             self._generator.remove([row.uid for row in removed])
             for row in removed:
                 self._drop(row)
                 out.events.append(RowEvent(row.request.ticket, None, FINISH_ABORT))
+        if not plan.admits:
+            return
+        caches = []
+        for admit in plan.admits:
+            if self._leads:
+                cache = self._fetched.pop(admit.request.ticket)
+            else:
+                cache, cached = self._lookup(admit.request.prompt)
+                if cached != admit.cached_tokens:
+                    raise LockstepBroken("the ranks' prefix caches disagree")
+            caches.append(cache)
+        requests = [admit.request for admit in plan.admits]
+        sampling = self._sampling
+        uids = self._generator.insert(
+            [a.request.prompt[a.cached_tokens :] for a in plan.admits],
+            max_tokens=[r.max_tokens for r in requests],
+            caches=caches,
+            all_tokens=[a.request.prompt[: a.cached_tokens] for a in plan.admits],
+            samplers=[sampling.sampler(r.sampling) for r in requests],
+            logits_processors=[sampling.processors(r) for r in requests],
+            stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
+        )
+        for uid, admit in zip(uids, plan.admits, strict=True):
+            self._rows[uid] = _Row(admit.request, uid, admit.reserved, admit.cached_tokens)
+            self._reserved += admit.reserved
 
     def _drop(self, row: _Row) -> None:
         del self._rows[row.uid]
         self._reserved -= row.reserved
-
-    def _admit(self, out: StepOutput) -> None:
-        """Admit waiting requests, oldest first, while their cache state fits in memory."""
-        admission = self._admission
-        assert admission is not None and self._generator is not None
-        chosen: list[tuple[GenerationRequest, int]] = []
-        while self._deferred:
-            request = self._deferred[0]
-            need = admission.estimate(request)
-            if self._rows and self._reserved + need > admission.limit_bytes:
-                break  # it waits for running requests to finish
-            self._deferred.popleft()
-            self._reserved += need
-            chosen.append((request, need))
-        if not chosen:
-            return
-        requests = [request for request, _ in chosen]
-        hits = [self._lookup(r.prompt) for r in requests]
-        cached = [n for _, n in hits]
-        sampling = self._sampling
-        try:
-            uids = self._generator.insert(
-                [r.prompt[n:] for r, n in zip(requests, cached, strict=True)],
-                max_tokens=[r.max_tokens for r in requests],
-                caches=[cache for cache, _ in hits],
-                all_tokens=[r.prompt[:n] for r, n in zip(requests, cached, strict=True)],
-                samplers=[sampling.sampler(r.sampling) for r in requests],
-                logits_processors=[sampling.processors(r) for r in requests],
-                stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
-            )
-        except Exception as exc:  # validation upstream should make this unreachable
-            log.exception("could not admit %d requests", len(requests))
-            self._reserved -= sum(need for _, need in chosen)
-            out.failures.extend(
-                RowFailure(r.ticket, FailureKind.INTERNAL, f"could not admit request: {exc}")
-                for r in requests
-            )
-            return
-        for uid, (request, need), n in zip(uids, chosen, cached, strict=True):
-            self._rows[uid] = _Row(request, uid, need, cached_tokens=n)
 
     def _lookup(self, prompt: list[int]) -> tuple[list[Any] | None, int]:
         if self._prefix is None:
@@ -422,7 +489,7 @@ class Engine:
                 row.cached_tokens,
             )
             out.events.append(event)
-            if row.request.top_logprobs is not None:
+            if row.request.top_logprobs is not None and self._leads:
                 wants_logprobs.append((event, response.logprobs, row.request.top_logprobs))
             if finish is not None:
                 self._drop(row)
@@ -430,6 +497,7 @@ class Engine:
                     self._prefix.store(response.all_tokens, response.prompt_cache)
         if wants_logprobs:
             self._attach_logprobs(wants_logprobs)
+        self._check = (self._check + sum(e.token or 0 for e in out.events)) % (1 << 31)
 
     def _snapshot_prefills(self, progress: list[Any]) -> None:
         """Keep the state of prompts whose prefill just reached their last token."""
@@ -449,23 +517,25 @@ class Engine:
         for (event, _, _), result in zip(wanted, results, strict=True):
             event.logprob = result
 
-    def _recover(self, exc: Exception, out: StepOutput) -> None:
+    def _recover(self, exc: Exception, plan: _Plan, out: StepOutput) -> None:
         """A failed step fails the requests in the batch; a fresh generator serves the rest."""
-        self._errors.report(exc, len(self._rows))
-        message = f"engine step failed: {type(exc).__name__}: {exc}"
         failed = {row.request.ticket for row in self._rows.values()}
+        failed.update(admit.request.ticket for admit in plan.admits)
+        self._errors.report(exc, len(failed))
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
         # Events already produced this step are void: those requests end with the error.
         out.events[:] = [e for e in out.events if e.ticket not in failed]
-        out.failures.extend(RowFailure(t, FailureKind.INTERNAL, message) for t in failed)
+        out.failures.extend(RowFailure(t, FailureKind.INTERNAL, message) for t in sorted(failed))
         self._rows.clear()
         self._reserved = 0
         if self._generator is not None:
             self._generator.close()
         self._generator = self._new_generator()
 
-    def _end_all(self, pending: list[GenerationRequest], out: StepOutput) -> None:
-        waiting = [*pending, *self._deferred]
-        tickets = [r.ticket for r in waiting] + [row.request.ticket for row in self._rows.values()]
+    def _end_all(self, out: StepOutput) -> None:
+        tickets = [r.ticket for r in self._deferred] + [
+            row.request.ticket for row in self._rows.values()
+        ]
         out.events.extend(RowEvent(ticket, None, FINISH_ABORT) for ticket in tickets)
         self._rows.clear()
         self._deferred.clear()
@@ -476,6 +546,12 @@ class Engine:
             self._deliver(StepOutput(fatal=reason))
         except Exception:
             log.exception("could not report the engine's death")
+
+    def _on_stall(self, reason: str) -> None:
+        """The watchdog's last words (from its thread): tell the handlers, give them a moment."""
+        self.failure = reason
+        self._deliver_fatal(reason)
+        time.sleep(1.0)
 
 
 class _ErrorLog:

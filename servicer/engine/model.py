@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import sharded_load
 
 from ..messages import ModelInfo
 
@@ -69,13 +71,26 @@ def _first_id(value: Any) -> int | None:
     return value if isinstance(value, int) and value >= 0 else None
 
 
-def load_model(model: str, adapter_path: str | None, served_model_name: str | None) -> LoadedModel:
+def load_model(
+    model: str,
+    adapter_path: str | None,
+    served_model_name: str | None,
+    group: mx.distributed.Group | None = None,
+) -> LoadedModel:
+    """Load with mlx-lm; with a distributed `group`, shard it by tensor parallelism."""
     model_dir = resolve_model_dir(model)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{model_dir} has no config.json: not an mlx-lm model directory")
     try:
-        mlx_model, tokenizer = load(str(model_dir), adapter_path=adapter_path)
+        if group is None:
+            mlx_model, tokenizer = load(str(model_dir), adapter_path=adapter_path)
+        else:
+            if adapter_path is not None:
+                raise ModelLoadError("--adapter-path is not supported with --distributed")
+            mlx_model, tokenizer = sharded_load(str(model_dir), tensor_group=group)
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"mlx-lm could not load {model_dir}: {exc}") from exc
     config = json.loads(config_path.read_text())

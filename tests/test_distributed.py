@@ -1,0 +1,167 @@
+"""One model over two processes (mx.distributed `ring` on loopback, tensor-parallel shards).
+
+Rank 0 serves gRPC; rank 1 follows its steps. Outputs equal the single-process worker's;
+Abort and cancel work; SIGTERM to rank 0 stops both cleanly; a rank that dies or freezes
+makes rank 0 end every open request and exit non-zero instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from support import WorkerProcess, free_port, generate, make_request, server_info, wait_until
+
+from servicer.proto import mlx_engine_pb2 as pb
+from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
+
+TIMEOUT = "4"  # --distributed-timeout for the tests: a dead peer is noticed quickly
+
+
+class Group:
+    """Two ranks started by hand, as mlx.launch would: MLX_RANK and a ring hostfile."""
+
+    def __init__(self, model_dir, tmp_path, *extra: str) -> None:
+        hostfile = tmp_path / "hosts.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(2)]))
+        common = ("--model", str(model_dir), "--distributed", "--distributed-backend", "ring")
+        self.ranks = [
+            WorkerProcess(
+                *common,
+                "--distributed-timeout",
+                TIMEOUT,
+                *extra,
+                env={"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)},
+            )
+            for rank in range(2)
+        ]
+
+    def start(self) -> Group:
+        for rank in self.ranks:
+            rank.start()
+        self.ranks[0].wait_ready(180)
+        assert wait_until(lambda: "follows rank 0" in self.ranks[1].output, timeout=60)
+        return self
+
+    @property
+    def leader(self) -> WorkerProcess:
+        return self.ranks[0]
+
+    @property
+    def follower(self) -> WorkerProcess:
+        return self.ranks[1]
+
+    def stop(self) -> None:
+        for rank in self.ranks:
+            rank.kill()
+
+
+@pytest.fixture
+def group(demo_dir, tmp_path) -> Iterator[Group]:
+    running = Group(demo_dir, tmp_path).start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_sharded_outputs_equal_the_single_process_worker(group, reference, prompts):
+    with grpc.insecure_channel(group.leader.address) as channel:
+
+        def run(i: int):
+            return generate(
+                channel, prompts[i], stream=i % 2 == 0, temperature=0, max_tokens=24,
+                ignore_eos=True,
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outcomes = list(pool.map(run, range(len(prompts))))
+        assert [o.tokens for o in outcomes] == [reference.greedy(p, 24) for p in prompts]
+        # Sampling draws from one random stream that every rank holds identically.
+        sampled = [
+            generate(channel, p, temperature=0.9, max_tokens=16, ignore_eos=True)
+            for p in prompts[:3]
+        ]
+        assert all(o.error is None and len(o.tokens) == 16 for o in sampled)
+        again = generate(channel, prompts[0], temperature=0, max_tokens=24, ignore_eos=True)
+        assert again.complete.cached_tokens > 0  # prefix reuse, on both ranks alike
+        assert again.tokens == reference.greedy(prompts[0], 24)
+
+
+def test_abort_and_cancel_reach_every_rank(group, reference, prompts):
+    with grpc.insecure_channel(group.leader.address) as channel:
+        stub = pb_grpc.MlxEngineStub(channel)
+        aborted = {}
+
+        def abort_soon(chunk):
+            if chunk.completion_tokens == 3:
+                stub.Abort(pb.AbortRequest(request_ids=["dist-abort"]), timeout=10)
+
+        aborted = generate(
+            channel, prompts[1], request_id="dist-abort", max_tokens=3000, ignore_eos=True,
+            on_chunk=abort_soon,
+        )  # fmt: skip
+        assert aborted.complete.finish_reason == "abort"
+        call = stub.Generate(make_request(prompts[2], max_tokens=3000, ignore_eos=True))
+        for count, _ in enumerate(call, start=1):
+            if count == 3:
+                call.cancel()
+                break
+        assert wait_until(lambda: server_info(channel).active_requests == 0)
+        after = generate(channel, prompts[3], temperature=0, max_tokens=16, ignore_eos=True)
+        assert after.tokens == reference.greedy(prompts[3], 16)
+
+
+def test_sigterm_to_rank_0_stops_both_cleanly(group, prompts):
+    with grpc.insecure_channel(group.leader.address) as channel:
+        outcome = {}
+        started = threading.Event()
+
+        def run():
+            outcome["long"] = generate(
+                channel, prompts[0], max_tokens=200, ignore_eos=True,
+                on_chunk=lambda chunk: started.set(),
+            )  # fmt: skip
+
+        caller = threading.Thread(target=run)
+        caller.start()
+        assert started.wait(60)
+        group.leader.terminate()
+        caller.join(60)
+    assert outcome["long"].complete.finish_reason == "length"
+    assert group.leader.wait(60) == 0
+    assert group.follower.wait(60) == 0
+    assert "stopped with rank 0" in group.follower.output
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_a_lost_rank_ends_open_requests_and_rank_0_exits_non_zero(group, prompts, how):
+    with grpc.insecure_channel(group.leader.address) as channel:
+        outcome = {}
+        started = threading.Event()
+
+        def run():
+            outcome["open"] = generate(
+                channel, prompts[0], max_tokens=3000, ignore_eos=True,
+                on_chunk=lambda chunk: started.set(),
+            )  # fmt: skip
+
+        caller = threading.Thread(target=run)
+        caller.start()
+        assert started.wait(60)
+        follower = group.follower.proc
+        os.kill(follower.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        began = time.monotonic()
+        caller.join(60)
+        assert group.leader.wait(60) != 0
+        assert time.monotonic() - began < 30  # the watchdog, not a hang
+    if how == "frozen":
+        os.kill(follower.pid, signal.SIGCONT)
+    assert outcome["open"].code == grpc.StatusCode.UNAVAILABLE
