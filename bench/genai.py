@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = demo_model_path()
     else:
         model_dir = args.model.expanduser().resolve()
+    machine = report.machine_info()
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     worker = our_worker(model_dir, BatchConfig(), out / "logs", "genai")
@@ -289,9 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         worker.stop()
     rows = summarise(out / "experiment")
     table = summary_table(rows)
-    machine = report.machine_line({"machine": report.machine_info()})
-    header = f"genai-bench {args.genai_bench_version} through the smg router, {time.ctime()}"
-    (out / "summary.md").write_text(f"{header}\n\nMachine: {machine}\n\n{table}\n")
+    machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    header = (
+        f"genai-bench {args.genai_bench_version} ({args.api_backend} client) through the smg "
+        f"router, {time.strftime('%Y-%m-%d %H:%M %Z')}, model {model_dir.name}"
+    )
+    summary = f"{header}\n\nMachine: {report.machine_line({'machine': machine})}\n\n{table}\n"
+    (out / "summary.md").write_text(summary)
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     print(table)
     print(f"\nsummary, genai-bench's JSON, xlsx and plots: {out}")

@@ -65,13 +65,6 @@ class Client:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def healthy(self, timeout: float = 2.0) -> bool:
-        try:
-            reply = await self._stub.HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
-        return reply.healthy
-
     async def generate(
         self,
         prompt: list[int],

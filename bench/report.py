@@ -268,8 +268,8 @@ def render(run: Run) -> str:
     if any(cached.values()):
         parts += [
             "",
-            "Prompt tokens reported as served from a prompt cache (the prompts are distinct, so "
-            "a worker should reuse none): "
+            "Prompt tokens the workers reported as reused from a prompt cache (the random "
+            "prompts share a first token now and then, so a few per level are expected): "
             + ", ".join(f"{name} {count}" for name, count in cached.items()),
         ]
     if run.get("burst"):
