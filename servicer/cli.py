@@ -8,8 +8,10 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Coroutine
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from .engine import EngineConfig
 from .engine.faults import ENV_VAR as FAULTS_ENV_VAR
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     config = config_from_args(args)
     if not args.distributed:
-        sys.exit(asyncio.run(run_worker(config)))
+        sys.exit(_run_loop(run_worker(config)))
     sys.exit(_run_distributed(config, args))
 
 
@@ -214,12 +216,21 @@ def _run_distributed(config: ServerConfig, args: argparse.Namespace) -> int:
     )
     config = replace(config, engine=replace(config.engine, lockstep=lockstep))
     if lockstep.leads:
-        code = asyncio.run(run_worker(config, on_ready=startup.cancel))
+        code = _run_loop(run_worker(config, on_ready=startup.cancel))
     else:
         code = run_follower(config, on_ready=startup.cancel)
     # A peer may still hold a collective open: leave without waiting on native teardown.
     logging.shutdown()
     os._exit(code)
+
+
+def _run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run the server's event loop: uvloop where installed (less CPU per streamed message)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _give_up_starting() -> None:

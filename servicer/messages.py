@@ -114,10 +114,17 @@ class StepOutput:
     events: list[RowEvent] = field(default_factory=list)
     failures: list[RowFailure] = field(default_factory=list)
     fatal: str | None = None  # set once, when the engine thread is about to die
-    step_seconds: float = 0.0  # how long the step took, when one ran
+    step_seconds: list[float] = field(default_factory=list)  # each step's duration
 
     def __bool__(self) -> bool:
         return bool(self.events or self.failures or self.fatal)
+
+    def merge(self, later: StepOutput) -> None:
+        """Fold a later step's output into this one (the loop had not picked this one up)."""
+        self.events.extend(later.events)
+        self.failures.extend(later.failures)
+        self.fatal = self.fatal or later.fatal
+        self.step_seconds.extend(later.step_seconds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,8 @@ class WorkerServer:
         self.port = 0
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._handoff: StepOutput | None = None  # the engine's output the loop has yet to take
+        self._handoff_lock = threading.Lock()
         self._stopping = asyncio.Event()
         self._server: grpc.aio.Server | None = None
 
@@ -72,11 +74,24 @@ class WorkerServer:
     # ----- engine -> loop -----
 
     def _deliver(self, out: StepOutput) -> None:
-        """Called on the engine thread once per step: one wake of the loop for all rows."""
+        """Called on the engine thread once per step: at most one wake of the loop for all
+        rows, and none while the loop has yet to pick up the last step (the steps merge, and
+        a stream that fell behind gets its tokens in one message)."""
+        with self._handoff_lock:
+            if self._handoff is not None:
+                self._handoff.merge(out)
+                return
+            self._handoff = out
         assert self._loop is not None
         # A closed loop means the process is on its way out; nobody is left to tell.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self.servicer.dispatch, out)
+            self._loop.call_soon_threadsafe(self._pick_up)
+
+    def _pick_up(self) -> None:
+        with self._handoff_lock:
+            out, self._handoff = self._handoff, None
+        if out is not None:
+            self.servicer.dispatch(out)
 
     def _on_fatal(self, reason: str) -> None:
         log.critical("engine failed, the worker stops: %s", reason)

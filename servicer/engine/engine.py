@@ -371,7 +371,7 @@ class Engine:
                 self._apply(plan, out)
                 if self._rows:
                     self._step(out)
-                    out.step_seconds = time.perf_counter() - started
+                    out.step_seconds.append(time.perf_counter() - started)
             except Exception as exc:
                 if lockstep is not None:
                     raise  # the ranks may no longer hold the same batch: nothing to recover
@@ -497,7 +497,8 @@ class Engine:
                     self._prefix.store(response.all_tokens, response.prompt_cache)
         if wants_logprobs:
             self._attach_logprobs(wants_logprobs)
-        self._check = (self._check + sum(e.token or 0 for e in out.events)) % (1 << 31)
+        if self._lockstep is not None:
+            self._check = (self._check + sum(e.token or 0 for e in out.events)) % (1 << 31)
 
     def _snapshot_prefills(self, progress: list[Any]) -> None:
         """Keep the state of prompts whose prefill just reached their last token."""
