@@ -150,6 +150,7 @@ class _Row:
     reserved: int  # bytes of cache state set aside for it
     cached_tokens: int = 0
     generated: int = 0
+    prefilled: bool = False  # its prompt is in; its first token comes with the next step
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,7 +407,10 @@ class Engine:
         admission = self._admission
         assert admission is not None
         reserved = self._reserved
-        while self._deferred and not plan.stop:
+        # mlx-lm returns a step's tokens only after that step's prefill work: a new prompt
+        # admitted now would hold back the first token of one that just finished its prefill.
+        first_tokens_due = any(row.prefilled and not row.generated for row in self._rows.values())
+        while self._deferred and not plan.stop and not first_tokens_due:
             request = self._deferred[0]
             need = admission.estimate(request)
             busy = self._rows or plan.admits
@@ -470,6 +474,9 @@ class Engine:
         if self.config.faults is not None:
             self.config.faults.before_step(self._steps)
         prompt_progress, responses = self._generator.next()
+        for progress in prompt_progress:
+            if progress.end_of_prompt and (row := self._rows.get(progress.uid)) is not None:
+                row.prefilled = True
         if self._prefix is not None:
             self._snapshot_prefills(prompt_progress)
         rows = self._rows
