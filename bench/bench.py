@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--skip",
         default="",
-        help="comma-separated parts to leave out: sweep, burst, cancel",
+        help="comma-separated parts to leave out: sweep, burst, cancel, prefix",
     )
     parser.add_argument("--device-note", help="free text about the machine, kept in the report")
     parser.add_argument(
@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.results_md is None:
         args.results_md = not args.quick
     args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
-    unknown = args.skip - {"sweep", "burst", "cancel"}
+    unknown = args.skip - {"sweep", "burst", "cancel", "prefix"}
     if unknown:
         parser.error(f"unknown parts in --skip: {', '.join(sorted(unknown))}")
     return args
@@ -149,6 +149,7 @@ class Suite:
             "long_tokens": 2048,
             "max_tokens": 64,
         }
+        self.prefix = {"repeats": 3, "prefix_tokens": 1500, "suffix_tokens": 20, "max_tokens": 8}
         self.run: dict[str, Any] = {
             "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "command": " ".join(["bench/bench.py", *sys.argv[1:]]),
@@ -165,10 +166,12 @@ class Suite:
                 "repeats": args.repeats,
                 "burst": self.burst,
                 "cancel": self.cancel,
+                "prefix": self.prefix,
             },
             "sweep": {report.RAW: [], "ours": []},
             "burst": {},
             "cancel": {},
+            "prefix": {},
             "failures": [],
         }
         if self.smg_python is not None:
@@ -267,6 +270,7 @@ class Suite:
         )
 
     def burst_and_cancel(self) -> None:
+        """The parts that each take a fresh worker: burst, cancel and reuse, prefix reuse."""
         for name, worker in self.workers("burst-cancel"):
             try:
                 with worker:
@@ -304,6 +308,10 @@ class Suite:
                 )
                 self.run["cancel"][name] = cancel
                 log(f"cancel and reuse: {label} follow-up ÷ idle {cancel['ratio']:.2f}")
+            if "prefix" not in self.args.skip:
+                prefix = await client.prefix_reuse(seed="prefix", **self.prefix)
+                self.run["prefix"][name] = prefix
+                log(f"prefix reuse: {label} TTFT on a hit ÷ cold {prefix['ratio']:.3f}")
         finally:
             await client.close()
 
@@ -326,7 +334,7 @@ class Suite:
         if report.plot(self.run, png_path):
             print(f"plot: {png_path}")
         else:
-            print("plot: skipped (matplotlib is not installed; `make install` brings it)")
+            print("plot: skipped (no sweep, or matplotlib is not installed)")
         if self.args.results_md:
             report.update_results_md(self.run)
             print(f"updated {report.RESULTS_MD}")
@@ -339,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model {suite.model}; levels {args.levels}; log files in {suite.log_dir}")
     if "sweep" not in args.skip:
         suite.sweep()
-    if not {"burst", "cancel"} <= args.skip:
+    if not {"burst", "cancel", "prefix"} <= args.skip:
         suite.burst_and_cancel()
     return suite.finish()
 

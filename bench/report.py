@@ -228,6 +228,29 @@ def cancel_table(run: Run) -> str:
     return markdown_table(headers, rows)
 
 
+def prefix_table(run: Run) -> str:
+    headers = [
+        "worker",
+        "cold TTFT ms",
+        "TTFT on a hit ms",
+        "hit ÷ cold",
+        "cached tokens",
+        "errors",
+    ]
+    rows = [
+        [
+            LABELS[name],
+            prefix["cold_ttft_ms"],
+            prefix["hit_ttft_ms"],
+            _fmt(prefix["ratio"], 3),
+            prefix["hit_cached_tokens"],
+            prefix["errors"],
+        ]
+        for name, prefix in run.get("prefix", {}).items()
+    ]
+    return markdown_table(headers, rows)
+
+
 def machine_line(run: Run) -> str:
     m = run["machine"]
     line = (
@@ -289,6 +312,15 @@ def render(run: Run) -> str:
             "",
             cancel_table(run),
         ]
+    if run.get("prefix"):
+        prefix = s["prefix"]
+        parts += [
+            "",
+            f"### Prefix reuse (a {prefix['prefix_tokens']}-token prompt, then the same prefix "
+            f"with {prefix['suffix_tokens']} new tokens; median of {prefix['repeats']})",
+            "",
+            prefix_table(run),
+        ]
     return "\n".join(parts)
 
 
@@ -301,7 +333,10 @@ def write_json(run: Run, path: Path) -> None:
 
 
 def plot(run: Run, path: Path) -> bool:
-    """Tokens/s and TTFT p50 against concurrency; False when matplotlib is missing."""
+    """Tokens/s and TTFT p50 against concurrency; False when matplotlib is missing or
+    there is no sweep to draw."""
+    if not any(run["sweep"].values()):
+        return False
     try:
         import matplotlib
 
