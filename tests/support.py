@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
 from servicer.server import ServerConfig, WorkerServer
 
 ROOT = Path(__file__).resolve().parent.parent
+SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 
 
 def free_port() -> int:
@@ -238,3 +241,77 @@ class WorkerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+class Router:
+    """The real SMG router (`smg launch`) in front of workers, with no --model-path: it
+    fetches the tokenizer from the workers with GetTokenizer."""
+
+    def __init__(
+        self, worker_addresses: list[str], log_path: Path, *flags: str, connections: int = 32
+    ) -> None:
+        assert SMG is not None, "the smg router is a dev dependency"
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        http_port = free_port()
+        self.proc = subprocess.Popen(
+            [
+                SMG,
+                "launch",
+                "--worker-urls",
+                *(f"grpc://{address}" for address in worker_addresses),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(http_port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                *flags,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.client = httpx.Client(
+            base_url=f"http://127.0.0.1:{http_port}",
+            timeout=120,
+            limits=httpx.Limits(max_connections=connections),
+        )
+
+    def wait_until_serving(self, timeout: float = 120) -> str:
+        """The model name, once /v1/models lists it and the tokenizer has been fetched (until
+        then chat completions get 503 tokenizer_not_ready)."""
+        deadline = time.monotonic() + timeout
+        model = None
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if model is None:
+                    response = self.client.get("/v1/models")
+                    if response.status_code == 200 and response.json().get("data"):
+                        model = response.json()["data"][0]["id"]
+                else:
+                    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+                    response = self.client.post(
+                        "/v1/chat/completions", json={**body, "max_tokens": 1}
+                    )
+                    if response.status_code == 200:
+                        return model
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"router never became ready:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        self._log.flush()
+        return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text())[-chars:]
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()  # its graceful shutdown keeps the listener open ~5 s: no need
+        try:
+            self.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()

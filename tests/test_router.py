@@ -4,79 +4,21 @@ fetches the tokenizer from the worker with GetTokenizer."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
-import httpx
 import pytest
-from support import free_port
+from support import SMG, Router
 
-SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 pytestmark = pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
 
 MESSAGES = [{"role": "user", "content": "Tell me about the river."}]
 
 
-class Router:
-    def __init__(self, worker_address: str, log_path: Path) -> None:
-        self.http_port = free_port()
-        self.log_path = log_path
-        self._log = log_path.open("w")
-        self.proc = subprocess.Popen(
-            [
-                str(SMG),
-                "launch",
-                "--worker-urls",
-                f"grpc://{worker_address}",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.http_port),
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(free_port()),
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        self.base = f"http://127.0.0.1:{self.http_port}"
-        self.client = httpx.Client(base_url=self.base, timeout=60)
-
-    def wait_for_model(self, timeout: float = 120) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                response = self.client.get("/v1/models")
-                if response.status_code == 200 and response.json().get("data"):
-                    return response.json()["data"][0]["id"]
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        raise AssertionError(f"router never listed a model:\n{self.log_path.read_text()[-4000:]}")
-
-    def close(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
-
-
 @pytest.fixture(scope="module")
 def router(server, tmp_path_factory) -> Iterator[tuple[Router, str]]:
-    running = Router(server.address, tmp_path_factory.mktemp("router") / "smg.log")
+    running = Router([server.address], tmp_path_factory.mktemp("router") / "smg.log")
     try:
-        model = running.wait_for_model()
-        yield running, model
+        yield running, running.wait_until_serving()
     finally:
         running.close()
 
@@ -90,20 +32,10 @@ def _expected_chat(reference, max_tokens: int) -> tuple[list[int], str]:
     return list(prompt), tokens
 
 
-def _wait_for_tokenizer(client: httpx.Client, body: dict) -> httpx.Response:
-    """The router answers 503 tokenizer_not_ready until its GetTokenizer fetch lands."""
-    for _ in range(120):
-        response = client.post("/v1/chat/completions", json=body)
-        if response.status_code != 503:
-            return response
-        time.sleep(0.25)
-    return response
-
-
 def test_chat_completion_through_the_router(router, reference):
     running, model = router
     body = {"model": model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
-    response = _wait_for_tokenizer(running.client, body)
+    response = running.client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     reply = response.json()
     prompt, tokens = _expected_chat(reference, 12)
@@ -124,7 +56,6 @@ def test_streaming_chat_completion_through_the_router(router, reference):
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    _wait_for_tokenizer(running.client, {**body, "stream": False})
     pieces, usage, finish = [], None, None
     with running.client.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
@@ -145,7 +76,6 @@ def test_streaming_chat_completion_through_the_router(router, reference):
 
 def test_text_completion_through_the_router(router, reference):
     running, model = router
-    _wait_for_tokenizer(running.client, {"model": model, "messages": MESSAGES, "max_tokens": 1})
     body = {"model": model, "prompt": "The river", "max_tokens": 10, "temperature": 0}
     response = running.client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
@@ -166,7 +96,7 @@ def test_second_chat_turn_reports_cached_tokens(router):
     running, model = router
     first_turn = [{"role": "user", "content": "Where does the old road go after the bridge?"}]
     body = {"model": model, "messages": first_turn, "max_tokens": 12, "temperature": 0}
-    first = _wait_for_tokenizer(running.client, body)
+    first = running.client.post("/v1/chat/completions", json=body)
     assert first.status_code == 200, first.text
     reply = first.json()["choices"][0]["message"]["content"]
     second_turn = [

@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
-from support import WorkerProcess, free_port, wait_until
+from support import SMG, Router, WorkerProcess, free_port, wait_until
 
-SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
 pytestmark = pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
 
 REQUESTS = 40
@@ -52,75 +47,6 @@ ROUTER_FLAGS = [
     "--cb-failure-threshold", "2",
     "--cb-timeout-duration-secs", "10",
 ]  # fmt: skip
-
-
-class Router:
-    """`smg launch` in front of several workers."""
-
-    def __init__(self, worker_addresses: list[str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = log_path.open("w")
-        http_port = free_port()
-        self.proc = subprocess.Popen(
-            [
-                str(SMG),
-                "launch",
-                "--worker-urls",
-                *(f"grpc://{address}" for address in worker_addresses),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(http_port),
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(free_port()),
-                *ROUTER_FLAGS,
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        limits = httpx.Limits(max_connections=4 * CONCURRENCY)
-        self.client = httpx.Client(
-            base_url=f"http://127.0.0.1:{http_port}", timeout=120, limits=limits
-        )
-
-    def wait_until_serving(self, timeout: float = 120) -> str:
-        """The model name, once /v1/models lists it and the tokenizer has been fetched."""
-        deadline = time.monotonic() + timeout
-        model = None
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if model is None:
-                    response = self.client.get("/v1/models")
-                    if response.status_code == 200 and response.json().get("data"):
-                        model = response.json()["data"][0]["id"]
-                else:
-                    # 503 tokenizer_not_ready until the GetTokenizer fetch lands.
-                    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
-                    response = self.client.post(
-                        "/v1/chat/completions", json={**body, "max_tokens": 1}
-                    )
-                    if response.status_code == 200:
-                        return model
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"router never became ready:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 4000) -> str:
-        self._log.flush()
-        return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text())[-chars:]
-
-    def close(self) -> None:
-        self.client.close()
-        self.proc.terminate()  # graceful shutdown keeps the listener open ~5 s; no need here
-        try:
-            self.proc.wait(2)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
 
 
 @dataclass
@@ -173,7 +99,12 @@ def fleet(demo_dir, tmp_path_factory) -> Iterator[Fleet]:
             worker.wait_ready()
         # Workers first: the router probes them once at startup.
         log_path = tmp_path_factory.mktemp("scale-out") / "smg.log"
-        router = Router([worker.address for worker in workers], log_path)
+        router = Router(
+            [worker.address for worker in workers],
+            log_path,
+            *ROUTER_FLAGS,
+            connections=4 * CONCURRENCY,
+        )
         yield Fleet(workers, ports, router, router.wait_until_serving())
     finally:
         if router is not None:

@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from support import ROOT, free_port
-from test_router import SMG
+from support import ROOT, SMG, free_port
 
 
 def test_client_streams_the_greedy_text(server, reference):
