@@ -334,16 +334,17 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     def _chunk(
         stream: RequestStream, step: _Progress, prompt_tokens: int, completion_tokens: int
     ) -> mlx_engine_pb2.GenerateResponse:
-        chunk = mlx_engine_pb2.GenerateStreamChunk(
-            token_ids=[e.token for e in step.events],  # type: ignore[misc]
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            cached_tokens=step.cached_tokens,
-            text=step.text,
-        )
+        response = mlx_engine_pb2.GenerateResponse()
+        chunk = response.chunk  # filled in place: building it apart and copying costs twice
+        chunk.token_ids.extend([e.token for e in step.events])  # type: ignore[misc]
+        chunk.prompt_tokens = prompt_tokens
+        chunk.completion_tokens = completion_tokens
+        chunk.cached_tokens = step.cached_tokens
+        if step.text:
+            chunk.text = step.text
         if stream.request.top_logprobs is not None:
             chunk.output_logprobs.CopyFrom(_logprobs_proto(step.events))
-        return mlx_engine_pb2.GenerateResponse(chunk=chunk)
+        return response
 
     async def _unary_response(self, stream: RequestStream) -> mlx_engine_pb2.GenerateResponse:
         collected: list[RowEvent] = []
