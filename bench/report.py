@@ -115,12 +115,22 @@ def _by_level(levels: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {level["concurrency"]: level for level in levels}
 
 
+def _median_round_ratio(level: dict[str, Any]) -> float | None:
+    """The median over rounds of served ÷ the raw run just before it: on a noisy machine
+    this drifts less than the ratio of the two best rounds, which may come minutes apart."""
+    ratios = sorted(r["ratio"] for r in level.get("extra", {}).get("rounds", []) if r.get("ratio"))
+    if not ratios:
+        return None
+    middle = len(ratios) // 2
+    return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+
+
 def headline_table(run: Run) -> str:
     raw = _by_level(run["sweep"].get(RAW, []))
     workers = _workers(run)
     headers = ["concurrency", "raw tok/s"]
     for name in workers:
-        headers += [f"{LABELS[name]} tok/s", "÷ raw"]
+        headers += [f"{LABELS[name]} tok/s", "÷ raw (best)", "÷ raw (median round)"]
     rows = []
     for concurrency in run["settings"]["levels"]:
         ceiling = raw.get(concurrency, {}).get("tokens_per_s")
@@ -128,8 +138,7 @@ def headline_table(run: Run) -> str:
         for name in workers:
             level = _by_level(run["sweep"][name]).get(concurrency, {})
             served = level.get("tokens_per_s")
-            ratio = _ratio(served, ceiling)
-            row += [served, _fmt(ratio, 2)]
+            row += [served, _fmt(_ratio(served, ceiling), 2), _fmt(_median_round_ratio(level), 2)]
         rows.append(row)
     return markdown_table(headers, rows)
 
