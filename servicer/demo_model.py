@@ -15,6 +15,7 @@ import argparse
 import fcntl
 import importlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 DEMO_MODEL_KIND = "llama"
 DEMO_SEED = 0
@@ -275,6 +278,8 @@ def demo_model_path(kind: str = DEMO_MODEL_KIND, cache_dir: Path | None = None) 
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not is_finished_build(target):
+            log.info("building the %s demo model into %s (first use, about 30 s)", kind, target)
         return build_model(target, kind, DEMO_SEED)
 
 
