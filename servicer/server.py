@@ -194,6 +194,12 @@ async def run_worker(config: ServerConfig, on_ready: Callable[[], None] = lambda
     except OSError as exc:
         log.error("%s", exc)
         return 1
+    log.info(
+        "listening on %s:%d; loading %s (health NOT_SERVING until it is warm)",
+        config.host,
+        port,
+        config.engine.model or "the built-in demo model",
+    )
     try:
         info = await server.wait_ready()
     except EngineStartupError as exc:
