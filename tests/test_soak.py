@@ -65,9 +65,14 @@ def test_soak_accounts_for_every_request(demo_dir):
 
         calls = sum(r.requests for r in (warmup, report))
         calls += sum(r.endings.get("status:ALREADY_EXISTS", 0) for r in (warmup, report))
+        # A deadline can pass inside gRPC before the handler ever runs (a loaded machine, a
+        # 50 ms deadline); such a call never reached the worker, so it may be missing here.
+        unseen = sum(r.endings.get("status:DEADLINE_EXCEEDED", 0) for r in (warmup, report))
         assert wait_until(
-            lambda: _metrics(metrics_port)["mlx_worker_requests_total"] == calls, timeout=30
-        ), _metrics(metrics_port)
+            lambda: _metrics(metrics_port)["mlx_worker_requests_total"] >= calls - unseen,
+            timeout=30,
+        ), (calls, unseen, _metrics(metrics_port))
+        assert _metrics(metrics_port)["mlx_worker_requests_total"] <= calls
         values = _metrics(metrics_port)
         assert values["mlx_worker_running_requests"] == 0  # the engine holds no rows
         assert values["mlx_worker_waiting_requests"] == 0
