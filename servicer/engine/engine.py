@@ -33,7 +33,7 @@ from .constraints import GrammarFactory
 from .faults import FaultPlan
 from .lockstep import Lockstep, LockstepBroken
 from .memory import device_memory_bytes, measure, weights_bytes
-from .model import LoadedModel, load_model
+from .model import LoadedModel, load_model, log_blas_hint
 from .prefix_cache import PrefixCache
 from .sampling import SamplingFactory, gather_logprobs
 from .text import TextCodec
@@ -303,6 +303,7 @@ class Engine:
             model = str(demo_model_path(DEMO_MODEL_KIND))
             served = served or f"mlx-grpc-worker-demo-{DEMO_MODEL_KIND}"
         group = self._lockstep.group if self._lockstep is not None else None
+        log_blas_hint()
         return load_model(model, self.config.adapter_path, served, group)
 
     @staticmethod
