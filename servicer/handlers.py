@@ -32,7 +32,7 @@ from .metrics import WorkerMetrics
 from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
 from .text import TextTracker
 from .tokenizer_bundle import TokenizerArchive, build_archive
-from .validation import Limits, RequestError, build_request
+from .validation import GrammarCheck, Limits, RequestError, build_request
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,12 @@ SERVER_TYPE = "mlx-grpc-worker"
 _FAILURE_STATUS = {
     FailureKind.INTERNAL: grpc.StatusCode.INTERNAL,
     FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    FailureKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+}
+_FAILURE_METRIC = {
+    FailureKind.INTERNAL: "engine_step",
+    FailureKind.UNAVAILABLE: "engine_step",
+    FailureKind.INVALID_ARGUMENT: "grammar",
 }
 
 
@@ -167,11 +173,17 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     # ----- lifecycle, driven by the server -----
 
-    def attach(self, info: ModelInfo, codec: Codec, admission: Admission) -> None:
+    def attach(
+        self,
+        info: ModelInfo,
+        codec: Codec,
+        admission: Admission,
+        check_grammar: GrammarCheck | None = None,
+    ) -> None:
         self._info = info
         self._codec = codec
         self._admission = admission
-        self._limits = Limits.for_model(info, self._options.max_prompt_tokens)
+        self._limits = Limits.for_model(info, self._options.max_prompt_tokens, check_grammar)
         self.refusal = None
 
     @property
@@ -190,8 +202,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 stream.push(event)
         for seconds in out.step_seconds:
             self._metrics.step_time.observe(seconds)
-        if out.failures:
-            self._metrics.errors.labels("engine_step").inc()
+        for kind in {failure.kind for failure in out.failures}:  # once per step and kind
+            self._metrics.errors.labels(_FAILURE_METRIC[kind]).inc()
         for failure in out.failures:
             stream = streams.get(failure.ticket)
             if stream is not None:

@@ -96,6 +96,7 @@ class RowEvent:
 class FailureKind(Enum):
     INTERNAL = "internal"  # a step failed; the engine recovered
     UNAVAILABLE = "unavailable"  # the engine is gone or shutting down
+    INVALID_ARGUMENT = "invalid_argument"  # the request's own grammar failed mid-generation
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,7 +144,9 @@ class WorkerServer:
     async def wait_ready(self, timeout: float | None = None) -> ModelInfo:
         """Wait for the engine to load and warm up, then report SERVING."""
         info = await asyncio.to_thread(self.engine.wait_ready, timeout)
-        self.servicer.attach(info, self.engine.codec, self.engine.admission)
+        self.servicer.attach(
+            info, self.engine.codec, self.engine.admission, self.engine.grammar_check
+        )
         await self._set_health(SERVING)
         return info
 

@@ -8,6 +8,7 @@ Proto3 zero values mean "unset" for the scalar fields the router always fills
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -18,6 +19,10 @@ from .proto import mlx_engine_pb2 as pb
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# Below this a temperature is greedy: 1 / temperature would overflow float32 near 1e-39 and
+# turn "almost greedy" into uniform noise.
+GREEDY_TEMPERATURE = 1e-6
+GrammarCheck = Callable[[str], "str | None"]  # why a grammar cannot run here, or None
 
 
 class RequestError(Exception):
@@ -42,15 +47,22 @@ class Limits:
     eos_token_ids: tuple[int, ...]
     max_prompt_tokens: int | None = None
     has_thinking: bool = False
+    check_grammar: GrammarCheck | None = None  # the engine's, against the model's vocabulary
 
     @classmethod
-    def for_model(cls, info: ModelInfo, max_prompt_tokens: int | None = None) -> Limits:
+    def for_model(
+        cls,
+        info: ModelInfo,
+        max_prompt_tokens: int | None = None,
+        check_grammar: GrammarCheck | None = None,
+    ) -> Limits:
         return cls(
             info.vocab_size,
             info.context_length,
             info.eos_token_ids,
             max_prompt_tokens,
             info.has_thinking,
+            check_grammar,
         )
 
     @property
@@ -108,7 +120,7 @@ def sampling_spec(params: pb.SamplingParams, vocab_size: int) -> SamplingSpec:
         raise _invalid(f"min_p must be in [0, 1], got {min_p}")
     # A top_k that keeps the whole vocabulary filters nothing.
     top_k = params.top_k if params.top_k < vocab_size else 0
-    if temperature == 0:  # greedy ignores every filter; one shared sampler serves all
+    if temperature < GREEDY_TEMPERATURE:  # greedy ignores every filter; one sampler serves all
         return SamplingSpec(temperature=0.0)
     seed = params.seed if params.HasField("seed") else None
     return SamplingSpec(temperature, top_p, top_k, min_p, seed)
@@ -150,7 +162,7 @@ def text_options(params: pb.SamplingParams) -> TextOptions | None:
     return TextOptions(stops, True)
 
 
-def constraint(params: pb.SamplingParams) -> Constraint | None:
+def constraint(params: pb.SamplingParams, check: GrammarCheck | None = None) -> Constraint | None:
     kind = params.WhichOneof("constraint")
     if kind is None:
         return None
@@ -170,7 +182,7 @@ def constraint(params: pb.SamplingParams) -> Constraint | None:
             grammar = llguidance.LLMatcher.grammar_from_lark(source)
     except ValueError as exc:
         raise _invalid(f"invalid {kind}: {exc}") from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = check(grammar) if check is not None else llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise _invalid(f"invalid {kind}: {error}")
     return Constraint(kind, grammar)
@@ -198,7 +210,7 @@ def build_request(
         if not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
             raise _invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs}")
         top_logprobs = params.logprobs
-    grammar = constraint(params)
+    grammar = constraint(params, limits.check_grammar)
     thinking_budget = None
     if params.HasField("thinking_budget"):
         if not limits.has_thinking:

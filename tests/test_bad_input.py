@@ -99,6 +99,16 @@ def test_proto_zero_values_mean_unset(channel, reference, prompts):
     assert outcome.tokens == reference.greedy(prompts[3], 6)
 
 
+@pytest.mark.parametrize("seed", [None, 5])
+def test_a_vanishing_temperature_is_greedy_not_noise(channel, reference, prompts, seed):
+    # 1 / 1e-39 overflows float32: sampled "almost greedy" would come out uniform.
+    params = {"seed": seed} if seed is not None else {}
+    outcome = generate(
+        channel, prompts[4], temperature=1e-39, max_tokens=6, ignore_eos=True, **params
+    )
+    assert outcome.tokens == reference.greedy(prompts[4], 6)
+
+
 def test_max_tokens_past_the_context_is_clamped_and_ends_with_length(channel, prompts):
     prompt = (prompts[4] * 1000)[:4090]
     outcome = generate(channel, prompt, temperature=0, max_tokens=500, ignore_eos=True)

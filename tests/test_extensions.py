@@ -208,10 +208,30 @@ def test_regex_and_lark_outputs_match(channel, reference, prompts, seed):
 
 @pytest.mark.parametrize(
     "field, source",
-    [("json_schema", "{not json"), ("regex", "("), ("lark_grammar", "start: (")],
+    [
+        ("json_schema", "{not json"),
+        ("regex", "("),
+        ("lark_grammar", "start: ("),
+        # Valid syntax that only the model's vocabulary can refute:
+        ("lark_grammar", "start: <|no-such-special-token|>"),
+        ("lark_grammar", 'start: "x" <[99999]>'),
+    ],
 )
 def test_invalid_constraints_are_refused_before_generation(channel, prompts, field, source):
     outcome = generate(channel, prompts[0], max_tokens=4, **{field: source})
     assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT
     assert f"invalid {field}" in outcome.error.details()
     assert outcome.chunks == []
+
+
+def test_a_grammar_that_fails_while_generating_ends_with_an_error(channel, prompts):
+    # Valid up front, but the parser's item limit stops it after the first token: the
+    # request must end with INVALID_ARGUMENT, not a `stop` whose output breaks the grammar.
+    outcome = generate(
+        channel, prompts[0], temperature=0.0, max_tokens=8, lark_grammar='start: "a"{100000}'
+    )
+    assert outcome.complete is None
+    assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "grammar failed while generating" in outcome.error.details()
+    after = generate(channel, prompts[1], temperature=0.0, max_tokens=4)
+    assert after.complete.finish_reason == "length"

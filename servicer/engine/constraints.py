@@ -7,6 +7,8 @@ and Metal alike.
 
 from __future__ import annotations
 
+import logging
+
 import llguidance
 import llguidance.hf
 import llguidance.numpy
@@ -15,9 +17,15 @@ import numpy as np
 
 from ..messages import Constraint
 
+log = logging.getLogger(__name__)
+
 
 class GrammarProcessor:
-    """Masks every token the grammar forbids; once the grammar is complete, only EOS remains."""
+    """Masks every token the grammar forbids; once the grammar is complete, only EOS remains.
+
+    A grammar can still fail while generating (a parser limit, say): then only EOS remains
+    too, and `error` says why, so the engine ends the request with an error, not `stop`.
+    """
 
     def __init__(
         self, tokenizer: llguidance.LLTokenizer, constraint: Constraint, vocab_size: int, eos: int
@@ -28,6 +36,7 @@ class GrammarProcessor:
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
         self._prompt_len: int | None = None
         self._consumed = 0
+        self.error: str | None = None
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         # `tokens` is the request's whole context: its prompt, then what it generated so far.
@@ -35,10 +44,15 @@ class GrammarProcessor:
             self._prompt_len = tokens.shape[0]
         generated = tokens.shape[0] - self._prompt_len
         if generated > self._consumed:
-            new = tokens[self._prompt_len + self._consumed :].tolist()
-            self._matcher.consume_tokens(new)
+            # Once the grammar is complete only EOS follows, and the batch may show it here a
+            # step before the row ends: a stopped matcher takes no more tokens.
+            if not self._matcher.is_stopped():
+                new = tokens[self._prompt_len + self._consumed :].tolist()
+                self._matcher.consume_tokens(new)
             self._consumed = generated
-        if self._matcher.is_stopped() or self._matcher.is_error():
+        if self._matcher.is_error() and self.error is None:
+            self.error = self._matcher.get_error() or "the grammar matcher failed"
+        if self._matcher.is_stopped() or self.error is not None:
             allowed = np.zeros(self._vocab_size, dtype=bool)
             allowed[self._eos] = True
         else:
@@ -53,17 +67,31 @@ class GrammarProcessor:
 
 
 class GrammarFactory:
-    """Builds the llguidance tokenizer once, on first use (slow for big vocabularies)."""
+    """Builds the llguidance tokenizer once, when the engine loads (slow for big vocabularies);
+    `check` may then run on any thread."""
 
     def __init__(self, hf_tokenizer: object, vocab_size: int, eos: int) -> None:
-        self._hf_tokenizer = hf_tokenizer
         self._vocab_size = vocab_size
         self._eos = eos
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._unavailable: str | None = None
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                hf_tokenizer, n_vocab=vocab_size, eos_token=eos
+            )
+        except Exception as exc:  # a tokenizer llguidance cannot read: no structured output
+            self._unavailable = f"structured output is unavailable for this model: {exc}"
+            log.warning("%s", self._unavailable)
+
+    def check(self, grammar: str) -> str | None:
+        """Why `grammar` cannot run on this model's vocabulary, or None when it can."""
+        if self._tokenizer is None:
+            return self._unavailable
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self._tokenizer
+        )
+        return (messages[0] if messages else "invalid grammar") if is_error else None
 
     def processor(self, constraint: Constraint) -> GrammarProcessor:
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos
-            )
+        assert self._tokenizer is not None, "check() refuses every grammar in this case"
         return GrammarProcessor(self._tokenizer, constraint, self._vocab_size, self._eos)

@@ -29,7 +29,7 @@ from ..messages import (
     RowFailure,
     StepOutput,
 )
-from .constraints import GrammarFactory
+from .constraints import GrammarFactory, GrammarProcessor
 from .faults import FaultPlan
 from .lockstep import Lockstep, LockstepBroken
 from .memory import device_memory_bytes, measure, weights_bytes
@@ -151,6 +151,7 @@ class _Row:
     cached_tokens: int = 0
     generated: int = 0
     prefilled: bool = False  # its prompt is in; its first token comes with the next step
+    grammar: GrammarProcessor | None = None  # its structured-output processor, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +232,12 @@ class Engine:
     @property
     def prefix_cache(self) -> PrefixCache | None:
         return self._prefix
+
+    @property
+    def grammar_check(self) -> Callable[[str], str | None]:
+        """Checks a grammar against the model's vocabulary (any thread, after `wait_ready`)."""
+        assert self._sampling is not None
+        return self._sampling.check_grammar
 
     @property
     def codec(self) -> TextCodec:
@@ -447,17 +454,20 @@ class Engine:
             caches.append(cache)
         requests = [admit.request for admit in plan.admits]
         sampling = self._sampling
+        chains = [sampling.processors(r) for r in requests]
         uids = self._generator.insert(
             [a.request.prompt[a.cached_tokens :] for a in plan.admits],
             max_tokens=[r.max_tokens for r in requests],
             caches=caches,
             all_tokens=[a.request.prompt[: a.cached_tokens] for a in plan.admits],
             samplers=[sampling.sampler(r.sampling) for r in requests],
-            logits_processors=[sampling.processors(r) for r in requests],
+            logits_processors=chains,
             stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
         )
-        for uid, admit in zip(uids, plan.admits, strict=True):
-            self._rows[uid] = _Row(admit.request, uid, admit.reserved, admit.cached_tokens)
+        for uid, admit, chain in zip(uids, plan.admits, chains, strict=True):
+            row = _Row(admit.request, uid, admit.reserved, admit.cached_tokens)
+            row.grammar = next((p for p in chain if isinstance(p, GrammarProcessor)), None)
+            self._rows[uid] = row
             self._reserved += admit.reserved
 
     def _drop(self, row: _Row) -> None:
@@ -482,12 +492,22 @@ class Engine:
             self._snapshot_prefills(prompt_progress)
         rows = self._rows
         wants_logprobs = []
+        broken = []  # rows whose grammar failed and that are still in the batch
         for response in responses:
             row = rows.get(response.uid)
             if row is None:  # removed earlier in this step
                 continue
             row.generated += 1
             finish = response.finish_reason
+            if row.grammar is not None and row.grammar.error is not None:
+                message = f"the request's grammar failed while generating: {row.grammar.error}"
+                out.failures.append(
+                    RowFailure(row.request.ticket, FailureKind.INVALID_ARGUMENT, message)
+                )
+                if finish is None:
+                    broken.append(row.uid)
+                self._drop(row)
+                continue
             event = RowEvent(
                 row.request.ticket,
                 response.token,
@@ -503,6 +523,8 @@ class Engine:
                 self._drop(row)
                 if self._prefix is not None and response.prompt_cache is not None:
                     self._prefix.store(response.all_tokens, response.prompt_cache)
+        if broken:
+            self._generator.remove(broken)
         if wants_logprobs:
             self._attach_logprobs(wants_logprobs)
         if self._lockstep is not None:

@@ -7,6 +7,7 @@ equal sampling settings share one sampler object, and neutral penalties build no
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
@@ -14,12 +15,11 @@ from typing import Generic, TypeVar
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import (
-    apply_min_p,
     apply_top_k,
     apply_top_p,
+    categorical_sampling,
     greedy_sampler,
     make_logits_processors,
-    make_sampler,
 )
 
 from ..messages import GenerationRequest, PenaltySpec, SamplingSpec, TokenLogprob
@@ -50,6 +50,42 @@ class _BoundedCache(Generic[K, V]):
         return value
 
 
+@mx.compile
+def _apply_min_p(logprobs: mx.array, log_min_p: mx.array) -> mx.array:
+    """mlx-lm's min-p filter, with min_p as an array (see `_filters`)."""
+    threshold = mx.max(logprobs, axis=-1, keepdims=True) + log_min_p
+    return mx.where(logprobs < threshold, -mx.inf, logprobs)
+
+
+def _filters(spec: SamplingSpec, vocab_size: int) -> list[Sampler]:
+    """top-p, min-p, top-k, in mlx-lm's order. The float settings go in as arrays: mlx-lm's
+    compiled filters take them as Python floats, which compiles them afresh for every new
+    value (about a second each, on the engine thread, stalling every request)."""
+    filters: list[Sampler] = []
+    if spec.top_p < 1.0:
+        top_p = mx.array(spec.top_p, dtype=mx.float32)
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if spec.min_p > 0.0:
+        log_min_p = mx.array(math.log(spec.min_p), dtype=mx.float32)
+        filters.append(lambda x: _apply_min_p(x, log_min_p))
+    if 0 < spec.top_k < vocab_size:  # one that keeps the whole vocabulary is no top-k
+        filters.append(lambda x: apply_top_k(x, spec.top_k))
+    return filters
+
+
+class _Sampler:
+    """Filters, then a draw from MLX's global random state (requests without a seed)."""
+
+    def __init__(self, spec: SamplingSpec, vocab_size: int) -> None:
+        self._filters = _filters(spec, vocab_size)
+        self._temperature = mx.array(spec.temperature, dtype=mx.float32)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        for apply in self._filters:
+            logprobs = apply(logprobs)
+        return categorical_sampling(logprobs, self._temperature)
+
+
 class SeededSampler:
     """A sampler with its own random key: a seed gives the same draws whatever else runs.
 
@@ -61,13 +97,7 @@ class SeededSampler:
         assert spec.seed is not None
         self._key = mx.random.key(spec.seed % 2**32)
         self._scale = 1.0 / spec.temperature
-        self._filters: list[Callable[[mx.array], mx.array]] = []
-        if spec.top_p < 1.0:
-            self._filters.append(lambda x: apply_top_p(x, spec.top_p))
-        if spec.min_p > 0.0:
-            self._filters.append(lambda x: apply_min_p(x, spec.min_p))
-        if 0 < spec.top_k < vocab_size:
-            self._filters.append(lambda x: apply_top_k(x, spec.top_k))
+        self._filters = _filters(spec, vocab_size)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         keys = mx.random.split(self._key)
@@ -147,17 +177,10 @@ class SamplingFactory:
             return greedy_sampler
         if spec.seed is not None:
             return SeededSampler(spec, self._vocab_size)
-        return self._samplers.get_or_build(spec, lambda: self._build_sampler(spec))
+        return self._samplers.get_or_build(spec, lambda: _Sampler(spec, self._vocab_size))
 
-    def _build_sampler(self, spec: SamplingSpec) -> Sampler:
-        # A top_k that keeps the whole vocabulary is no top_k at all (mlx-lm rejects it).
-        top_k = spec.top_k if 0 < spec.top_k < self._vocab_size else 0
-        return make_sampler(
-            temp=spec.temperature,
-            top_p=spec.top_p if spec.top_p < 1.0 else 0.0,
-            min_p=spec.min_p,
-            top_k=top_k,
-        )
+    def check_grammar(self, grammar: str) -> str | None:
+        return self._grammars.check(grammar)
 
     def processors(self, request: GenerationRequest) -> list[LogitsProcessor]:
         """The request's own processors, in order: penalties, thinking budget, grammar."""
