@@ -154,9 +154,13 @@ async def _one(stub, rng: random.Random, rid: str, kind: str) -> Record:
         call = stub.Generate(_request(rid, prompt, True, **params), timeout=30)
         await _consume(call, record)
     elif kind == "duplicate":
-        # The original runs long and is aborted; the copy must be refused meanwhile.
+        # The original runs long and is aborted; the copy must be refused meanwhile. It ignores
+        # EOS: a sampled EOS could otherwise end it before the copy arrives, and then the copy
+        # is rightly accepted.
         original = Record(rid, "duplicate-original")
-        first = stub.Generate(_request(rid, prompt, True, max_tokens=LONG), timeout=120)
+        first = stub.Generate(
+            _request(rid, prompt, True, max_tokens=LONG, ignore_eos=True), timeout=120
+        )
 
         async def refuse_copy_then_abort() -> bool:
             copy = stub.Generate(_request(rid, prompt, True, max_tokens=4), timeout=30)
