@@ -61,7 +61,7 @@ class WorkerMetrics:
         self.errors = Counter(
             "mlx_worker_errors",
             "Errors by kind: invalid_request, duplicate_request, queue_full, kv_memory, "
-            "engine_step, engine_death",
+            "grammar, engine_step, engine_death",
             ["kind"],
             registry=reg,
         )

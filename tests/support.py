@@ -158,6 +158,25 @@ def generate(
     return outcome
 
 
+class BackgroundGenerate:
+    """One Generate call on its own thread; `started` is set by its first chunk (streams only)."""
+
+    def __init__(self, channel: grpc.Channel, prompt: list[int], **params: Any) -> None:
+        self.outcome: Outcome | None = None
+        self.started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(channel, prompt, params))
+        self._thread.start()
+
+    def _run(self, channel: grpc.Channel, prompt: list[int], params: dict[str, Any]) -> None:
+        self.outcome = generate(channel, prompt, on_chunk=lambda _: self.started.set(), **params)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+
 def server_info(channel: grpc.Channel) -> pb.GetServerInfoResponse:
     return pb_grpc.MlxEngineStub(channel).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
 

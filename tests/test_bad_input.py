@@ -4,13 +4,19 @@ same server then still answers a normal request correctly."""
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from conftest import demo_config
-from support import ServerThread, generate, make_request, server_info, wait_until
+from support import (
+    BackgroundGenerate,
+    ServerThread,
+    generate,
+    make_request,
+    server_info,
+    wait_until,
+)
 
 from servicer.handlers import HandlerOptions
 from servicer.proto import mlx_engine_pb2 as pb
@@ -118,24 +124,16 @@ def test_max_tokens_past_the_context_is_clamped_and_ends_with_length(channel, pr
 
 
 def test_duplicate_request_id_in_flight_is_already_exists(server, channel, prompts):
-    started = threading.Event()
-    first = {}
-
-    def run_first():
-        first["outcome"] = generate(
-            channel, prompts[0], request_id="dup", temperature=0, max_tokens=3000,
-            ignore_eos=True, on_chunk=lambda chunk: started.set(),
-        )  # fmt: skip
-
-    caller = threading.Thread(target=run_first)
-    caller.start()
-    assert started.wait(30)
+    first = BackgroundGenerate(
+        channel, prompts[0], request_id="dup", temperature=0, max_tokens=3000, ignore_eos=True
+    )
+    assert first.started.wait(30)
     second = generate(channel, prompts[1], request_id="dup", max_tokens=2)
     assert second.code == grpc.StatusCode.ALREADY_EXISTS
     assert "'dup' is already in flight" in second.error.details()
     pb_grpc.MlxEngineStub(channel).Abort(pb.AbortRequest(request_ids=["dup"]), timeout=10)
-    caller.join(60)
-    assert first["outcome"].complete.finish_reason == "abort"
+    first.join(60)
+    assert first.outcome.complete.finish_reason == "abort"
     reused = generate(channel, prompts[1], request_id="dup", max_tokens=2, ignore_eos=True)
     assert reused.error is None  # a finished id may be used again
 

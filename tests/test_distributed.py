@@ -10,14 +10,21 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from support import WorkerProcess, free_port, generate, make_request, server_info, wait_until
+from support import (
+    BackgroundGenerate,
+    WorkerProcess,
+    free_port,
+    generate,
+    make_request,
+    server_info,
+    wait_until,
+)
 
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
@@ -121,21 +128,11 @@ def test_abort_and_cancel_reach_every_rank(group, reference, prompts):
 
 def test_sigterm_to_rank_0_stops_both_cleanly(group, prompts):
     with grpc.insecure_channel(group.leader.address) as channel:
-        outcome = {}
-        started = threading.Event()
-
-        def run():
-            outcome["long"] = generate(
-                channel, prompts[0], max_tokens=200, ignore_eos=True,
-                on_chunk=lambda chunk: started.set(),
-            )  # fmt: skip
-
-        caller = threading.Thread(target=run)
-        caller.start()
-        assert started.wait(60)
+        long = BackgroundGenerate(channel, prompts[0], max_tokens=200, ignore_eos=True)
+        assert long.started.wait(60)
         group.leader.terminate()
-        caller.join(60)
-    assert outcome["long"].complete.finish_reason == "length"
+        long.join(60)
+    assert long.outcome.complete.finish_reason == "length"
     assert group.leader.wait(60) == 0
     assert group.follower.wait(60) == 0
     assert "stopped with rank 0" in group.follower.output
@@ -144,24 +141,14 @@ def test_sigterm_to_rank_0_stops_both_cleanly(group, prompts):
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_a_lost_rank_ends_open_requests_and_rank_0_exits_non_zero(group, prompts, how):
     with grpc.insecure_channel(group.leader.address) as channel:
-        outcome = {}
-        started = threading.Event()
-
-        def run():
-            outcome["open"] = generate(
-                channel, prompts[0], max_tokens=3000, ignore_eos=True,
-                on_chunk=lambda chunk: started.set(),
-            )  # fmt: skip
-
-        caller = threading.Thread(target=run)
-        caller.start()
-        assert started.wait(60)
+        call = BackgroundGenerate(channel, prompts[0], max_tokens=3000, ignore_eos=True)
+        assert call.started.wait(60)
         follower = group.follower.proc
         os.kill(follower.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         began = time.monotonic()
-        caller.join(60)
+        call.join(60)
         assert group.leader.wait(60) != 0
         assert time.monotonic() - began < 30  # the watchdog, not a hang
     if how == "frozen":
         os.kill(follower.pid, signal.SIGCONT)
-    assert outcome["open"].code == grpc.StatusCode.UNAVAILABLE
+    assert call.outcome.code == grpc.StatusCode.UNAVAILABLE

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import threading
-
 import grpc
-from support import WorkerProcess, free_port, generate, server_info, wait_until
+from support import BackgroundGenerate, WorkerProcess, free_port, generate, server_info, wait_until
 
 
 def test_missing_model_path_exits_non_zero_with_the_reason(tmp_path):
@@ -34,22 +32,10 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(demo_dir, prompts
     with WorkerProcess("--model", str(demo_dir), "--shutdown-grace", "60") as worker:
         worker.wait_ready()
         with grpc.insecure_channel(worker.address) as channel:
-            outcomes = {}
-            started = threading.Event()
-
-            def run():
-                outcomes["long"] = generate(
-                    channel,
-                    prompts[0],
-                    temperature=0,
-                    max_tokens=2000,
-                    ignore_eos=True,
-                    on_chunk=lambda chunk: started.set(),
-                )
-
-            caller = threading.Thread(target=run)
-            caller.start()
-            assert started.wait(60)
+            caller = BackgroundGenerate(
+                channel, prompts[0], temperature=0, max_tokens=2000, ignore_eos=True
+            )
+            assert caller.started.wait(60)
             worker.terminate()
             assert wait_until(lambda: "shutting down" in worker.output)
             late = generate(channel, prompts[1], max_tokens=4, timeout=10)
@@ -58,7 +44,7 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(demo_dir, prompts
         assert worker.wait(60) == 0
     assert late.code == grpc.StatusCode.UNAVAILABLE
     assert "shutting down" in late.error.details()
-    long = outcomes["long"]
+    long = caller.outcome
     assert long.error is None
     assert long.complete.finish_reason == "length"
     assert long.complete.completion_tokens == 2000
@@ -68,33 +54,18 @@ def test_sigterm_past_the_grace_period_ends_requests_with_abort(demo_dir, prompt
     with WorkerProcess("--model", str(demo_dir), "--shutdown-grace", "0.5") as worker:
         worker.wait_ready()
         with grpc.insecure_channel(worker.address) as channel:
-            outcomes = {}
-            started = threading.Event()
-
-            def run(name: str, stream: bool):
-                outcomes[name] = generate(
-                    channel,
-                    prompts[2],
-                    stream=stream,
-                    temperature=0,
-                    max_tokens=3000,
-                    ignore_eos=True,
-                    on_chunk=lambda chunk: started.set(),
-                )
-
+            params = {"temperature": 0, "max_tokens": 3000, "ignore_eos": True}
             callers = [
-                threading.Thread(target=run, args=("stream", True)),
-                threading.Thread(target=run, args=("unary", False)),
+                BackgroundGenerate(channel, prompts[2], stream=stream, **params)
+                for stream in (True, False)
             ]
-            for caller in callers:
-                caller.start()
-            assert started.wait(60)
+            assert callers[0].started.wait(60)  # the stream's first chunk
             assert wait_until(lambda: server_info(channel).active_requests == 2)
             worker.terminate()
             for caller in callers:
                 caller.join(120)
         assert worker.wait(60) == 0
-    for outcome in outcomes.values():
+    for outcome in (caller.outcome for caller in callers):
         assert outcome.error is None
         assert outcome.complete.finish_reason == "abort"
         assert 0 < outcome.complete.completion_tokens < 3000
