@@ -23,6 +23,7 @@ from workload import (
     LevelStats,
     RequestRecord,
     Shape,
+    StealMeter,
     make_prompts,
     model_vocab_size,
 )
@@ -106,9 +107,10 @@ def run_raw(
 
     # Warm-up: one wave of the same batch shape, short, not measured.
     drive(min(concurrency, completion_batch_size), 0.0, 16, WARMUP_SEED, measure=False)
-    cpu, wall = _cpu_seconds(), time.perf_counter()
+    cpu, wall, steal = _cpu_seconds(), time.perf_counter(), StealMeter()
     records = drive(cap, min_seconds, shape.max_tokens, seed, measure=True)
     worker_cpu = (_cpu_seconds() - cpu) / (time.perf_counter() - wall)
+    steal_share = steal.share()
     generator.close()
     return LevelStats.from_records(
         concurrency,
@@ -117,6 +119,7 @@ def run_raw(
         completion_batch_size=completion_batch_size,
         prefill_batch_size=prefill_batch_size,
         worker_cpu=worker_cpu,
+        steal_share=steal_share,
     )
 
 

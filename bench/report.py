@@ -115,10 +115,16 @@ def _by_level(levels: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {level["concurrency"]: level for level in levels}
 
 
+def _counted_rounds(level: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rounds the hypervisor left alone, or all of them when it disturbed every one."""
+    rounds = level.get("extra", {}).get("rounds", [])
+    return [r for r in rounds if not r.get("disturbed")] or rounds
+
+
 def _median_round_ratio(level: dict[str, Any]) -> float | None:
     """The median over rounds of served ÷ the raw run just before it: on a noisy machine
     this drifts less than the ratio of the two best rounds, which may come minutes apart."""
-    ratios = sorted(r["ratio"] for r in level.get("extra", {}).get("rounds", []) if r.get("ratio"))
+    ratios = sorted(r["ratio"] for r in _counted_rounds(level) if r.get("ratio"))
     if not ratios:
         return None
     middle = len(ratios) // 2
@@ -146,8 +152,11 @@ def headline_table(run: Run) -> str:
 def _rounds(rounds: list[dict[str, Any]]) -> str:
     parts = []
     for r in rounds:
-        ratio = r.get("ratio")
-        parts.append(f"{r['tokens_per_s']:.0f}" + (f" ({ratio:.2f})" if ratio else ""))
+        notes = [f"{r['ratio']:.2f}"] if r.get("ratio") else []
+        if r.get("disturbed") and r.get("steal_share") is not None:
+            notes.append(f"steal {r['steal_share']:.0%}")
+        text = f"{r['tokens_per_s']:.0f}" + (f" ({', '.join(notes)})" if notes else "")
+        parts.append(f"~~{text}~~" if r.get("disturbed") else text)
     return " / ".join(parts)
 
 
@@ -287,12 +296,26 @@ def render(run: Run) -> str:
         f"{shape['max_tokens']} new tokens, ignore_eos, temperature 0, sampling "
         f"`{s['sampling']}`, completion batch {s['batch']['completion_batch_size']}, "
         f"prefill batch {s['batch']['prefill_batch_size']}; best of {s.get('repeats', 1)} "
-        "interleaved rounds per level)",
+        "interleaved rounds per level the hypervisor left alone)",
         "",
         headline_table(run),
         "",
         sweep_table(run),
     ]
+    struck = any(
+        r.get("disturbed")
+        for levels in run["sweep"].values()
+        for level in levels
+        for r in level.get("extra", {}).get("rounds", [])
+    )
+    if struck:
+        limit = s.get("steal_limit", 0.05)
+        parts += [
+            "",
+            f"Struck-through rounds: the hypervisor took more than {limit:.0%} of the "
+            "machine's CPU time (/proc/stat steal) while they ran, on the raw side or a "
+            "worker's; they were run again and count only when no clean round exists.",
+        ]
     cached = {
         LABELS[name]: sum(level.get("cached_tokens", 0) for level in run["sweep"][name])
         for name in _workers(run)

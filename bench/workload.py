@@ -18,6 +18,10 @@ from typing import Any
 # Warm-up requests use their own prompts, so a worker with a prompt cache gets no head start.
 WARMUP_SEED = "warmup"
 
+# A round during which the hypervisor took more than this share of the machine's CPU time
+# measured the neighbours as much as the worker: it does not count when cleaner ones exist.
+STEAL_LIMIT = 0.05
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -61,6 +65,42 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _cpu_ticks(stat: Path) -> tuple[int, int] | None:
+    """(steal, all) jiffies from the first line of /proc/stat; None where there is none."""
+    try:
+        fields = stat.read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if fields[:1] != ["cpu"] or len(fields) < 9:
+        return None
+    ticks = [int(value) for value in fields[1:9]]  # user .. steal; guest is inside user
+    return ticks[7], sum(ticks)
+
+
+class StealMeter:
+    """The share of the machine's CPU time a hypervisor gave to other guests while measuring.
+
+    On a shared virtual machine this moves a run's speed by tens of percent from one minute
+    to the next; a ratio measured through it says more about the neighbours than the worker.
+    `share()` is None where the kernel does not report it (not Linux).
+    """
+
+    def __init__(self, stat: Path = Path("/proc/stat")) -> None:
+        self._stat = stat
+        self._start = _cpu_ticks(stat)
+
+    def share(self) -> float | None:
+        end = _cpu_ticks(self._stat)
+        if self._start is None or end is None:
+            return None
+        steal, total = end[0] - self._start[0], end[1] - self._start[1]
+        return steal / total if total > 0 else 0.0
+
+
+def disturbed(steal_share: float | None) -> bool:
+    return steal_share is not None and steal_share > STEAL_LIMIT
 
 
 @dataclass

@@ -1,0 +1,44 @@
+"""The benchmark's own bookkeeping: hypervisor steal, and which rounds count."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from support import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+import report
+from workload import StealMeter, disturbed
+
+
+def _stat(path: Path, steal: int, busy: int) -> None:
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    path.write_text(f"cpu  {busy} 0 0 1000 0 0 0 {steal} 0 0\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
+
+
+def test_steal_share_is_the_stolen_part_of_all_cpu_time(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    _stat(stat, steal=100, busy=500)
+    meter = StealMeter(stat)
+    _stat(stat, steal=130, busy=770)  # 300 more jiffies in all, 30 of them stolen
+    assert meter.share() == 0.1
+    assert disturbed(meter.share())
+    assert not disturbed(0.01)
+    assert not disturbed(None)
+
+
+def test_steal_share_is_unknown_without_proc_stat(tmp_path: Path) -> None:
+    assert StealMeter(tmp_path / "missing").share() is None
+
+
+def test_disturbed_rounds_count_only_when_no_clean_one_exists() -> None:
+    clean = {"tokens_per_s": 400.0, "ratio": 0.94, "steal_share": 0.0, "disturbed": False}
+    noisy = {"tokens_per_s": 250.0, "ratio": 0.55, "steal_share": 0.2, "disturbed": True}
+    also_clean = {"tokens_per_s": 410.0, "ratio": 0.96, "steal_share": 0.01, "disturbed": False}
+    level = {"extra": {"rounds": [noisy, clean, also_clean]}}
+    assert report._median_round_ratio(level) == 0.95
+    assert report._median_round_ratio({"extra": {"rounds": [noisy]}}) == 0.55
+    cell = report._rounds([noisy, clean])
+    assert cell == "~~250 (0.55, steal 20%)~~ / 400 (0.94)"
