@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -104,6 +105,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="comma-separated parts to leave out: sweep, burst, cancel, prefix",
     )
+    parser.add_argument(
+        "--worker-flags",
+        default="",
+        help="extra flags for our worker, e.g. '--stream-interval 4' (recorded in the report)",
+    )
     parser.add_argument("--device-note", help="free text about the machine, kept in the report")
     parser.add_argument(
         "--results-md",
@@ -125,6 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.min_seconds = 3.0 if args.quick else 10.0
     if args.results_md is None:
         args.results_md = not args.quick
+    args.worker_flags = shlex.split(args.worker_flags)
     args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     unknown = args.skip - {"sweep", "burst", "cancel", "prefix"}
     if unknown:
@@ -173,6 +180,7 @@ class Suite:
                 "shape": asdict(self.shape),
                 "batch": asdict(self.batch),
                 "sampling": args.sampling,
+                "worker_flags": args.worker_flags,
                 "requests_per_client": args.requests_per_client,
                 "min_seconds": args.min_seconds,
                 "repeats": args.repeats,
@@ -194,7 +202,9 @@ class Suite:
     # ----- workers -----
 
     def workers(self, tag: str) -> list[tuple[str, Worker]]:
-        found = [("ours", our_worker(self.model, self.batch, self.log_dir, tag))]
+        found = [
+            ("ours", our_worker(self.model, self.batch, self.log_dir, tag, self.args.worker_flags))
+        ]
         if self.smg_python is not None:
             found.append(
                 ("smg", smg_worker(self.smg_python, self.model, self.batch, self.log_dir, tag))

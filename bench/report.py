@@ -292,6 +292,11 @@ def render(run: Run) -> str:
         "",
         f"Machine: {machine_line(run)}",
         "",
+        *(
+            [f"Our worker ran with `{' '.join(s['worker_flags'])}`.", ""]
+            if s.get("worker_flags")
+            else []
+        ),
         f"### Sweep: output tokens/s, served ÷ raw ({shape['prompt_tokens']}-token prompts, "
         f"{shape['max_tokens']} new tokens, ignore_eos, temperature 0, sampling "
         f"`{s['sampling']}`, completion batch {s['batch']['completion_batch_size']}, "

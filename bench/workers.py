@@ -183,10 +183,12 @@ class BatchConfig:
         ]
 
 
-def our_worker(model: Path, batch: BatchConfig, log_dir: Path, tag: str) -> Worker:
+def our_worker(
+    model: Path, batch: BatchConfig, log_dir: Path, tag: str, flags: Sequence[str] = ()
+) -> Worker:
     port = free_port()
     command = [sys.executable, "-m", "servicer", "--model", str(model), "--port", str(port)]
-    command += [*batch.flags(), "--log-level", "warning"]
+    command += [*batch.flags(), "--log-level", "warning", *flags]
     return Worker("mlx-grpc-worker", command, port, log_dir / f"ours-{tag}.log")
 
 

@@ -107,6 +107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (default 256)",
     )
     parser.add_argument(
+        "--stream-interval",
+        type=_positive,
+        default=1,
+        help="tokens per streamed chunk after the first (default 1: every token as soon as "
+        "it is sampled); more sends fewer messages and leaves more CPU to the engine",
+    )
+    parser.add_argument(
         "--max-message-bytes",
         type=_positive,
         default=16 * 1024 * 1024,
@@ -172,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     handlers = HandlerOptions(
         max_prompt_tokens=args.max_prompt_tokens,
         max_queued_requests=args.max_queued_requests,
+        stream_interval=args.stream_interval,
     )
     return ServerConfig(
         engine=engine,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class RequestStream:
     __slots__ = (
         "_waiter",
         "accepted_at",
+        "batch",
         "events",
         "failure",
         "finish_reason",
@@ -80,9 +82,14 @@ class RequestStream:
         "text",
     )
 
-    def __init__(self, request: GenerationRequest, text: TextTracker | None = None) -> None:
+    def __init__(
+        self, request: GenerationRequest, text: TextTracker | None = None, batch: int = 1
+    ) -> None:
         self.request = request
         self.text = text  # decoded text and stop strings, when the request wants them
+        # Events to gather before the handler wakes (a finish always wakes it). The first
+        # token goes out alone so time to first token does not depend on it.
+        self.batch = batch
         self.events: list[RowEvent] = []
         self.failure: RequestError | None = None
         self.finish_reason: str | None = None  # set once the terminal message is built
@@ -92,12 +99,22 @@ class RequestStream:
 
     def push(self, event: RowEvent) -> None:
         self.events.append(event)
-        self._wake()
+        if self._due():
+            self._wake()
 
     def fail(self, error: RequestError) -> None:
         if self.failure is None:
             self.failure = error
             self._wake()
+
+    def _due(self) -> bool:
+        """Enough events for the handler: the first token, a full batch, or the finish."""
+        events = self.events
+        return bool(events) and (
+            self.last_token_at is None
+            or len(events) >= self.batch
+            or events[-1].finish_reason is not None
+        )
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -105,8 +122,9 @@ class RequestStream:
             waiter.set_result(None)
 
     async def take(self) -> list[RowEvent]:
-        """Every event that arrived since the last call; raises the failure once they are out."""
-        while not self.events:
+        """The events gathered since the last call, once they are due; after a failure, what
+        is left, then the failure."""
+        while not (self._due() or (self.events and self.failure is not None)):
             if self.failure is not None:
                 raise self.failure
             self._waiter = asyncio.get_running_loop().create_future()
@@ -145,6 +163,9 @@ def _logprobs_proto(events: list[RowEvent]) -> mlx_engine_pb2.OutputLogProbs:
 class HandlerOptions:
     max_prompt_tokens: int | None = None  # None: the context length - 1
     max_queued_requests: int = 256  # accepted but not yet decoding
+    # Tokens per streamed chunk after the first (the last chunk may hold fewer). Each message
+    # costs the loop a wake and a gRPC write, so more per chunk leaves more CPU to the engine.
+    stream_interval: int = 1
 
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
@@ -290,7 +311,11 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         tracker = None
         if text is not None and self._codec is not None:
             tracker = TextTracker(self._codec.decode, text.stops)
-        stream = RequestStream(job, tracker)
+        # A unary call needs its handler only for the first token (time-to-first-token
+        # metric) and the finish, unless it watches for stop strings.
+        unary = not request.stream and tracker is None
+        batch = sys.maxsize if unary else self._options.stream_interval
+        stream = RequestStream(job, tracker, batch)
         self._streams[job.ticket] = stream
         self._by_request_id[job.request_id] = stream
         self._engine.submit(job)
