@@ -5,22 +5,23 @@
     python bench/bench.py --side-by-side     # also smg-grpc-servicer's MLX servicer
     python bench/bench.py --model DIR --levels 1,4,16
 
-For every concurrency level: the raw mlx-lm BatchGenerator loop (in its own process, no
-worker running) sets the ceiling and the request count; then each worker is started fresh
-on the same model, warmed up, and driven over gRPC by that many closed-loop clients with the
-same prompts. Then, on a fresh worker each: a staggered burst and cancel-and-reuse.
-Only one of the processes being measured runs at a time. Prints the tables, writes JSON and
-a PNG under bench/results/, and (full runs) rewrites the generated block of bench/RESULTS.md.
+For every concurrency level: the raw mlx-lm BatchGenerator loop (bench/raw.py, its own
+process) sets the ceiling and the request count; each worker is started on the same model,
+warmed up, and driven over gRPC by that many closed-loop clients with the same prompts, in
+pairs of short runs that alternate raw and workers. Then, on a fresh worker each: a
+staggered burst, cancel-and-reuse and prefix reuse. Only one of the processes being
+measured runs at a time (the others idle on their input or are stopped with SIGSTOP).
+Prints the tables, writes JSON and a PNG under bench/results/, and (full runs) rewrites the
+generated block of bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import contextlib
 import os
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -33,6 +34,7 @@ from workers import (
     BENCH,
     SMG_SERVICER_VERSION,
     BatchConfig,
+    RawProcess,
     Worker,
     log,
     our_worker,
@@ -69,25 +71,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--requests-per-client",
         type=int,
-        help="at least this many requests per client at each level (default 3; quick 2)",
+        help="at least this many requests per client in each run (default 2)",
     )
     parser.add_argument(
         "--min-seconds",
         type=float,
-        help="at least this long at each level, on the raw engine (default 10; quick 3)",
+        help="at least this long each run takes on the raw engine (default 4; quick 2)",
     )
     parser.add_argument(
         "--repeats",
         type=int,
-        help="rounds per level, raw and workers interleaved; the best undisturbed round counts "
-        "(default 2; quick 1)",
+        help="pairs of runs per level (raw, then each worker on the same prompts); the "
+        "median pair ratio and the best undisturbed run are reported (default 5; quick 2)",
     )
     parser.add_argument(
         "--extra-rounds",
         type=int,
-        default=2,
-        help="rounds per level that may be added when the hypervisor took more than "
-        f"{STEAL_LIMIT:.0%} of the CPU during one (default 2)",
+        default=3,
+        help="pairs per level that may be added when the hypervisor took more than "
+        f"{STEAL_LIMIT:.0%} of the CPU during one (default 3)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -124,11 +126,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     else:
         args.levels = [1, 8, 32] if args.quick else [1, 8, 32, 64]
     if args.requests_per_client is None:
-        args.requests_per_client = 2 if args.quick else 3
+        args.requests_per_client = 2
     if args.repeats is None:
-        args.repeats = 1 if args.quick else 2
+        args.repeats = 2 if args.quick else 5
     if args.min_seconds is None:
-        args.min_seconds = 3.0 if args.quick else 10.0
+        args.min_seconds = 2.0 if args.quick else 4.0
     if args.results_md is None:
         args.results_md = not args.quick
     args.worker_flags = shlex.split(args.worker_flags)
@@ -217,18 +219,21 @@ class Suite:
     # ----- the parts -----
 
     def sweep(self) -> None:
-        """Every level: `repeats` rounds of raw then each worker; the best round counts.
+        """Every level: pairs of short runs, raw then each worker, on the same prompts.
 
-        A round in which the hypervisor took more than STEAL_LIMIT of the machine's CPU
-        (on the raw side or a worker's) is run again, at most `extra_rounds` times per level;
-        disturbed rounds stay in the report but count only when no clean one exists."""
+        One raw engine process and one process per worker stay up for the whole level and
+        take turns (the others are stopped with SIGSTOP, or idle on their input), so each
+        worker run is compared with a raw run seconds before it: on a shared machine whose
+        speed drifts from minute to minute, that comparison holds where one minutes apart
+        does not. A pair in which the hypervisor took more than STEAL_LIMIT of the CPU (on
+        any side) is run again, at most `extra_rounds` times per level; disturbed pairs stay
+        in the report but count only when no clean one exists."""
         for level in self.args.levels:
-            rounds: dict[str, list[LevelStats]] = {name: [] for name in self.run["sweep"]}
-            clean = tried = 0
-            while clean < self.args.repeats and tried < self.args.repeats + self.args.extra_rounds:
-                tried += 1
-                if self._sweep_round(level, tried, rounds):
-                    clean += 1
+            try:
+                rounds = self._sweep_level(level)
+            except RuntimeError as exc:
+                self.fail(f"concurrency {level}: {exc}")
+                continue
             for name, measured in rounds.items():
                 if measured:
                     counted = [s for s in measured if not s.extra["disturbed"]] or measured
@@ -245,69 +250,92 @@ class Suite:
                     best.extra["errors_all_rounds"] = sum(s.errors for s in measured)
                     self.run["sweep"][name].append(asdict(best))
 
-    def _sweep_round(self, level: int, round_: int, rounds: dict[str, list[LevelStats]]) -> bool:
-        """One raw run and one run of each worker; True when the hypervisor left it alone."""
-        raw = self.raw_level(level)
-        log(
-            f"c={level} round {round_}: raw {raw.tokens_per_s:.0f} tok/s over "
-            f"{raw.requests} requests in {raw.seconds:.1f} s{_steal_note(raw)}"
-        )
-        measured = [raw]
-        for name, worker in self.workers(f"c{level}-r{round_}"):
-            try:
-                with worker:
-                    stats = asyncio.run(self.served_level(worker, level, raw.requests))
-            except RuntimeError as exc:
-                self.fail(f"{report.LABELS[name]} at concurrency {level}: {exc}")
-                continue
-            ratio = stats.tokens_per_s / raw.tokens_per_s if raw.tokens_per_s else 0.0
-            stats.extra["ratio_to_round_raw"] = ratio
-            measured.append(stats)
-            rounds[name].append(stats)
-            log(
-                f"c={level} round {round_}: {report.LABELS[name]} "
-                f"{stats.tokens_per_s:.0f} tok/s ({ratio:.2f} of raw), "
-                f"{stats.errors} errors, client CPU {stats.extra['client_cpu']:.2f} cores"
-                f"{_steal_note(stats)}"
+    def _sweep_level(self, level: int) -> dict[str, list[LevelStats]]:
+        rounds: dict[str, list[LevelStats]] = {name: [] for name in self.run["sweep"]}
+        with contextlib.ExitStack() as stack:
+            raw = stack.enter_context(RawProcess(self.raw_command()))
+            # The calibration run warms the raw engine up and sets the requests per run:
+            # at least `requests_per_client` per client and `min_seconds` of work.
+            calibration = raw.run(
+                level,
+                self.shape,
+                warm_up=True,
+                min_requests=level * self.args.requests_per_client,
+                min_seconds=self.args.min_seconds,
+                seed="calibration",
             )
-        rounds[report.RAW].append(raw)
-        calm = not any(disturbed(stats.extra.get("steal_share")) for stats in measured)
-        for stats in measured:
-            stats.extra["disturbed"] = not calm
-        if not calm:
-            log(f"c={level} round {round_}: disturbed by the hypervisor; it does not count")
-        return calm
+            requests = calibration.requests
+            log(f"c={level}: runs of {requests} requests (raw {calibration.seconds:.1f} s)")
+            workers = [
+                (name, stack.enter_context(worker)) for name, worker in self.workers(f"c{level}")
+            ]
+            for _, worker in workers:
+                asyncio.run(self._warm_up(worker, level))
+                worker.pause()
+            clean = tried = 0
+            while clean < self.args.repeats and tried < self.args.repeats + self.args.extra_rounds:
+                tried += 1
+                stats = raw.run(level, self.shape, requests=requests, seed=tried)
+                log(
+                    f"c={level} pair {tried}: raw {stats.tokens_per_s:.0f} tok/s"
+                    f"{_steal_note(stats)}"
+                )
+                measured = [stats]
+                for name, worker in workers:
+                    worker.resume()
+                    try:
+                        served = asyncio.run(self.served_level(worker, level, requests, tried))
+                    finally:
+                        worker.pause()
+                    ratio = served.tokens_per_s / stats.tokens_per_s if stats.tokens_per_s else 0
+                    served.extra["ratio_to_round_raw"] = ratio
+                    measured.append(served)
+                    rounds[name].append(served)
+                    log(
+                        f"c={level} pair {tried}: {report.LABELS[name]} "
+                        f"{served.tokens_per_s:.0f} tok/s ({ratio:.2f} of raw), "
+                        f"{served.errors} errors, client CPU {served.extra['client_cpu']:.2f} "
+                        f"cores{_steal_note(served)}"
+                    )
+                rounds[report.RAW].append(stats)
+                calm = not any(disturbed(s.extra.get("steal_share")) for s in measured)
+                for each in measured:
+                    each.extra["disturbed"] = not calm
+                if calm:
+                    clean += 1
+                else:
+                    log(f"c={level} pair {tried}: disturbed by the hypervisor; it does not count")
+            for _, worker in workers:
+                worker.resume()
+        return rounds
 
-    def raw_level(self, level: int) -> LevelStats:
-        command = [
+    def raw_command(self) -> list[str]:
+        return [
             sys.executable,
             str(BENCH / "raw.py"),
+            "--serve",
             "--model",
             str(self.model),
-            "--concurrency",
-            str(level),
-            "--min-requests",
-            str(level * self.args.requests_per_client),
-            "--min-seconds",
-            str(self.args.min_seconds),
-            "--prompt-tokens",
-            str(self.shape.prompt_tokens),
-            "--max-tokens",
-            str(self.shape.max_tokens),
             "--completion-batch-size",
             str(self.batch.completion_batch_size),
             "--prefill-batch-size",
             str(self.batch.prefill_batch_size),
         ]
-        done = subprocess.run(command, check=True, capture_output=True, text=True)
-        return LevelStats(**json.loads(done.stdout))
 
-    async def served_level(self, worker: Worker, level: int, requests: int) -> LevelStats:
+    async def _warm_up(self, worker: Worker, level: int) -> None:
         client = self.client(worker)
         try:
             await client.warm_up(level, self.shape)
+        finally:
+            await client.close()
+
+    async def served_level(
+        self, worker: Worker, level: int, requests: int, seed: int
+    ) -> LevelStats:
+        client = self.client(worker)
+        try:
             cpu, start, steal = worker.cpu_seconds(), time.perf_counter(), StealMeter()
-            records, client_cpu = await client.closed_loop(level, requests, self.shape)
+            records, client_cpu = await client.closed_loop(level, requests, self.shape, seed)
             worker_cpu = (worker.cpu_seconds() - cpu) / (time.perf_counter() - start)
             steal_share = steal.share()
         finally:

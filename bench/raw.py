@@ -1,11 +1,13 @@
 """The ceiling: mlx-lm's raw BatchGenerator loop, with no server around it.
 
     python bench/raw.py --model DIR --concurrency 8 --min-seconds 10
+    python bench/raw.py --model DIR --serve     # one JSON command per stdin line
 
 Keeps `concurrency` sequences in flight (a finished one is replaced by the next prompt at
 once, as a server with back-to-back clients would), calls `next()` until every request is
-done, and prints one JSON object (a LevelStats) on stdout. bench.py runs it in its own
-process, with no worker running, for every concurrency level.
+done, and prints one JSON object (a LevelStats) on stdout. bench.py keeps one in its own
+process per concurrency level (`--serve`) and alternates short runs of it with runs of each
+worker, so that every worker run has a raw run of the same prompts just before it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TextIO
 
 from workload import (
     WARMUP_SEED,
@@ -29,60 +33,99 @@ from workload import (
 )
 
 
-def run_raw(
-    model_dir: Path,
-    concurrency: int,
-    shape: Shape,
-    *,
-    requests: int | None = None,
-    min_requests: int = 1,
-    min_seconds: float = 0.0,
-    completion_batch_size: int = 32,
-    prefill_batch_size: int = 8,
-    prefill_step_size: int = 2048,
-    seed: int = 0,
-) -> LevelStats:
-    """Run the closed loop. With `requests`, exactly that many; otherwise keep inserting until
-    both `min_requests` and `min_seconds` are reached, then let the ones in flight finish."""
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.generate import BatchGenerator
+class RawEngine:
+    """One model and one BatchGenerator, driven in closed loops with no server around them."""
 
-    model, _ = load(str(model_dir))
-    generator = BatchGenerator(
-        model,
-        completion_batch_size=completion_batch_size,
-        prefill_batch_size=prefill_batch_size,
-        prefill_step_size=prefill_step_size,
-        stream=mx.new_stream(mx.default_device()),
-    )
-    vocab = model_vocab_size(model_dir)
-    cap = requests if requests is not None else 1 << 20
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        completion_batch_size: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 2048,
+    ) -> None:
+        import mlx.core as mx
+        from mlx_lm import load
+        from mlx_lm.generate import BatchGenerator
 
-    def drive(
-        count: int, limit_s: float, max_tokens: int, seed_name: int | str, measure: bool
+        model, _ = load(str(model_dir))
+        self.generator = BatchGenerator(
+            model,
+            completion_batch_size=completion_batch_size,
+            prefill_batch_size=prefill_batch_size,
+            prefill_step_size=prefill_step_size,
+            stream=mx.new_stream(mx.default_device()),
+        )
+        self.completion_batch_size = completion_batch_size
+        self.prefill_batch_size = prefill_batch_size
+        self.vocab = model_vocab_size(model_dir)
+
+    def close(self) -> None:
+        self.generator.close()
+
+    def warm_up(self, concurrency: int, shape: Shape) -> None:
+        """One wave of the same batch shape, short, not measured."""
+        wave = min(concurrency, self.completion_batch_size)
+        self._drive(shape, wave, wave, 16, WARMUP_SEED, lambda inserted: False)
+
+    def run(
+        self,
+        concurrency: int,
+        shape: Shape,
+        *,
+        requests: int | None = None,
+        min_requests: int = 1,
+        min_seconds: float = 0.0,
+        seed: int | str = 0,
+    ) -> LevelStats:
+        """With `requests`, exactly that many; otherwise keep inserting until both
+        `min_requests` and `min_seconds` are reached, then let the ones in flight finish."""
+        start = time.perf_counter()
+
+        def want_more(inserted: int) -> bool:
+            if requests is not None:
+                return inserted < requests
+            return inserted < min_requests or time.perf_counter() - start < min_seconds
+
+        cpu, wall, steal = _cpu_seconds(), time.perf_counter(), StealMeter()
+        cap = requests if requests is not None else 1 << 20
+        records = self._drive(shape, concurrency, cap, shape.max_tokens, seed, want_more)
+        worker_cpu = (_cpu_seconds() - cpu) / (time.perf_counter() - wall)
+        return LevelStats.from_records(
+            concurrency,
+            records,
+            expected_tokens=shape.max_tokens,
+            completion_batch_size=self.completion_batch_size,
+            prefill_batch_size=self.prefill_batch_size,
+            worker_cpu=worker_cpu,
+            steal_share=steal.share(),
+        )
+
+    def _drive(
+        self,
+        shape: Shape,
+        concurrency: int,
+        cap: int,
+        max_tokens: int,
+        seed: int | str,
+        want_more: Callable[[int], bool],
     ) -> list[RequestRecord]:
+        """Keep `concurrency` sequences in flight (a finished one is replaced by the next
+        prompt at once, as a server with back-to-back clients would) until no more are wanted."""
+        generator = self.generator
         records: dict[int, RequestRecord] = {}
         done: list[RequestRecord] = []
         inserted = 0
-        start = time.perf_counter()
 
         def insert(k: int) -> None:
             nonlocal inserted
-            batch = make_prompts(k, shape.prompt_tokens, vocab, seed_name, start=inserted)
+            batch = make_prompts(k, shape.prompt_tokens, self.vocab, seed, start=inserted)
             now = time.perf_counter()
             for uid in generator.insert(batch, max_tokens=[max_tokens] * k):
                 records[uid] = RequestRecord(start=now)
             inserted += k
 
-        def want_more() -> bool:
-            if inserted >= count:
-                return False
-            if requests is not None or not measure:
-                return True
-            return inserted < min_requests or time.perf_counter() - start < limit_s
-
-        insert(min(concurrency, count))
+        insert(min(concurrency, cap))
         while records:
             _, responses = generator.next()
             now = time.perf_counter()
@@ -100,27 +143,29 @@ def run_raw(
                 if response.finish_reason is not None:
                     done.append(records.pop(response.uid))
                     finished += 1
-            while finished and want_more():
+            while finished and inserted < cap and want_more(inserted):
                 insert(1)
                 finished -= 1
         return done
 
-    # Warm-up: one wave of the same batch shape, short, not measured.
-    drive(min(concurrency, completion_batch_size), 0.0, 16, WARMUP_SEED, measure=False)
-    cpu, wall, steal = _cpu_seconds(), time.perf_counter(), StealMeter()
-    records = drive(cap, min_seconds, shape.max_tokens, seed, measure=True)
-    worker_cpu = (_cpu_seconds() - cpu) / (time.perf_counter() - wall)
-    steal_share = steal.share()
-    generator.close()
-    return LevelStats.from_records(
-        concurrency,
-        records,
-        expected_tokens=shape.max_tokens,
-        completion_batch_size=completion_batch_size,
-        prefill_batch_size=prefill_batch_size,
-        worker_cpu=worker_cpu,
-        steal_share=steal_share,
-    )
+
+def serve(engine: RawEngine, lines: TextIO, out: TextIO) -> None:
+    """The paired-sweep protocol: one JSON command per line in, one LevelStats per line out.
+
+    A command is {"concurrency", "prompt_tokens", "max_tokens", "warm_up"?, "requests"?,
+    "min_requests"?, "min_seconds"?, "seed"?}. The process idles on its input in between,
+    so a worker can be measured while it waits."""
+    for line in lines:
+        if not line.strip():
+            continue
+        command = json.loads(line)
+        shape = Shape(command.pop("prompt_tokens"), command.pop("max_tokens"))
+        concurrency = command.pop("concurrency")
+        if command.pop("warm_up", False):
+            engine.warm_up(concurrency, shape)
+        stats = engine.run(concurrency, shape, **command)
+        out.write(json.dumps(asdict(stats)) + "\n")
+        out.flush()
 
 
 def _cpu_seconds() -> float:
@@ -131,7 +176,8 @@ def _cpu_seconds() -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--concurrency", type=int, required=True)
+    parser.add_argument("--serve", action="store_true", help="read commands from stdin")
+    parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--requests", type=int, help="exactly this many requests")
     parser.add_argument("--min-requests", type=int, default=1)
     parser.add_argument("--min-seconds", type=float, default=0.0)
@@ -142,18 +188,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    stats = run_raw(
+    engine = RawEngine(
         args.model,
-        args.concurrency,
-        Shape(args.prompt_tokens, args.max_tokens),
-        requests=args.requests,
-        min_requests=args.min_requests,
-        min_seconds=args.min_seconds,
         completion_batch_size=args.completion_batch_size,
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
-        seed=args.seed,
     )
+    try:
+        if args.serve:
+            serve(engine, sys.stdin, sys.stdout)
+            return 0
+        shape = Shape(args.prompt_tokens, args.max_tokens)
+        engine.warm_up(args.concurrency, shape)
+        stats = engine.run(
+            args.concurrency,
+            shape,
+            requests=args.requests,
+            min_requests=args.min_requests,
+            min_seconds=args.min_seconds,
+            seed=args.seed,
+        )
+    finally:
+        engine.close()
     json.dump(asdict(stats), sys.stdout)
     print()
     return 0

@@ -122,8 +122,8 @@ def _counted_rounds(level: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _median_round_ratio(level: dict[str, Any]) -> float | None:
-    """The median over rounds of served ÷ the raw run just before it: on a noisy machine
-    this drifts less than the ratio of the two best rounds, which may come minutes apart."""
+    """The median over pairs of served ÷ the raw run just before it: on a noisy machine
+    this drifts less than the ratio of the two best runs, which may come minutes apart."""
     ratios = sorted(r["ratio"] for r in _counted_rounds(level) if r.get("ratio"))
     if not ratios:
         return None
@@ -136,7 +136,7 @@ def headline_table(run: Run) -> str:
     workers = _workers(run)
     headers = ["concurrency", "raw tok/s"]
     for name in workers:
-        headers += [f"{LABELS[name]} tok/s", "÷ raw (best)", "÷ raw (median round)"]
+        headers += [f"{LABELS[name]} tok/s", "÷ raw (median pair)", "÷ raw (best runs)"]
     rows = []
     for concurrency in run["settings"]["levels"]:
         ceiling = raw.get(concurrency, {}).get("tokens_per_s")
@@ -144,7 +144,7 @@ def headline_table(run: Run) -> str:
         for name in workers:
             level = _by_level(run["sweep"][name]).get(concurrency, {})
             served = level.get("tokens_per_s")
-            row += [served, _fmt(_ratio(served, ceiling), 2), _fmt(_median_round_ratio(level), 2)]
+            row += [served, _fmt(_median_round_ratio(level), 2), _fmt(_ratio(served, ceiling), 2)]
         rows.append(row)
     return markdown_table(headers, rows)
 
@@ -173,7 +173,7 @@ def sweep_table(run: Run) -> str:
         "ITL p99 ms",
         "requests",
         "errors",
-        "each round: tok/s (÷ its raw)",
+        "each pair: tok/s (÷ its raw)",
         "client CPU",
         "worker CPU",
     ]
@@ -300,8 +300,9 @@ def render(run: Run) -> str:
         f"### Sweep: output tokens/s, served ÷ raw ({shape['prompt_tokens']}-token prompts, "
         f"{shape['max_tokens']} new tokens, ignore_eos, temperature 0, sampling "
         f"`{s['sampling']}`, completion batch {s['batch']['completion_batch_size']}, "
-        f"prefill batch {s['batch']['prefill_batch_size']}; best of {s.get('repeats', 1)} "
-        "interleaved rounds per level the hypervisor left alone)",
+        f"prefill batch {s['batch']['prefill_batch_size']}; {s.get('repeats', 1)} pairs of "
+        "runs per level the hypervisor left alone, each a raw run and then each worker's on "
+        "the same prompts)",
         "",
         headline_table(run),
         "",
@@ -317,9 +318,9 @@ def render(run: Run) -> str:
         limit = s.get("steal_limit", 0.05)
         parts += [
             "",
-            f"Struck-through rounds: the hypervisor took more than {limit:.0%} of the "
+            f"Struck-through pairs: the hypervisor took more than {limit:.0%} of the "
             "machine's CPU time (/proc/stat steal) while they ran, on the raw side or a "
-            "worker's; they were run again and count only when no clean round exists.",
+            "worker's; they were run again and count only when no clean pair exists.",
         ]
     cached = {
         LABELS[name]: sum(level.get("cached_tokens", 0) for level in run["sweep"][name])

@@ -9,6 +9,7 @@ ready when `MlxEngine/HealthCheck` says healthy (both workers answer it).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import signal
@@ -17,10 +18,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+from workload import LevelStats, Shape
 
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
@@ -155,6 +157,7 @@ class Worker:
     def stop(self, timeout: float = 30) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
+        self.resume()
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout)
@@ -162,11 +165,62 @@ class Worker:
             self.proc.kill()
             self.proc.wait(10)
 
+    def pause(self) -> None:
+        """Stop the process (SIGSTOP) while another is measured: not even a timer of its
+        runs. `resume` before talking to it again."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def __enter__(self) -> Worker:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class RawProcess:
+    """bench/raw.py --serve: the raw engine in its own process, one run per request."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.command = command
+        self.proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> RawProcess:
+        self.proc = subprocess.Popen(
+            self.command,
+            cwd=ROOT,
+            env={**os.environ, **OFFLINE_ENV},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        return self
+
+    def run(self, concurrency: int, shape: Shape, **options: object) -> LevelStats:
+        assert self.proc is not None and self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        command = {"concurrency": concurrency, **asdict(shape), **options}
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the raw engine exited with code {self.proc.wait()}")
+        return LevelStats(**json.loads(line))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None:
+            return
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 @dataclass(frozen=True)
