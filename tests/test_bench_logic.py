@@ -42,3 +42,19 @@ def test_disturbed_rounds_count_only_when_no_clean_one_exists() -> None:
     assert report._median_round_ratio({"extra": {"rounds": [noisy]}}) == 0.55
     cell = report._rounds([noisy, clean])
     assert cell == "~~250 (0.55, steal 20%)~~ / 400 (0.94)"
+
+
+def test_raw_engine_process_answers_one_run_per_command(demo_dir: Path) -> None:
+    from workers import RawProcess
+    from workload import Shape
+
+    command = [sys.executable, str(ROOT / "bench" / "raw.py"), "--serve", "--model", str(demo_dir)]
+    shape = Shape(prompt_tokens=12, max_tokens=5)
+    with RawProcess(command) as raw:
+        first = raw.run(2, shape, warm_up=True, requests=3, seed=1)
+        again = raw.run(2, shape, requests=3, seed=1)
+        timed = raw.run(1, shape, min_requests=2, min_seconds=0.0, seed="x")
+    assert (first.requests, first.output_tokens, first.errors) == (3, 15, 0)
+    assert (again.requests, again.output_tokens) == (3, 15)
+    assert timed.requests == 2
+    assert "steal_share" in first.extra
