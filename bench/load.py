@@ -15,6 +15,7 @@ import resource
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from workload import WARMUP_SEED, LevelStats, RequestRecord, Shape, make_prompts, percentile
@@ -225,7 +226,9 @@ def _cancel_summary(
     }
 
 
-def burst_summary(records: list[RequestRecord], expected: int) -> dict[str, object]:
+def burst_summary(
+    records: list[RequestRecord], expected: int, steal_share: float | None = None
+) -> dict[str, object]:
     stats = LevelStats.from_records(len(records), records, expected_tokens=expected)
     p50, peak = stats.ttft_p50_ms, stats.ttft_max_ms
     return {
@@ -236,4 +239,23 @@ def burst_summary(records: list[RequestRecord], expected: int) -> dict[str, obje
         "max_over_p50": peak / p50 if p50 and peak else None,
         "tokens_per_s": stats.tokens_per_s,
         "errors": stats.errors,
+        "steal_share": steal_share,
+    }
+
+
+def summarize_bursts(bursts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several bursts on one worker: the one with the median max ÷ p50 stands for them
+    (the higher middle one of an even count).
+
+    One burst's max is one request's TTFT; whether two prompts land in the same prefill
+    window is down to timing, so a single burst swings between ~1.1 and ~2 here. Every
+    burst stays listed under `bursts`, and `worst` keeps the highest ratio."""
+    ratios = sorted(b["max_over_p50"] for b in bursts if b["max_over_p50"] is not None)
+    median = next((b for b in bursts if b["max_over_p50"] == ratios[len(ratios) // 2]), bursts[0])
+    return {
+        **median,
+        "errors": sum(b["errors"] for b in bursts),
+        "requests": sum(b["requests"] for b in bursts),
+        "worst": ratios[-1] if ratios else None,
+        "bursts": bursts,
     }

@@ -58,3 +58,18 @@ def test_raw_engine_process_answers_one_run_per_command(demo_dir: Path) -> None:
     assert (again.requests, again.output_tokens) == (3, 15)
     assert timed.requests == 2
     assert "steal_share" in first.extra
+
+
+def test_bursts_are_summarised_by_the_median_one_and_all_stay_listed() -> None:
+    from load import summarize_bursts
+
+    def burst(ratio: float, errors: int = 0) -> dict:
+        return {"requests": 16, "max_over_p50": ratio, "ttft_p50_ms": 50.0, "errors": errors}
+
+    bursts = [burst(2.0), burst(1.1), burst(1.4, errors=1), burst(1.2), burst(1.7)]
+    summary = summarize_bursts(bursts)
+    assert summary["max_over_p50"] == 1.4
+    assert summary["worst"] == 2.0
+    assert summary["errors"] == 1 and summary["requests"] == 80
+    assert summary["bursts"] == bursts
+    assert summarize_bursts(bursts[:2])["max_over_p50"] == 2.0  # the higher of two
