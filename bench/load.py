@@ -251,7 +251,8 @@ def summarize_bursts(bursts: list[dict[str, Any]]) -> dict[str, Any]:
     window is down to timing, so a single burst swings between ~1.1 and ~2 here. Every
     burst stays listed under `bursts`, and `worst` keeps the highest ratio."""
     ratios = sorted(b["max_over_p50"] for b in bursts if b["max_over_p50"] is not None)
-    median = next((b for b in bursts if b["max_over_p50"] == ratios[len(ratios) // 2]), bursts[0])
+    middle = ratios[len(ratios) // 2] if ratios else None
+    median = next((b for b in bursts if b["max_over_p50"] == middle), bursts[0])
     return {
         **median,
         "errors": sum(b["errors"] for b in bursts),
