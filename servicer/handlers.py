@@ -314,8 +314,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         # A unary call needs its handler only for the first token (time-to-first-token
         # metric) and the finish, unless it watches for stop strings.
         unary = not request.stream and tracker is None
-        batch = sys.maxsize if unary else self._options.stream_interval
-        stream = RequestStream(job, tracker, batch)
+        job.tokens_per_handoff = sys.maxsize if unary else self._options.stream_interval
+        stream = RequestStream(job, tracker, job.tokens_per_handoff)
         self._streams[job.ticket] = stream
         self._by_request_id[job.request_id] = stream
         self._engine.submit(job)

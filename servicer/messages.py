@@ -70,6 +70,9 @@ class GenerationRequest:
     top_logprobs: int | None = None  # None: no logprobs; N >= 0: token logprob + top N
     constraint: Constraint | None = None
     thinking_budget: int | None = None  # tokens allowed inside the reasoning section
+    # The handler wants this request's tokens this many at a time after the first (and at
+    # its finish), so the engine may hold them back until then instead of waking the loop.
+    tokens_per_handoff: int = 1
 
 
 @dataclass(frozen=True, slots=True)

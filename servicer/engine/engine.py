@@ -150,6 +150,7 @@ class _Row:
     reserved: int  # bytes of cache state set aside for it
     cached_tokens: int = 0
     generated: int = 0
+    unsent: int = 0  # tokens held back from the handlers (see `tokens_per_handoff`)
     prefilled: bool = False  # its prompt is in; its first token comes with the next step
     grammar: GrammarProcessor | None = None  # its structured-output processor, if any
 
@@ -196,6 +197,8 @@ class Engine:
         self._leads = self._lockstep is None or self._lockstep.leads
         self._fetched: dict[int, list[Any] | None] = {}  # prefixes rank 0 found while planning
         self._check = 0
+        self._held: StepOutput | None = None  # steps' output no handler needs yet
+        self._due = False  # some row reached its `tokens_per_handoff`
         self.failure: str | None = None  # why the engine thread ended, when it failed
 
     # ----- called from any thread -----
@@ -390,8 +393,23 @@ class Engine:
             self._send(out)
 
     def _send(self, out: StepOutput) -> None:
-        if out:
-            self._deliver(out)
+        """Hand the output to the loop once a handler needs it: a row's first token, enough
+        tokens for a row's `tokens_per_handoff`, a finish or a failure. Until then it waits
+        here, so a request that takes its tokens several at a time costs no loop wake for
+        the steps in between."""
+        if self._held is not None:
+            self._held.merge(out)
+            out = self._held
+        if not out:
+            return
+        due = self._due or out.failures or out.fatal
+        if not due and not any(event.finish_reason is not None for event in out.events):
+            self._held = out
+            return
+        for row in self._rows.values():
+            row.unsent = 0
+        self._held, self._due = None, False
+        self._deliver(out)
 
     def _plan(self, out: StepOutput) -> _Plan:
         """Rank 0's decisions: aborts, and which waiting requests fit in memory now."""
@@ -517,6 +535,9 @@ class Engine:
                 row.cached_tokens,
             )
             out.events.append(event)
+            row.unsent += 1
+            if row.generated == 1 or row.unsent >= row.request.tokens_per_handoff:
+                self._due = True
             if row.request.top_logprobs is not None and self._leads:
                 wants_logprobs.append((event, response.logprobs, row.request.top_logprobs))
             if finish is not None:
