@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -45,36 +46,71 @@ def wait_for_worker(proc: subprocess.Popen[str]) -> int:
     raise SystemExit(f"the worker exited with code {proc.wait()}")
 
 
-def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
+def http(method: str, url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(
         url, data=data, method=method, headers={"Content-Type": "application/json"}
     )
     try:
-        with urllib.request.urlopen(request, timeout=120) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}")
 
 
-def wait_for_router(base: str, router: subprocess.Popen[bytes]) -> str:
+class RouterExited(RuntimeError):
+    """The router stopped before it answered; the message holds the end of its output."""
+
+
+def wait_for_router(base: str, router: subprocess.Popen[bytes], log: Path) -> str:
     for _ in range(240):
         if router.poll() is not None:
-            raise SystemExit("the router exited; see its output above")
+            tail = log.read_text(errors="replace").strip().splitlines()[-8:]
+            raise RouterExited("\n".join(f"  router | {line}" for line in tail))
         try:
-            status, body = http("GET", f"{base}/v1/models")
+            status, body = http("GET", f"{base}/v1/models", timeout=2)
             if status == 200 and body.get("data"):
                 return body["data"][0]["id"]
-        except (urllib.error.URLError, ConnectionError):
+        except OSError:  # not listening yet, or someone else's port that does not answer
             pass
         time.sleep(0.25)
     raise SystemExit("the router did not come up")
 
 
+def start_router(
+    smg: str, worker_port: int, http_port: int | None, log: Path
+) -> tuple[subprocess.Popen[bytes], str, str]:
+    """The router in front of the worker; (process, base URL, model name).
+
+    Ports picked here can be taken by someone else between the pick and the router's bind,
+    so a router that exits before it answers is started again on fresh ones (twice at most);
+    an --http-port the user named is kept."""
+    for attempt in range(3):
+        port = http_port or free_port()
+        base = f"http://127.0.0.1:{port}"
+        with open(log, "wb") as out:
+            router = subprocess.Popen(
+                [smg, "launch", "--worker-urls", f"grpc://127.0.0.1:{worker_port}",
+                 "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+                 "--prometheus-port", str(free_port())],
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        try:
+            return router, base, wait_for_router(base, router, log)
+        except RouterExited as exited:
+            print(f"the router exited before it answered:\n{exited}", file=sys.stderr)
+            if attempt == 2:
+                raise SystemExit("the router would not start; its output is above") from None
+            print("starting it again on fresh ports", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", help="model for the worker (default: the demo model)")
-    parser.add_argument("--http-port", type=int, default=30000)
+    parser.add_argument(
+        "--http-port", type=int, default=30000, help="the router's HTTP port (0: any free one)"
+    )
     parser.add_argument("--message", default="Tell me about the river.")
     parser.add_argument("--once", action="store_true", help="exit after the first completion")
     args = parser.parse_args()
@@ -89,16 +125,11 @@ def main() -> int:
         worker_args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     router = None
+    log_dir = tempfile.TemporaryDirectory(prefix="mlx-grpc-worker-demo-")
     try:
         port = wait_for_worker(worker)
-        base = f"http://127.0.0.1:{args.http_port}"
-        router = subprocess.Popen(
-            [smg, "launch", "--worker-urls", f"grpc://127.0.0.1:{port}", "--host", "127.0.0.1",
-             "--port", str(args.http_port), "--prometheus-host", "127.0.0.1",
-             "--prometheus-port", str(free_port())],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        model = wait_for_router(base, router)
+        router_log = Path(log_dir.name) / "router.log"
+        router, base, model = start_router(smg, port, args.http_port or None, router_log)
         body = {
             "model": model,
             "messages": [{"role": "user", "content": args.message}],
@@ -131,6 +162,7 @@ def main() -> int:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(30)
+        log_dir.cleanup()
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
 import pytest
-from support import ROOT, SMG, free_port
+from support import ROOT, SMG
 
 
 def test_client_streams_the_greedy_text(server, reference):
@@ -28,9 +29,23 @@ def test_client_streams_the_greedy_text(server, reference):
 def test_demo_sends_a_chat_completion_through_the_router(demo_dir):
     result = subprocess.run(
         [sys.executable, "scripts/demo.py", "--once", "--model", str(demo_dir),
-         "--http-port", str(free_port())],
+         "--http-port", "0"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert '"finish_reason"' in result.stdout
     assert "curl -s http://127.0.0.1:" in result.stdout
+
+
+@pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
+def test_demo_shows_why_the_router_would_not_start(demo_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        result = subprocess.run(
+            [sys.executable, "scripts/demo.py", "--once", "--model", str(demo_dir),
+             "--http-port", str(busy.getsockname()[1])],
+            capture_output=True, text=True, timeout=300, cwd=ROOT,
+        )  # fmt: skip
+    assert result.returncode != 0
+    assert "router | " in result.stderr
+    assert "Address already in use" in result.stderr
