@@ -73,7 +73,6 @@ class RequestStream:
     __slots__ = (
         "_waiter",
         "accepted_at",
-        "batch",
         "events",
         "failure",
         "finish_reason",
@@ -82,14 +81,9 @@ class RequestStream:
         "text",
     )
 
-    def __init__(
-        self, request: GenerationRequest, text: TextTracker | None = None, batch: int = 1
-    ) -> None:
+    def __init__(self, request: GenerationRequest, text: TextTracker | None = None) -> None:
         self.request = request
         self.text = text  # decoded text and stop strings, when the request wants them
-        # Events to gather before the handler wakes (a finish always wakes it). The first
-        # token goes out alone so time to first token does not depend on it.
-        self.batch = batch
         self.events: list[RowEvent] = []
         self.failure: RequestError | None = None
         self.finish_reason: str | None = None  # set once the terminal message is built
@@ -108,11 +102,12 @@ class RequestStream:
             self._wake()
 
     def _due(self) -> bool:
-        """Enough events for the handler: the first token, a full batch, or the finish."""
+        """Enough events for the handler: the first token (alone, so time to first token
+        does not wait for a batch), `tokens_per_handoff` of them, or the finish."""
         events = self.events
         return bool(events) and (
             self.last_token_at is None
-            or len(events) >= self.batch
+            or len(events) >= self.request.tokens_per_handoff
             or events[-1].finish_reason is not None
         )
 
@@ -315,7 +310,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         # metric) and the finish, unless it watches for stop strings.
         unary = not request.stream and tracker is None
         job.tokens_per_handoff = sys.maxsize if unary else self._options.stream_interval
-        stream = RequestStream(job, tracker, job.tokens_per_handoff)
+        stream = RequestStream(job, tracker)
         self._streams[job.ticket] = stream
         self._by_request_id[job.request_id] = stream
         self._engine.submit(job)
