@@ -99,10 +99,9 @@ def start_router(
             return router, base, wait_for_router(base, router, log)
         except RouterExited as exited:
             print(f"the router exited before it answered:\n{exited}", file=sys.stderr)
-            if attempt == 2:
-                raise SystemExit("the router would not start; its output is above") from None
-            print("starting it again on fresh ports", file=sys.stderr)
-    raise AssertionError("unreachable")
+            if attempt < 2:
+                print("starting it again on fresh ports", file=sys.stderr)
+    raise SystemExit("the router would not start; its output is above")
 
 
 def main() -> int:
