@@ -41,7 +41,15 @@ from workers import (
     smg_servicer_python,
     smg_worker,
 )
-from workload import STEAL_LIMIT, LevelStats, Shape, StealMeter, disturbed, model_vocab_size
+from workload import (
+    STEAL_LIMIT,
+    LevelStats,
+    Shape,
+    StealMeter,
+    counted_runs,
+    disturbed,
+    model_vocab_size,
+)
 
 RESULTS = BENCH / "results"
 
@@ -242,7 +250,7 @@ class Suite:
                 continue
             for name, measured in rounds.items():
                 if measured:
-                    counted = [s for s in measured if not s.extra["disturbed"]] or measured
+                    counted = counted_runs(measured, lambda stats: stats.extra["disturbed"])
                     best = max(counted, key=lambda stats: stats.tokens_per_s)
                     best.extra["rounds"] = [
                         {

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from workload import disturbed
+from workload import counted_runs, disturbed
 
 BENCH = Path(__file__).resolve().parent
 RESULTS_MD = BENCH / "RESULTS.md"
@@ -118,9 +118,8 @@ def _by_level(levels: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def _counted_rounds(level: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rounds the hypervisor left alone, or all of them when it disturbed every one."""
     rounds = level.get("extra", {}).get("rounds", [])
-    return [r for r in rounds if not r.get("disturbed")] or rounds
+    return counted_runs(rounds, lambda r: bool(r.get("disturbed")))
 
 
 def _median_round_ratio(level: dict[str, Any]) -> float | None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # Warm-up requests use their own prompts, so a worker with a prompt cache gets no head start.
 WARMUP_SEED = "warmup"
@@ -101,6 +103,11 @@ class StealMeter:
 
 def disturbed(steal_share: float | None) -> bool:
     return steal_share is not None and steal_share > STEAL_LIMIT
+
+
+def counted_runs(runs: Sequence[T], was_disturbed: Callable[[T], bool]) -> list[T]:
+    """The runs the hypervisor left alone, or all of them when it disturbed every one."""
+    return [run for run in runs if not was_disturbed(run)] or list(runs)
 
 
 @dataclass
