@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from .engine import EngineConfig
-from .engine.faults import ENV_VAR as FAULTS_ENV_VAR
-from .engine.faults import FaultPlan
+from .faults import ENV_VAR as FAULTS_ENV_VAR
+from .faults import FaultPlan
 from .handlers import HandlerOptions
+from .model_files import ModelSpec
 from .server import ServerConfig, run_follower, run_worker
 
 
@@ -51,8 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--model",
-        help="local mlx-lm model directory or Hugging Face hub id; "
-        "omit to serve the built-in demo model (built on first use, no download)",
+        help="local mlx-lm model directory, Hugging Face hub id, or demo:KIND for a built-in "
+        "demo model (llama, hybrid, gemma3; built on first use, no download); omit for "
+        "demo:llama",
     )
     parser.add_argument("--served-model-name", help="name reported to the router")
     parser.add_argument("--adapter-path", help="LoRA adapter directory to apply")
@@ -165,9 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(
-        model=args.model,
         adapter_path=args.adapter_path,
-        served_model_name=args.served_model_name,
         completion_batch_size=args.completion_batch_size,
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
@@ -182,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         stream_interval=args.stream_interval,
     )
     return ServerConfig(
+        model=ModelSpec(args.model, args.served_model_name),
         engine=engine,
         handlers=handlers,
         host=args.host,

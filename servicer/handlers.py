@@ -7,6 +7,7 @@ which routes each row's events to that request's `RequestStream`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import sys
@@ -18,6 +19,8 @@ from typing import Protocol
 
 import grpc
 
+from .codec import TextCodec
+from .lifecycle import Lifecycle, Phase
 from .messages import (
     FINISH_ABORT,
     FINISH_STOP,
@@ -30,6 +33,7 @@ from .messages import (
     StepOutput,
 )
 from .metrics import WorkerMetrics
+from .model_files import ModelFiles
 from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
 from .text import TextTracker
 from .tokenizer_bundle import TokenizerArchive, build_archive
@@ -38,6 +42,8 @@ from .validation import GrammarCheck, Limits, RequestError, build_request
 log = logging.getLogger(__name__)
 
 SERVER_TYPE = "mlx-grpc-worker"
+# A metadata call that waits for the model's files answers this long before its deadline.
+METADATA_DEADLINE_MARGIN_S = 0.25
 _FAILURE_STATUS = {
     FailureKind.INTERNAL: grpc.StatusCode.INTERNAL,
     FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
@@ -164,15 +170,20 @@ class HandlerOptions:
 
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
-    """Handlers for one engine. `attach` once the engine is ready; until then, UNAVAILABLE."""
+    """Handlers for one engine. The metadata RPCs answer once `set_model` has the model's
+    files; Generate is accepted while the lifecycle says serving (after `attach`)."""
 
     def __init__(
         self,
         engine: EngineHandle,
+        lifecycle: Lifecycle,
+        on_fatal: Callable[[str], None],
         options: HandlerOptions | None = None,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self._engine = engine
+        self._lifecycle = lifecycle
+        self._on_fatal = on_fatal
         self._options = options or HandlerOptions()
         self._metrics = metrics or WorkerMetrics(engine.load)
         self._info: ModelInfo | None = None
@@ -184,23 +195,27 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._by_request_id: dict[str, RequestStream] = {}
         self._archive: asyncio.Task[TokenizerArchive] | None = None
         self._started = time.monotonic()
-        self.refusal: str | None = "the engine is starting"  # None while accepting work
-        self.on_fatal: Callable[[str], None] = lambda reason: None
 
     # ----- lifecycle, driven by the server -----
 
+    def set_model(self, files: ModelFiles) -> None:
+        """The model's files are read: its metadata can be answered from now on."""
+        self._info = files.info
+        self._codec = TextCodec(files.tokenizer)
+        self._limits = Limits.for_model(files.info, self._options.max_prompt_tokens)
+
     def attach(
         self,
-        info: ModelInfo,
-        codec: Codec,
         admission: Admission,
+        has_thinking: bool = False,
         check_grammar: GrammarCheck | None = None,
     ) -> None:
-        self._info = info
-        self._codec = codec
+        """The engine is warm: requests can be checked against what it supports."""
+        assert self._info is not None
         self._admission = admission
-        self._limits = Limits.for_model(info, self._options.max_prompt_tokens, check_grammar)
-        self.refusal = None
+        self._limits = Limits.for_model(
+            self._info, self._options.max_prompt_tokens, has_thinking, check_grammar
+        )
 
     @property
     def active_requests(self) -> int:
@@ -226,11 +241,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 stream.fail(RequestError(_FAILURE_STATUS[failure.kind], failure.message))
         if out.fatal is not None:
             self._metrics.errors.labels("engine_death").inc()
-            self.refusal = out.fatal
+            self._on_fatal(out.fatal)
             error = RequestError(grpc.StatusCode.UNAVAILABLE, out.fatal)
             for stream in streams.values():
                 stream.fail(error)
-            self.on_fatal(out.fatal)
 
     # ----- RPCs -----
 
@@ -281,8 +295,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     def _accept(
         self, request: mlx_engine_pb2.GenerateRequest, text_ids: list[int] | None
     ) -> RequestStream:
-        if self.refusal is not None or self._limits is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, self.refusal or "not ready")
+        if not self._lifecycle.serving or self._limits is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
         errors = self._metrics.errors
         try:
             job, text = build_request(request, next(self._tickets), self._limits, text_ids)
@@ -424,6 +438,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     async def Abort(
         self, request: mlx_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> mlx_engine_pb2.AbortResponse:
+        if self._lifecycle.phase not in (Phase.SERVING, Phase.DRAINING):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
         tickets = [
             stream.request.ticket
             for request_id in request.request_ids
@@ -436,19 +452,18 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     async def HealthCheck(
         self, request: mlx_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> mlx_engine_pb2.HealthCheckResponse:
-        if self.refusal is None and not self._engine.alive:
-            self.refusal = "the engine thread is not running"
-        if self.refusal is not None:
-            return mlx_engine_pb2.HealthCheckResponse(healthy=False, message=self.refusal)
-        return mlx_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+        if not self._lifecycle.serving:
+            message = self._lifecycle.refusal
+        elif not self._engine.alive:
+            message = "the engine thread is not running"
+        else:
+            return mlx_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+        return mlx_engine_pb2.HealthCheckResponse(healthy=False, message=message)
 
     async def GetModelInfo(
         self, request: mlx_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> mlx_engine_pb2.GetModelInfoResponse:
-        info = self._info
-        if info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-            raise AssertionError("unreachable")
+        info = await self._model_info(context)
         limits = self._limits
         assert limits is not None
         return mlx_engine_pb2.GetModelInfoResponse(
@@ -477,11 +492,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     async def GetTokenizer(
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        if self._info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-            return
+        info = await self._model_info(context)
         try:
-            archive = await asyncio.shield(self._tokenizer_archive(self._info))
+            archive = await asyncio.shield(self._tokenizer_archive(info))
         except OSError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"cannot read tokenizer files: {exc}")
             return
@@ -489,6 +502,20 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         for i, data in enumerate(pieces):
             last = i == len(pieces) - 1
             yield common_pb2.GetTokenizerChunk(data=data, sha256=archive.sha256 if last else "")
+
+    async def _model_info(self, context: grpc.aio.ServicerContext) -> ModelInfo:
+        """The model's metadata: while the files are still being resolved, the call waits
+        (within its deadline) rather than let a router register a model of unknown identity."""
+        remaining = context.time_remaining()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                self._lifecycle.model_known(),
+                None if remaining is None else max(0.0, remaining - METADATA_DEADLINE_MARGIN_S),
+            )
+        if self._info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
+        assert self._info is not None
+        return self._info
 
     def _tokenizer_archive(self, info: ModelInfo) -> asyncio.Task[TokenizerArchive]:
         """Built once off the loop; concurrent callers share the same build."""

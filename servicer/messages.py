@@ -133,7 +133,7 @@ class StepOutput:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """What the handlers need to know about the loaded model."""
+    """The model's identity, read from its files before the weights load (`model_files`)."""
 
     model_path: str  # what the user asked for (path or hub id)
     model_dir: str  # the local directory holding config and tokenizer files
@@ -145,7 +145,6 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     pad_token_id: int | None
-    has_thinking: bool = False  # the tokenizer marks a reasoning section
 
 
 @dataclass(frozen=True, slots=True)

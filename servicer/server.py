@@ -1,8 +1,9 @@
 """Assembling the worker: gRPC server, health, reflection, engine, and the lifecycle.
 
-Order of life: bind and answer health as NOT_SERVING; load and warm the engine; flip to
-SERVING. On SIGTERM: NOT_SERVING, refuse new work, let in-flight requests finish within the
-grace period, end the rest with `abort`, stop. A dead engine means NOT_SERVING and exit 1.
+Order of life: bind and answer health as NOT_SERVING; resolve and read the model's files (the
+metadata RPCs answer from then on); load and warm the engine; flip to SERVING. On SIGTERM:
+NOT_SERVING, refuse new work, let in-flight requests finish within the grace period, end the
+rest with `abort`, stop. A dead engine means NOT_SERVING and exit 1.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .engine import Engine, EngineConfig, EngineStartupError
+from .faults import FaultPlan
 from .handlers import HandlerOptions, MlxEngineServicer
+from .lifecycle import Lifecycle, Phase
 from .messages import ModelInfo, PrefixCacheStats, StepOutput
 from .metrics import WorkerMetrics
+from .model_files import ModelFiles, ModelLoadError, ModelSpec, prepare_model_files
 from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -37,6 +41,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 @dataclass(frozen=True)
 class ServerConfig:
+    model: ModelSpec = field(default_factory=ModelSpec)
     engine: EngineConfig = field(default_factory=EngineConfig)
     handlers: HandlerOptions = field(default_factory=HandlerOptions)
     host: str = "127.0.0.1"
@@ -48,23 +53,35 @@ class ServerConfig:
     tls_key: Path | None = None
 
 
+def resolve_files(config: ServerConfig) -> ModelFiles:
+    """The model's files, resolved and read (blocking), with the testing delay if one is set."""
+    faults: FaultPlan | None = config.engine.faults
+    if faults is not None:
+        faults.before_resolve()
+    return prepare_model_files(config.model)
+
+
 class WorkerServer:
     """One engine behind one gRPC port. Several can live in one process."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        self.lifecycle = Lifecycle()
         self.engine = Engine(config.engine, self._deliver)
         self.metrics = WorkerMetrics(self.engine.load, self._prefix_stats)
-        self.servicer = MlxEngineServicer(self.engine, config.handlers, self.metrics)
-        self.servicer.on_fatal = self._on_fatal
+        self.servicer = MlxEngineServicer(
+            self.engine, self.lifecycle, self._on_fatal, config.handlers, self.metrics
+        )
         self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.exit_code = 0
+        self.files: ModelFiles | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handoff: StepOutput | None = None  # the engine's output the loop has yet to take
         self._handoff_lock = threading.Lock()
         self._stopping = asyncio.Event()
+        self._preparing: asyncio.Task[ModelFiles] | None = None
         self._server: grpc.aio.Server | None = None
 
     def _prefix_stats(self) -> PrefixCacheStats | None:
@@ -95,6 +112,7 @@ class WorkerServer:
 
     def _on_fatal(self, reason: str) -> None:
         log.critical("engine failed, the worker stops: %s", reason)
+        self.lifecycle.advance(Phase.FAILED, reason)
         self.exit_code = 1
         self._stopping.set()
 
@@ -105,7 +123,8 @@ class WorkerServer:
     # ----- lifecycle -----
 
     async def start(self) -> int:
-        """Bind and start answering (health NOT_SERVING), then start loading the engine."""
+        """Bind and start answering (health NOT_SERVING), then resolve the model's files and
+        start loading the engine in the background."""
         self._loop = asyncio.get_running_loop()
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
@@ -138,15 +157,39 @@ class WorkerServer:
         await self._set_health(NOT_SERVING)
         await server.start()
         self._server = server
-        self.engine.start()
+        self._preparing = asyncio.create_task(self._prepare())
         return self.port
 
-    async def wait_ready(self, timeout: float | None = None) -> ModelInfo:
-        """Wait for the engine to load and warm up, then report SERVING."""
-        info = await asyncio.to_thread(self.engine.wait_ready, timeout)
-        self.servicer.attach(
-            info, self.engine.codec, self.engine.admission, self.engine.grammar_check
+    async def _prepare(self) -> ModelFiles:
+        """Resolve and read the model's files, then start the engine on them."""
+        try:
+            files = await asyncio.to_thread(resolve_files, self.config)
+        except (ModelLoadError, OSError) as exc:
+            self.lifecycle.advance(Phase.FAILED, f"cannot serve the model: {exc}")
+            raise EngineStartupError(str(exc)) from exc
+        self.files = files
+        self.servicer.set_model(files)
+        self.lifecycle.advance(Phase.LOADING)
+        log.info(
+            "loading %s (metadata answers now; health NOT_SERVING until warm)",
+            files.info.served_model_name,
         )
+        self.engine.start(files.info)
+        return files
+
+    async def wait_ready(self, timeout: float | None = None) -> ModelInfo:
+        """Wait for the files, then for the engine to load and warm up; report SERVING."""
+        assert self._preparing is not None, "start() first"
+        try:
+            await asyncio.wait_for(asyncio.shield(self._preparing), timeout)
+            info = await asyncio.to_thread(self.engine.wait_ready, timeout)
+        except EngineStartupError as exc:
+            self.lifecycle.advance(Phase.FAILED, f"cannot serve the model: {exc}")
+            raise
+        self.servicer.attach(
+            self.engine.admission, self.engine.has_thinking, self.engine.grammar_check
+        )
+        self.lifecycle.advance(Phase.SERVING)
         await self._set_health(SERVING)
         return info
 
@@ -167,12 +210,14 @@ class WorkerServer:
     async def stop(self) -> None:
         """Drain: NOT_SERVING, refuse new work, finish or abort what is in flight, close."""
         await self._set_health(NOT_SERVING)
-        if self.servicer.refusal is None:
-            self.servicer.refusal = "the worker is shutting down"
+        self.lifecycle.advance(Phase.DRAINING)
         await self._drain()
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        if self._preparing is not None and not self._preparing.done():
+            self._preparing.cancel()
         await asyncio.to_thread(self.engine.shutdown, 10.0)
+        self.lifecycle.advance(Phase.STOPPED)
         self.metrics.close()
 
     async def _drain(self) -> None:
@@ -197,10 +242,10 @@ async def run_worker(config: ServerConfig, on_ready: Callable[[], None] = lambda
         log.error("%s", exc)
         return 1
     log.info(
-        "listening on %s:%d; loading %s (health NOT_SERVING until it is warm)",
+        "listening on %s:%d; preparing %s (health NOT_SERVING until it is warm)",
         config.host,
         port,
-        config.engine.model or "the built-in demo model",
+        config.model.describe(),
     )
     try:
         info = await server.wait_ready()
@@ -249,10 +294,10 @@ def run_follower(config: ServerConfig, on_ready: Callable[[], None] = lambda: No
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    engine.start()
     try:
+        engine.start(resolve_files(config).info)
         engine.wait_ready()
-    except EngineStartupError as exc:
+    except (EngineStartupError, ModelLoadError, OSError) as exc:
         log.error("cannot serve: %s", exc)
         return 1
     on_ready()

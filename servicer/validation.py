@@ -54,6 +54,7 @@ class Limits:
         cls,
         info: ModelInfo,
         max_prompt_tokens: int | None = None,
+        has_thinking: bool = False,
         check_grammar: GrammarCheck | None = None,
     ) -> Limits:
         return cls(
@@ -61,7 +62,7 @@ class Limits:
             info.context_length,
             info.eos_token_ids,
             max_prompt_tokens,
-            info.has_thinking,
+            has_thinking,
             check_grammar,
         )
 

@@ -11,6 +11,7 @@ from support import ServerThread
 
 from servicer.demo_model import TEST_PROMPTS, demo_model_path
 from servicer.engine import EngineConfig
+from servicer.model_files import ModelSpec
 from servicer.server import ServerConfig
 
 
@@ -54,7 +55,11 @@ def prompts(reference: Reference) -> list[list[int]]:
 
 
 def demo_config(model_dir: Path, **engine: object) -> ServerConfig:
-    return ServerConfig(engine=EngineConfig(model=str(model_dir), **engine), port=0)  # type: ignore[arg-type]
+    return ServerConfig(
+        model=ModelSpec(str(model_dir)),
+        engine=EngineConfig(**engine),  # type: ignore[arg-type]
+        port=0,
+    )
 
 
 @pytest.fixture(scope="session")

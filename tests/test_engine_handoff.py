@@ -9,6 +9,7 @@ import pytest
 
 from servicer.engine import Engine, EngineConfig
 from servicer.messages import GenerationRequest, SamplingSpec, StepOutput
+from servicer.model_files import ModelSpec, prepare_model_files
 
 GREEDY = SamplingSpec(temperature=0.0)
 
@@ -42,8 +43,8 @@ class Deliveries:
 @pytest.fixture(scope="module")
 def engine(demo_dir) -> Iterator[tuple[Engine, Deliveries]]:
     deliveries = Deliveries()
-    engine = Engine(EngineConfig(model=str(demo_dir), prompt_cache_size=0), deliveries)
-    engine.start()
+    engine = Engine(EngineConfig(prompt_cache_size=0), deliveries)
+    engine.start(prepare_model_files(ModelSpec(str(demo_dir))).info)
     engine.wait_ready(120)
     yield engine, deliveries
     engine.shutdown(30)

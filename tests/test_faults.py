@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 import grpc
 from conftest import demo_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import ServerThread, WorkerProcess, generate, server_info, wait_until
 
-from servicer.engine.faults import ENV_VAR, FaultPlan
+from servicer.faults import ENV_VAR, FaultPlan
+from servicer.lifecycle import Phase
 
 
 def _with_faults(demo_dir, spec: str):
     config = demo_config(demo_dir)
     engine = type(config.engine)(**{**vars(config.engine), "faults": FaultPlan.parse(spec)})
-    return type(config)(engine=engine, port=0)
+    return replace(config, engine=engine)
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(
@@ -85,7 +87,7 @@ def test_engine_death_turns_health_not_serving(demo_dir, prompts):
         assert outcome.code == grpc.StatusCode.UNAVAILABLE
         assert wait_until(lambda: running.exit_code is not None, timeout=30)
         assert running.exit_code == 1
-        assert running.server.servicer.refusal is not None
+        assert running.server.lifecycle.phase is Phase.STOPPED
         assert not running.server.engine.alive
         health = running.server.health._server_status
         assert set(health.values()) == {health_pb2.HealthCheckResponse.NOT_SERVING}

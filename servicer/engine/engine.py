@@ -12,11 +12,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from ..faults import FaultPlan
 from ..messages import (
     FINISH_ABORT,
     FINISH_STOP,
@@ -30,13 +32,11 @@ from ..messages import (
     StepOutput,
 )
 from .constraints import GrammarFactory, GrammarProcessor
-from .faults import FaultPlan
 from .lockstep import Lockstep, LockstepBroken
 from .memory import device_memory_bytes, measure, weights_bytes
 from .model import LoadedModel, load_model, log_blas_hint
 from .prefix_cache import PrefixCache
 from .sampling import SamplingFactory, gather_logprobs
-from .text import TextCodec
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,7 @@ Deliver = Callable[[StepOutput], None]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the built-in demo model
     adapter_path: str | None = None
-    served_model_name: str | None = None
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
@@ -176,6 +174,7 @@ class Engine:
     """Owns one generation thread; construct, `start()`, then `wait_ready()`."""
 
     def __init__(self, config: EngineConfig, deliver: Deliver) -> None:
+        """Nothing starts until `start(info)` names the model's (resolved) files."""
         self.config = config
         self._deliver = deliver
         self._inbox = _Inbox()
@@ -203,7 +202,9 @@ class Engine:
 
     # ----- called from any thread -----
 
-    def start(self) -> None:
+    def start(self, info: ModelInfo) -> None:
+        """Load the model `info` describes and serve it, on the engine thread."""
+        self._info = info
         self._thread.start()
 
     def wait_ready(self, timeout: float | None = None) -> ModelInfo:
@@ -215,8 +216,8 @@ class Engine:
         return self._info
 
     @property
-    def ready(self) -> bool:
-        return self._ready.is_set() and self._startup_error is None and self.alive
+    def started(self) -> bool:
+        return self._thread.ident is not None
 
     @property
     def alive(self) -> bool:
@@ -243,10 +244,11 @@ class Engine:
         return self._sampling.check_grammar
 
     @property
-    def codec(self) -> TextCodec:
-        """The model's tokenizer for text work off the engine thread (after `wait_ready`)."""
+    def has_thinking(self) -> bool:
+        """The tokenizer marks a reasoning section (after `wait_ready`)."""
         assert self._loaded is not None
-        return TextCodec(self._loaded.tokenizer._tokenizer)
+        tokenizer = self._loaded.tokenizer
+        return bool(tokenizer.think_start_tokens and tokenizer.think_end_tokens)
 
     def submit(self, request: GenerationRequest) -> None:
         self._inbox.put(request)
@@ -289,7 +291,6 @@ class Engine:
                 self._startup_error = exc
                 self._ready.set()
                 return
-            self._info = self._loaded.info
             if self._lockstep is not None:
                 self._lockstep.watch(self._on_stall)
             self._ready.set()
@@ -305,20 +306,16 @@ class Engine:
                 self._generator = None
 
     def _load(self) -> LoadedModel:
-        model = self.config.model
-        served = self.config.served_model_name
-        if model is None:
-            from ..demo_model import DEMO_MODEL_KIND, demo_model_path
-
-            model = str(demo_model_path(DEMO_MODEL_KIND))
-            served = served or f"mlx-grpc-worker-demo-{DEMO_MODEL_KIND}"
+        assert self._info is not None
         group = self._lockstep.group if self._lockstep is not None else None
         log_blas_hint()
-        return load_model(model, self.config.adapter_path, served, group)
+        if self.config.faults is not None:
+            self.config.faults.before_load()
+        return load_model(Path(self._info.model_dir), self.config.adapter_path, group)
 
-    @staticmethod
-    def _sampling_factory(loaded: LoadedModel) -> SamplingFactory:
-        tokenizer, info = loaded.tokenizer, loaded.info
+    def _sampling_factory(self, loaded: LoadedModel) -> SamplingFactory:
+        tokenizer, info = loaded.tokenizer, self._info
+        assert info is not None
         eos = info.eos_token_ids[0] if info.eos_token_ids else 0
         return SamplingFactory(
             info.vocab_size,
@@ -356,7 +353,8 @@ class Engine:
     def _warm_up(self) -> None:
         """One short request through the whole path, so the first real one pays no JIT."""
         assert self._generator is not None and self._loaded is not None
-        prompt = [self._loaded.info.bos_token_id or 0] * 4
+        assert self._info is not None
+        prompt = [self._info.bos_token_id or 0] * 4
         (uid,) = self._generator.insert([prompt], max_tokens=[2])
         for _ in range(16):
             _, responses = self._generator.next()

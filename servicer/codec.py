@@ -1,4 +1,4 @@
-"""The model's tokenizer, for the handler side (text input, decoded text, stop strings).
+"""The model's tokenizer as the handler side uses it: text input, decoded text, stop strings.
 
 It holds the Hugging Face tokenizer only; nothing here touches MLX.
 """

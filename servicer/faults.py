@@ -1,0 +1,67 @@
+"""Failures and delays injected on purpose, for tests only (never set in production).
+
+Set with the environment variable MLX_GRPC_WORKER_FAULTS, parts separated by `;`:
+`step:3,4` (engine steps 3 and 4 raise, the engine recovers), `die:5` (step 5 kills the engine
+thread), `resolve:2.5` (resolving the model's files takes 2.5 s longer), `load:8` (loading the
+weights takes 8 s longer). Steps count from 1, from the first step after warm-up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+ENV_VAR = "MLX_GRPC_WORKER_FAULTS"
+
+
+class InjectedFault(RuntimeError):
+    """A recoverable step failure."""
+
+
+class InjectedDeath(BaseException):
+    """A failure nothing inside the engine catches: the thread dies."""
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    fail_steps: frozenset[int] = frozenset()
+    die_at_step: int | None = None
+    resolve_delay_s: float = 0.0
+    load_delay_s: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan:
+        fail: set[int] = set()
+        die = None
+        delays = {"resolve": 0.0, "load": 0.0}
+        for part in filter(None, (p.strip() for p in text.split(";"))):
+            kind, _, value = part.partition(":")
+            try:
+                if kind in delays:
+                    delays[kind] = float(value)
+                    continue
+                numbers = [int(s) for s in value.split(",") if s.strip()]
+            except ValueError:
+                numbers = []
+            if kind == "step" and numbers:
+                fail.update(numbers)
+            elif kind == "die" and len(numbers) == 1:
+                die = numbers[0]
+            else:
+                usage = "'step:N[,M...]', 'die:N', 'resolve:S' or 'load:S'"
+                raise ValueError(f"bad fault spec {part!r}: use {usage}")
+        return cls(frozenset(fail), die, delays["resolve"], delays["load"])
+
+    def before_step(self, step: int) -> None:
+        if step == self.die_at_step:
+            raise InjectedDeath(f"injected engine death at step {step}")
+        if step in self.fail_steps:
+            raise InjectedFault(f"injected fault at step {step}")
+
+    def before_resolve(self) -> None:
+        if self.resolve_delay_s > 0:
+            time.sleep(self.resolve_delay_s)
+
+    def before_load(self) -> None:
+        if self.load_delay_s > 0:
+            time.sleep(self.load_delay_s)
