@@ -42,8 +42,11 @@ from .validation import GrammarCheck, Limits, RequestError, build_request
 log = logging.getLogger(__name__)
 
 SERVER_TYPE = "mlx-grpc-worker"
-# A metadata call that waits for the model's files answers this long before its deadline.
+# A metadata call that waits for the model's files answers this long before its deadline, and
+# waits at most METADATA_WAIT_S without one (the smg router sends none and gives up after 10 s).
 METADATA_DEADLINE_MARGIN_S = 0.25
+METADATA_WAIT_S = 8.0
+STARTING_HEALTH_WAIT_S = 3.0  # within the smg router's 5 s health-check timeout
 _FAILURE_STATUS = {
     FailureKind.INTERNAL: grpc.StatusCode.INTERNAL,
     FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
@@ -54,6 +57,16 @@ _FAILURE_METRIC = {
     FailureKind.UNAVAILABLE: "engine_step",
     FailureKind.INVALID_ARGUMENT: "grammar",
 }
+
+
+def _refusal_status(phase: Phase) -> grpc.StatusCode:
+    """While the worker starts, RESOURCE_EXHAUSTED: the smg router retries it (on another
+    worker when it has one) without counting it against the worker's circuit breaker, which
+    UNAVAILABLE would open for a minute after ten refusals. Shutting down or failed:
+    UNAVAILABLE, so the router takes the worker out."""
+    if phase in (Phase.STARTING, Phase.LOADING):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return grpc.StatusCode.UNAVAILABLE
 
 
 class Codec(Protocol):
@@ -296,7 +309,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self, request: mlx_engine_pb2.GenerateRequest, text_ids: list[int] | None
     ) -> RequestStream:
         if not self._lifecycle.serving or self._limits is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
+            raise RequestError(_refusal_status(self._lifecycle.phase), self._lifecycle.refusal)
         errors = self._metrics.errors
         try:
             job, text = build_request(request, next(self._tickets), self._limits, text_ids)
@@ -452,6 +465,14 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     async def HealthCheck(
         self, request: mlx_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> mlx_engine_pb2.HealthCheckResponse:
+        if self._lifecycle.phase is Phase.STARTING:
+            # A router registers a worker from its first GetModelInfo once this call succeeds:
+            # give the files a moment, then fail the call so it cannot register the worker
+            # before the model has a name (the smg router tries again 30 s later).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lifecycle.model_known(), STARTING_HEALTH_WAIT_S)
+            if self._lifecycle.phase is Phase.STARTING:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
         if not self._lifecycle.serving:
             message = self._lifecycle.refusal
         elif not self._engine.alive:
@@ -507,11 +528,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         """The model's metadata: while the files are still being resolved, the call waits
         (within its deadline) rather than let a router register a model of unknown identity."""
         remaining = context.time_remaining()
+        wait = METADATA_WAIT_S if remaining is None else remaining - METADATA_DEADLINE_MARGIN_S
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                self._lifecycle.model_known(),
-                None if remaining is None else max(0.0, remaining - METADATA_DEADLINE_MARGIN_S),
-            )
+            await asyncio.wait_for(self._lifecycle.model_known(), max(0.0, wait))
         if self._info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
         assert self._info is not None

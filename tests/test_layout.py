@@ -14,6 +14,10 @@ HANDLER_SIDE = [
     "servicer.text",
     "servicer.metrics",
     "servicer.tokenizer_bundle",
+    "servicer.lifecycle",
+    "servicer.model_files",
+    "servicer.codec",
+    "servicer.faults",
     "servicer.client",
     "servicer.proto.mlx_engine_pb2_grpc",
 ]

@@ -47,7 +47,7 @@ def test_metadata_while_loading_equals_metadata_once_loaded(demo_dir, prompts):
         loading = _metadata(chan)
         assert not _serving(chan)  # the answers above came while the weights were loading
         early = generate(chan, prompts[0], max_tokens=2)
-        assert early.code == grpc.StatusCode.UNAVAILABLE
+        assert early.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "still loading" in early.error.details()
         with pytest.raises(grpc.RpcError) as abort:
             pb_grpc.MlxEngineStub(chan).Abort(pb.AbortRequest(request_ids=["x"]), timeout=10)
@@ -63,7 +63,7 @@ def test_metadata_while_loading_equals_metadata_once_loaded(demo_dir, prompts):
 
 
 def test_metadata_calls_wait_while_the_files_are_resolved(demo_dir):
-    config = _with_faults(demo_dir, "resolve:2;load:2")
+    config = _with_faults(demo_dir, "resolve:5;load:2")
     started = time.monotonic()
     with ServerThread(config, wait_ready=False) as running, running.channel() as chan:
         stub = pb_grpc.MlxEngineStub(chan)
@@ -73,8 +73,14 @@ def test_metadata_calls_wait_while_the_files_are_resolved(demo_dir):
             grpc.StatusCode.UNAVAILABLE,
             grpc.StatusCode.DEADLINE_EXCEEDED,
         )
+        with pytest.raises(grpc.RpcError) as starting:  # a router must not register it yet
+            stub.HealthCheck(pb.HealthCheckRequest(), timeout=10)
+        assert starting.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "resolved" in starting.value.details()
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-        assert time.monotonic() - started >= 1.5  # it waited for the files
+        reply = stub.HealthCheck(pb.HealthCheckRequest(), timeout=10)  # loading: an answer
+        assert not reply.healthy and "still loading" in reply.message
+        assert time.monotonic() - started >= 4.5  # it waited for the files
         assert info.served_model_name == str(demo_dir)
         assert not _serving(chan)
 
@@ -101,5 +107,5 @@ def test_an_unknown_demo_kind_or_missing_directory_is_a_clear_error(tmp_path):
         prepare_model_files(ModelSpec("demo:nope"))
     with pytest.raises(ModelLoadError, match="does not exist"):
         prepare_model_files(ModelSpec(str(tmp_path / "missing")))
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         prepare_model_files(ModelSpec(str(tmp_path)))

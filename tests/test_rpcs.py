@@ -9,7 +9,6 @@ import random
 import zipfile
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support import ServerThread, generate
@@ -100,18 +99,22 @@ def test_archive_chunks_large_tokenizers_and_is_stable(tmp_path):
         }
 
 
-@pytest.mark.parametrize("wait", [False])
-def test_not_serving_until_the_engine_is_warm(demo_dir, wait, prompts):
+def test_not_serving_until_the_engine_is_warm(demo_dir, prompts):
     from conftest import demo_config
 
-    with ServerThread(demo_config(demo_dir), wait_ready=wait) as running, running.channel() as chan:
+    with (
+        ServerThread(demo_config(demo_dir), wait_ready=False) as running,
+        running.channel() as chan,
+    ):
+        stub = pb_grpc.MlxEngineStub(chan)
+        stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)  # the files are read
         assert _health(chan, "") == health_pb2.HealthCheckResponse.NOT_SERVING
         assert _health(chan, ENGINE) == health_pb2.HealthCheckResponse.NOT_SERVING
-        reply = pb_grpc.MlxEngineStub(chan).HealthCheck(pb.HealthCheckRequest(), timeout=10)
-        assert not reply.healthy
+        assert not stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
         early = generate(chan, prompts[0], max_tokens=2)
-        assert early.code == grpc.StatusCode.UNAVAILABLE
+        assert early.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         running.run(running.server.wait_ready(120))
         assert _health(chan, "") == health_pb2.HealthCheckResponse.SERVING
         assert _health(chan, ENGINE) == health_pb2.HealthCheckResponse.SERVING
+        assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
         assert generate(chan, prompts[0], max_tokens=2, ignore_eos=True).error is None

@@ -1,0 +1,101 @@
+"""The real smg router finds the model however it and the worker are started, with the worker's
+load held open by the `load:S` fault hook."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from support import SMG, Router, WorkerProcess, free_port, wait_until
+
+from servicer.faults import ENV_VAR
+
+pytestmark = pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
+
+NAME = "start-order-demo"
+CHAT = {"messages": [{"role": "user", "content": "Tell me about the river."}], "max_tokens": 6}
+
+
+@pytest.fixture
+def launch(tmp_path) -> Iterator:
+    started: list[WorkerProcess | Router] = []
+
+    def worker(port: int, load_s: float) -> WorkerProcess:
+        args = ("--model", "demo:llama", "--served-model-name", NAME, "--port", str(port))
+        process = WorkerProcess(*args, env={ENV_VAR: f"load:{load_s}"})
+        started.append(process.start())
+        return process
+
+    def router(address: str) -> Router:
+        running = Router([address], tmp_path / f"smg-{len(started)}.log")
+        started.append(running)
+        return running
+
+    yield worker, router
+    for item in reversed(started):
+        item.kill() if isinstance(item, WorkerProcess) else item.close()
+
+
+def _listed(router: Router) -> list[str]:
+    try:
+        response = router.client.get("/v1/models")
+    except Exception:
+        return []
+    return [m["id"] for m in response.json().get("data", [])] if response.status_code == 200 else []
+
+
+def _both_endpoints_answer(router: Router) -> None:
+    chat = router.client.post("/v1/chat/completions", json={"model": NAME, **CHAT})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"]
+    completion = router.client.post(
+        "/v1/completions", json={"model": NAME, "prompt": "The river", "max_tokens": 6}
+    )
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"]
+
+
+def _serves_once_ready(worker: WorkerProcess, router: Router) -> None:
+    worker.wait_ready()
+    # The router may have found the worker before it bound: it connects again every 30 s.
+    assert wait_until(lambda: _listed(router) == [NAME], timeout=75, interval=0.5), (
+        _listed(router),
+        router.log_tail(),
+    )
+    _both_endpoints_answer(router)
+
+
+def test_router_and_worker_started_together(launch):
+    start_worker, start_router = launch
+    port = free_port()
+    worker = start_worker(port, load_s=6)
+    router = start_router(f"127.0.0.1:{port}")
+    _serves_once_ready(worker, router)
+    assert "unknown" not in _listed(router)
+
+
+def test_router_first_and_the_worker_seconds_later(launch):
+    start_worker, start_router = launch
+    port = free_port()
+    router = start_router(f"127.0.0.1:{port}")
+    time.sleep(3)
+    worker = start_worker(port, load_s=4)
+    _serves_once_ready(worker, router)
+
+
+def test_a_request_while_loading_gets_a_clear_error_then_succeeds(launch):
+    start_worker, start_router = launch
+    port = free_port()
+    worker = start_worker(port, load_s=12)
+    assert wait_until(lambda: "model files ready" in worker.output, timeout=60)
+    router = start_router(f"127.0.0.1:{port}")
+    assert wait_until(lambda: _listed(router) == [NAME], timeout=20, interval=0.2)
+    started = time.monotonic()
+    early = router.client.post("/v1/chat/completions", json={"model": NAME, **CHAT})
+    assert time.monotonic() - started < 10  # an answer, not a hang
+    assert early.status_code == 429, early.text
+    assert "still loading" in early.text
+    assert "ready: serving" not in worker.output
+    worker.wait_ready()
+    _both_endpoints_answer(router)
