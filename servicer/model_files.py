@@ -80,6 +80,9 @@ def resolve_model_dir(spec: ModelSpec) -> Path:
         raise ModelLoadError(f"model path {spec.model!r} does not exist or is not a directory")
     from huggingface_hub import snapshot_download
 
+    log.info(
+        "fetching %s from the Hugging Face hub (the metadata answers once it is here)", spec.model
+    )
     try:
         return Path(snapshot_download(spec.model))
     except Exception as exc:  # offline, unknown repo, auth: all end the same way

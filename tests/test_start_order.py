@@ -21,9 +21,9 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me about the river."}], "
 def launch(tmp_path) -> Iterator:
     started: list[WorkerProcess | Router] = []
 
-    def worker(port: int, load_s: float) -> WorkerProcess:
+    def worker(port: int, faults: str) -> WorkerProcess:
         args = ("--model", "demo:llama", "--served-model-name", NAME, "--port", str(port))
-        process = WorkerProcess(*args, env={ENV_VAR: f"load:{load_s}"})
+        process = WorkerProcess(*args, env={ENV_VAR: faults})
         started.append(process.start())
         return process
 
@@ -69,7 +69,8 @@ def _serves_once_ready(worker: WorkerProcess, router: Router) -> None:
 def test_router_and_worker_started_together(launch):
     start_worker, start_router = launch
     port = free_port()
-    worker = start_worker(port, load_s=6)
+    # Slow files (a download, the demo model's first build), then a slow load.
+    worker = start_worker(port, "resolve:5;load:5")
     router = start_router(f"127.0.0.1:{port}")
     _serves_once_ready(worker, router)
     assert "unknown" not in _listed(router)
@@ -80,14 +81,14 @@ def test_router_first_and_the_worker_seconds_later(launch):
     port = free_port()
     router = start_router(f"127.0.0.1:{port}")
     time.sleep(3)
-    worker = start_worker(port, load_s=4)
+    worker = start_worker(port, "load:4")
     _serves_once_ready(worker, router)
 
 
 def test_a_request_while_loading_gets_a_clear_error_then_succeeds(launch):
     start_worker, start_router = launch
     port = free_port()
-    worker = start_worker(port, load_s=12)
+    worker = start_worker(port, "load:12")
     assert wait_until(lambda: "model files ready" in worker.output, timeout=60)
     router = start_router(f"127.0.0.1:{port}")
     assert wait_until(lambda: _listed(router) == [NAME], timeout=20, interval=0.2)
