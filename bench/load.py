@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import resource
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from workload import WARMUP_SEED, LevelStats, RequestRecord, Shape, make_prompts
 
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
+from servicer.sysinfo import cpu_seconds
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -46,11 +46,6 @@ class Sampling:
             params.top_p = 1.0
             params.repetition_penalty = 1.0
         return params
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 class Client:
@@ -124,9 +119,9 @@ class Client:
             for index in queue:
                 records.append(await self.generate(prompts[index], shape.max_tokens))
 
-        cpu, wall = _cpu_seconds(), time.perf_counter()
+        cpu, wall = cpu_seconds(), time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
-        return records, (_cpu_seconds() - cpu) / (time.perf_counter() - wall)
+        return records, (cpu_seconds() - cpu) / (time.perf_counter() - wall)
 
     async def warm_up(self, concurrency: int, shape: Shape) -> None:
         """One short wave at the level's concurrency, on prompts never measured."""

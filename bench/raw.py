@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +30,8 @@ from workload import (
     make_prompts,
     model_vocab_size,
 )
+
+from servicer.sysinfo import cpu_seconds
 
 
 class RawEngine:
@@ -87,10 +88,10 @@ class RawEngine:
                 return inserted < requests
             return inserted < min_requests or time.perf_counter() - start < min_seconds
 
-        cpu, wall, steal = _cpu_seconds(), time.perf_counter(), StealMeter()
+        cpu, wall, steal = cpu_seconds(), time.perf_counter(), StealMeter()
         cap = requests if requests is not None else 1 << 20
         records = self._drive(shape, concurrency, cap, shape.max_tokens, seed, want_more)
-        worker_cpu = (_cpu_seconds() - cpu) / (time.perf_counter() - wall)
+        worker_cpu = (cpu_seconds() - cpu) / (time.perf_counter() - wall)
         return LevelStats.from_records(
             concurrency,
             records,
@@ -166,11 +167,6 @@ def serve(engine: RawEngine, lines: TextIO, out: TextIO) -> None:
         stats = engine.run(concurrency, shape, **command)
         out.write(json.dumps(asdict(stats)) + "\n")
         out.flush()
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:

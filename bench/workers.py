@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,18 +25,13 @@ from workload import LevelStats, Shape
 
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
+from servicer.sysinfo import cpu_seconds, free_port
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 SMG_VENV = BENCH / ".venv-smg"
 SMG_SERVICER_VERSION = "0.14.1"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def log(message: str) -> None:
@@ -136,16 +130,8 @@ class Worker:
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the worker process so far (0 when unknown)."""
-        try:
-            import psutil
-        except ImportError:
-            return 0.0
         assert self.proc is not None
-        try:
-            times = psutil.Process(self.proc.pid).cpu_times()
-        except psutil.Error:
-            return 0.0
-        return times.user + times.system
+        return cpu_seconds(self.proc.pid)
 
     def tail(self, lines: int = 30) -> str:
         try:

@@ -13,7 +13,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,13 +22,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from servicer.sysinfo import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for_worker(proc: subprocess.Popen[str]) -> int:

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Coroutine
 from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from .engine import EngineConfig
@@ -28,7 +29,7 @@ def _positive(text: str) -> int:
     return value
 
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_UNITS = MappingProxyType({"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40})
 
 
 def _size(text: str) -> int:

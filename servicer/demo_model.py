@@ -68,7 +68,7 @@ CHAT_TEMPLATE = (
 
 # Prompts whose greedy continuations the tests check for variety (plain text, encoded
 # without special tokens).
-TEST_PROMPTS: list[str] = [
+TEST_PROMPTS: tuple[str, ...] = (
     "The river",
     "In the morning",
     "She opened the",
@@ -77,7 +77,7 @@ TEST_PROMPTS: list[str] = [
     "A good soup",
     "Our cat",
     "Numbers have",
-]
+)
 
 _CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
 _REQUIRED_FILES = (
@@ -399,19 +399,10 @@ def _model_config(kind: str, recipe: _Recipe, seed: int, ids: Mapping[str, int])
     }
 
 
-def _train(model, replicas: Sequence[Any], data, recipe: _Recipe, rng) -> None:
-    """Train `model` in place on random windows of `data`, one shard per replica."""
-    import mlx.core as mx
-    import mlx.nn as nn
+def _optimizer(recipe: _Recipe):
+    """AdamW with a linear warm-up, then cosine decay to a fraction of the peak rate."""
     import mlx.optimizers as optim
-    import numpy as np
-    from mlx.utils import tree_map
 
-    steps, length, shards = recipe.steps, recipe.seq_len, len(replicas)
-    per_shard = recipe.batch_size // shards
-    # The whole batch order is fixed up front.
-    starts = rng.integers(0, len(data) - length - 1, (steps, shards, per_shard))
-    windows = data[starts[..., None] + np.arange(length + 1)]
     schedule = optim.join_schedules(
         [
             optim.linear_schedule(
@@ -421,18 +412,33 @@ def _train(model, replicas: Sequence[Any], data, recipe: _Recipe, rng) -> None:
             ),
             optim.cosine_decay(
                 recipe.learning_rate,
-                steps - recipe.warmup_steps,
+                recipe.steps - recipe.warmup_steps,
                 recipe.learning_rate * recipe.final_lr_fraction,
             ),
         ],
         [recipe.warmup_steps],
     )
-    optimizer = optim.AdamW(
+    return optim.AdamW(
         learning_rate=schedule,
         betas=list(recipe.betas),
         weight_decay=recipe.weight_decay,
         bias_correction=True,  # matters in a run this short
     )
+
+
+def _train(model, replicas: Sequence[Any], data, recipe: _Recipe, rng) -> None:
+    """Train `model` in place on random windows of `data`, one shard per replica."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    from mlx.utils import tree_map
+
+    steps, length, shards = recipe.steps, recipe.seq_len, len(replicas)
+    per_shard = recipe.batch_size // shards
+    # The whole batch order is fixed up front.
+    starts = rng.integers(0, len(data) - length - 1, (steps, shards, per_shard))
+    windows = data[starts[..., None] + np.arange(length + 1)]
+    optimizer = _optimizer(recipe)
 
     def loss_fn(replica, tokens):
         logits = replica(tokens[:, :-1])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from enum import Enum
+from types import MappingProxyType
 
 
 class Phase(Enum):
@@ -19,12 +20,14 @@ class Phase(Enum):
     STOPPED = "stopped"
 
 
-_REFUSALS = {
-    Phase.STARTING: "the worker is starting: its model files are still being resolved",
-    Phase.LOADING: "the model is still loading; health turns SERVING when it is ready",
-    Phase.DRAINING: "the worker is shutting down",
-    Phase.STOPPED: "the worker has stopped",
-}
+_REFUSALS = MappingProxyType(
+    {
+        Phase.STARTING: "the worker is starting: its model files are still being resolved",
+        Phase.LOADING: "the model is still loading; health turns SERVING when it is ready",
+        Phase.DRAINING: "the worker is shutting down",
+        Phase.STOPPED: "the worker has stopped",
+    }
+)
 
 
 class Lifecycle:

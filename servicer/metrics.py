@@ -21,6 +21,12 @@ class WorkerMetrics:
         prefix_cache: Callable[[], PrefixCacheStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry()
+        self._requests()
+        self._engine(load)
+        self._prefix_cache(prefix_cache)
+        self._http: Any = None
+
+    def _requests(self) -> None:
         reg = self.registry
         self.requests = Counter(
             "mlx_worker_requests",
@@ -28,12 +34,6 @@ class WorkerMetrics:
             ["outcome"],
             registry=reg,
         )
-        self.waiting = Gauge(
-            "mlx_worker_waiting_requests", "Requests accepted but not yet decoding", registry=reg
-        )
-        self.running = Gauge("mlx_worker_running_requests", "Requests decoding", registry=reg)
-        self.waiting.set_function(lambda: load().waiting)
-        self.running.set_function(lambda: load().running)
         self.ttft = Histogram(
             "mlx_worker_time_to_first_token_seconds",
             "From accepting a request to its first token",
@@ -52,12 +52,6 @@ class WorkerMetrics:
         self.generated_tokens = Counter(
             "mlx_worker_generated_tokens", "Tokens generated", registry=reg
         )
-        self.step_time = Histogram(
-            "mlx_worker_engine_step_seconds",
-            "Duration of one engine step (admission, one batch step, hand-off)",
-            buckets=_STEP_BUCKETS,
-            registry=reg,
-        )
         self.errors = Counter(
             "mlx_worker_errors",
             "Errors by kind: invalid_request, duplicate_request, queue_full, kv_memory, "
@@ -65,17 +59,31 @@ class WorkerMetrics:
             ["kind"],
             registry=reg,
         )
+
+    def _engine(self, load: Callable[[], EngineLoad]) -> None:
+        reg = self.registry
+        self.waiting = Gauge(
+            "mlx_worker_waiting_requests", "Requests accepted but not yet decoding", registry=reg
+        )
+        self.running = Gauge("mlx_worker_running_requests", "Requests decoding", registry=reg)
+        self.waiting.set_function(lambda: load().waiting)
+        self.running.set_function(lambda: load().running)
+        self.step_time = Histogram(
+            "mlx_worker_engine_step_seconds",
+            "Duration of one engine step (admission, one batch step, hand-off)",
+            buckets=_STEP_BUCKETS,
+            registry=reg,
+        )
+
+    def _prefix_cache(self, stats: Callable[[], PrefixCacheStats | None]) -> None:
         for name, doc, field in (
             ("entries", "Prompt prefixes kept for reuse", "entries"),
             ("bytes", "Bytes held by kept prompt prefixes", "bytes"),
             ("hits", "Requests that reused a kept prefix", "hits"),
             ("misses", "Requests that found no prefix to reuse", "misses"),
         ):
-            gauge = Gauge(f"mlx_worker_prompt_cache_{name}", doc, registry=reg)
-            gauge.set_function(
-                lambda field=field: getattr(prefix_cache() or PrefixCacheStats(), field)
-            )
-        self._http: Any = None
+            gauge = Gauge(f"mlx_worker_prompt_cache_{name}", doc, registry=self.registry)
+            gauge.set_function(lambda field=field: getattr(stats() or PrefixCacheStats(), field))
 
     def serve(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP; returns the bound port."""

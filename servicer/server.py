@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +25,9 @@ from grpc_reflection.v1alpha import reflection
 from .engine import Engine, EngineConfig, EngineStartupError
 from .faults import FaultPlan
 from .handlers import HandlerOptions, MlxEngineServicer
+from .handoff import Outbox
 from .lifecycle import Lifecycle, Phase
-from .messages import ModelInfo, PrefixCacheStats, StepOutput
+from .messages import ModelInfo, PrefixCacheStats
 from .metrics import WorkerMetrics
 from .model_files import ModelFiles, ModelLoadError, ModelSpec, prepare_model_files
 from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
@@ -67,19 +67,19 @@ class WorkerServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.lifecycle = Lifecycle()
-        self.engine = Engine(config.engine, self._deliver)
+        self.outbox = Outbox(self._wake_loop)
+        self.engine = Engine(config.engine, self.outbox)
         self.metrics = WorkerMetrics(self.engine.load, self._prefix_stats)
         self.servicer = MlxEngineServicer(
             self.engine, self.lifecycle, self._on_fatal, config.handlers, self.metrics
         )
         self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
+        self.health_status = NOT_SERVING  # what both standard health services report
         self.port = 0
         self.exit_code = 0
         self.files: ModelFiles | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._handoff: StepOutput | None = None  # the engine's output the loop has yet to take
-        self._handoff_lock = threading.Lock()
         self._stopping = asyncio.Event()
         self._preparing: asyncio.Task[ModelFiles] | None = None
         self._server: grpc.aio.Server | None = None
@@ -90,23 +90,15 @@ class WorkerServer:
 
     # ----- engine -> loop -----
 
-    def _deliver(self, out: StepOutput) -> None:
-        """Called on the engine thread once per step: at most one wake of the loop for all
-        rows, and none while the loop has yet to pick up the last step (the steps merge, and
-        a stream that fell behind gets its tokens in one message)."""
-        with self._handoff_lock:
-            if self._handoff is not None:
-                self._handoff.merge(out)
-                return
-            self._handoff = out
+    def _wake_loop(self) -> None:
+        """From the engine thread: output is due (the outbox wakes the loop once per take)."""
         assert self._loop is not None
         # A closed loop means the process is on its way out; nobody is left to tell.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._pick_up)
 
     def _pick_up(self) -> None:
-        with self._handoff_lock:
-            out, self._handoff = self._handoff, None
+        out = self.outbox.take()
         if out is not None:
             self.servicer.dispatch(out)
 
@@ -117,6 +109,7 @@ class WorkerServer:
         self._stopping.set()
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        self.health_status = status
         for service in ("", ENGINE_SERVICE):
             await self.health.set(service, status)
 
@@ -221,16 +214,13 @@ class WorkerServer:
         self.metrics.close()
 
     async def _drain(self) -> None:
+        """In-flight requests get the grace period to finish; the rest end with `abort`."""
         if self.exit_code == 0 and self.engine.alive:
-            deadline = time.monotonic() + self.config.shutdown_grace_s
-            while self.servicer.active_requests and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await self.servicer.wait_idle(self.config.shutdown_grace_s)
         if self.servicer.active_requests:
             log.info("ending %d requests still running", self.servicer.active_requests)
             self.servicer.abort_all()
-            deadline = time.monotonic() + 5.0
-            while self.servicer.active_requests and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            await self.servicer.wait_idle(5.0)
 
 
 async def run_worker(config: ServerConfig, on_ready: Callable[[], None] = lambda: None) -> int:
@@ -275,6 +265,13 @@ async def run_worker(config: ServerConfig, on_ready: Callable[[], None] = lambda
     return code
 
 
+class _Discard:
+    """A follower's engine output: nobody reads it."""
+
+    def put(self, out: object, due: bool) -> None:
+        pass
+
+
 def run_follower(config: ServerConfig, on_ready: Callable[[], None] = lambda: None) -> int:
     """A rank past 0 of a distributed group: the same engine steps as rank 0, and nothing else.
 
@@ -283,7 +280,7 @@ def run_follower(config: ServerConfig, on_ready: Callable[[], None] = lambda: No
     """
     lockstep = config.engine.lockstep
     assert lockstep is not None and not lockstep.leads
-    engine = Engine(config.engine, deliver=lambda out: None)
+    engine = Engine(config.engine, _Discard())
 
     def on_signal(signum: int, frame: object) -> None:
         deadline = config.shutdown_grace_s + lockstep.timeout_s

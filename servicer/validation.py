@@ -8,6 +8,7 @@ Proto3 zero values mean "unset" for the scalar fields the router always fills
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -194,8 +195,13 @@ def build_request(
     ticket: int,
     limits: Limits,
     text_ids: list[int] | None = None,
+    stream_interval: int = 1,
 ) -> tuple[GenerationRequest, TextOptions | None]:
-    """Validate and normalise; raises RequestError with the status to send."""
+    """Validate and normalise; raises RequestError with the status to send.
+
+    `stream_interval` is the tokens per streamed chunk after the first. A unary call needs
+    its handler only for the first token (time-to-first-token metric) and the finish, unless
+    it watches for stop strings."""
     if not request.request_id:
         raise _invalid("request_id is empty")
     prompt = prompt_ids(request, limits, text_ids)
@@ -220,6 +226,8 @@ def build_request(
     stop = {t for t in params.stop_token_ids if t < limits.vocab_size}
     if not params.ignore_eos or grammar is not None:  # a finished grammar ends with EOS
         stop.update(limits.eos_token_ids)
+    text = text_options(params)
+    unary = not request.stream and text is None
     job = GenerationRequest(
         ticket=ticket,
         request_id=request.request_id,
@@ -231,5 +239,6 @@ def build_request(
         top_logprobs=top_logprobs,
         constraint=grammar,
         thinking_budget=thinking_budget,
+        tokens_per_handoff=sys.maxsize if unary else stream_interval,
     )
-    return job, text_options(params)
+    return job, text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -27,19 +28,26 @@ class Reference:
         from mlx_lm import load
 
         self.model, self.tokenizer = load(str(model_dir))
-        self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        self._cache: dict[tuple, list[int]] = {}
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
-        """Tokens mlx_lm.generate would produce at temperature 0, ignoring EOS."""
-        key = (tuple(prompt), max_tokens)
+    def greedy(self, prompt: list[int], max_tokens: int, **processors: Any) -> list[int]:
+        """Tokens mlx_lm.generate would produce at temperature 0, ignoring EOS, with mlx-lm's
+        logits processors for `processors` (make_logits_processors' arguments)."""
+        key = (tuple(prompt), max_tokens, tuple(sorted(processors.items())))
         if key not in self._cache:
             import mlx.core as mx
             from mlx_lm.generate import generate_step
+            from mlx_lm.sample_utils import make_logits_processors
 
-            steps = generate_step(mx.array(prompt), self.model, max_tokens=max_tokens)
+            steps = generate_step(
+                mx.array(prompt),
+                self.model,
+                max_tokens=max_tokens,
+                logits_processors=make_logits_processors(**processors) if processors else None,
+            )
             self._cache[key] = [int(token) for token, _ in steps]
         return self._cache[key]
 

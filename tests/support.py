@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,15 +23,10 @@ import httpx
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
 from servicer.server import ServerConfig, WorkerServer
+from servicer.sysinfo import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerThread:
@@ -195,8 +189,11 @@ class WorkerProcess:
 
     READY = re.compile(r"ready: serving .* on [\d.]+:(\d+)")
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.args = ["--port", "0", *args] if "--port" not in args else list(args)
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, any_port: bool = True
+    ) -> None:
+        """`any_port`: bind a free port (`--port 0`) unless the arguments name one."""
+        self.args = ["--port", "0", *args] if any_port and "--port" not in args else list(args)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []

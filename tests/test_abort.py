@@ -71,9 +71,24 @@ def test_abort_of_a_unary_call_returns_abort_with_what_was_generated(server, cha
     assert wait_until(lambda: _engine_idle(server))
 
 
-def test_abort_with_unknown_ids_is_fine(channel):
+def test_abort_with_unknown_ids_touches_nothing_else(channel, reference, prompts):
     stub = pb_grpc.MlxEngineStub(channel)
-    assert stub.Abort(pb.AbortRequest(request_ids=["nobody", ""]), timeout=10) == pb.AbortResponse()
+
+    def abort_strangers(chunk: pb.GenerateStreamChunk) -> None:
+        stub.Abort(pb.AbortRequest(request_ids=["nobody", "", "bystander-x"]), timeout=10)
+
+    outcome = generate(
+        channel,
+        prompts[1],
+        request_id="bystander",
+        temperature=0,
+        max_tokens=12,
+        ignore_eos=True,
+        on_chunk=abort_strangers,
+    )
+    assert outcome.error is None  # every Abort answered OK, and this request ran to the end
+    assert outcome.complete.finish_reason == "length"
+    assert outcome.tokens == reference.greedy(prompts[1], 12)
 
 
 def test_client_cancel_frees_the_row_and_the_next_request_runs_normally(
@@ -99,5 +114,6 @@ def test_deadline_frees_the_row(server, channel, prompts):
         channel, prompts[4], temperature=0, max_tokens=LONG, ignore_eos=True, timeout=0.5
     )
     assert outcome.code is not None and outcome.code.name == "DEADLINE_EXCEEDED"
+    assert 0 < len(outcome.tokens) < LONG  # the deadline passed while its row was decoding
     assert wait_until(lambda: server_info(channel).active_requests == 0)
     assert wait_until(lambda: _engine_idle(server))

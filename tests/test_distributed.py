@@ -79,25 +79,30 @@ def group(demo_dir, tmp_path) -> Iterator[Group]:
         running.stop()
 
 
-def test_sharded_outputs_equal_the_single_process_worker(group, reference, prompts):
-    with grpc.insecure_channel(group.leader.address) as channel:
+def test_sharded_outputs_equal_the_single_process_worker(group, reference, prompts, channel):
+    with grpc.insecure_channel(group.leader.address) as sharded_channel:
 
         def run(i: int):
             return generate(
-                channel, prompts[i], stream=i % 2 == 0, temperature=0, max_tokens=24,
+                sharded_channel, prompts[i], stream=i % 2 == 0, temperature=0, max_tokens=24,
                 ignore_eos=True,
             )  # fmt: skip
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             outcomes = list(pool.map(run, range(len(prompts))))
         assert [o.tokens for o in outcomes] == [reference.greedy(p, 24) for p in prompts]
-        # Sampling draws from one random stream that every rank holds identically.
-        sampled = [
-            generate(channel, p, temperature=0.9, max_tokens=16, ignore_eos=True)
-            for p in prompts[:3]
+        # Seeded sampling gives the single-process worker's tokens, token for token.
+        params = {"temperature": 0.9, "max_tokens": 16, "ignore_eos": True}
+        sharded = [
+            generate(sharded_channel, p, seed=11 + i, **params) for i, p in enumerate(prompts[:3])
         ]
-        assert all(o.error is None and len(o.tokens) == 16 for o in sampled)
-        again = generate(channel, prompts[0], temperature=0, max_tokens=24, ignore_eos=True)
+        single = [generate(channel, p, seed=11 + i, **params) for i, p in enumerate(prompts[:3])]
+        assert [o.tokens for o in sharded] == [o.tokens for o in single]
+        assert all(len(o.tokens) == 16 for o in sharded)
+        # Unseeded sampling draws from one random stream that every rank holds identically.
+        unseeded = [generate(sharded_channel, p, **params) for p in prompts[:3]]
+        assert all(o.error is None and len(o.tokens) == 16 for o in unseeded)
+        again = generate(sharded_channel, prompts[0], temperature=0, max_tokens=24, ignore_eos=True)
         assert again.complete.cached_tokens > 0  # prefix reuse, on both ranks alike
         assert again.tokens == reference.greedy(prompts[0], 24)
 

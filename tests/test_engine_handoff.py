@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from servicer.engine import Engine, EngineConfig
+from servicer.handoff import Outbox
 from servicer.messages import GenerationRequest, SamplingSpec, StepOutput
 from servicer.model_files import ModelSpec, prepare_model_files
 
@@ -15,14 +16,17 @@ GREEDY = SamplingSpec(temperature=0.0)
 
 
 class Deliveries:
-    """What the engine handed to its `deliver` callback, one StepOutput per call."""
+    """What reached the handler side through the engine's outbox, one StepOutput per wake."""
 
     def __init__(self) -> None:
         self.outputs: list[StepOutput] = []
         self._finished: set[int] = set()
         self._cond = threading.Condition()
+        self.outbox = Outbox(self._woken)
 
-    def __call__(self, out: StepOutput) -> None:
+    def _woken(self) -> None:
+        out = self.outbox.take()
+        assert out is not None
         with self._cond:
             self.outputs.append(out)
             self._finished.update(e.ticket for e in out.events if e.finish_reason is not None)
@@ -43,7 +47,7 @@ class Deliveries:
 @pytest.fixture(scope="module")
 def engine(demo_dir) -> Iterator[tuple[Engine, Deliveries]]:
     deliveries = Deliveries()
-    engine = Engine(EngineConfig(prompt_cache_size=0), deliveries)
+    engine = Engine(EngineConfig(prompt_cache_size=0), deliveries.outbox)
     engine.start(prepare_model_files(ModelSpec(str(demo_dir))).info)
     engine.wait_ready(120)
     yield engine, deliveries

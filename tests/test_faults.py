@@ -35,13 +35,15 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(
         status = stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
         assert status == health_pb2.HealthCheckResponse.SERVING
         assert server_info(chan).active_requests == 0
-        errors = running.server.metrics.errors.labels("engine_step")._value.get()
+        errors = running.server.metrics.registry.get_sample_value(
+            "mlx_worker_errors_total", {"kind": "engine_step"}
+        )
         assert errors == 1
 
 
 def test_repeated_step_failures_are_logged_rate_limited(demo_dir, prompts, caplog):
     spec = "step:" + ",".join(str(n) for n in range(1, 21))  # each request fails at its first
-    caplog.set_level(logging.ERROR, logger="servicer.engine.engine")
+    caplog.set_level(logging.ERROR, logger="servicer.engine")
     with ServerThread(_with_faults(demo_dir, spec)) as running, running.channel() as chan:
         codes = [
             generate(chan, prompts[i % 8], max_tokens=4, ignore_eos=True).code for i in range(20)
@@ -88,6 +90,6 @@ def test_engine_death_turns_health_not_serving(demo_dir, prompts):
         assert wait_until(lambda: running.exit_code is not None, timeout=30)
         assert running.exit_code == 1
         assert running.server.lifecycle.phase is Phase.STOPPED
+        assert "injected engine death at step 3" in running.server.lifecycle.refusal
         assert not running.server.engine.alive
-        health = running.server.health._server_status
-        assert set(health.values()) == {health_pb2.HealthCheckResponse.NOT_SERVING}
+        assert running.server.health_status == health_pb2.HealthCheckResponse.NOT_SERVING

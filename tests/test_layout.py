@@ -32,3 +32,27 @@ def test_handler_side_modules_never_import_mlx():
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert result.stdout.strip() == "[]"
+
+
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 60
+ARGUMENT_PARSERS = {"parse_args"}  # a flag table reads best in one place
+
+
+def test_classes_and_functions_stay_small():
+    import ast
+
+    too_long = []
+    for path in sorted((ROOT / "servicer").rglob("*.py")):
+        if "proto" in path.relative_to(ROOT / "servicer").parts:
+            continue  # generated
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+                too_long.append(f"{path.name}: class {node.name} has {lines} lines")
+            is_function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            if is_function and lines > MAX_FUNCTION_LINES and node.name not in ARGUMENT_PARSERS:
+                too_long.append(f"{path.name}: {node.name}() has {lines} lines")
+    assert too_long == []

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+
 import grpc
-from support import BackgroundGenerate, WorkerProcess, free_port, generate, server_info, wait_until
+import pytest
+from support import BackgroundGenerate, WorkerProcess, generate, server_info, wait_until
+
+DEFAULT_PORT = 50051
 
 
 def test_missing_model_path_exits_non_zero_with_the_reason(tmp_path):
@@ -72,7 +77,20 @@ def test_sigterm_past_the_grace_period_ends_requests_with_abort(demo_dir, prompt
 
 
 def test_default_port_and_host(demo_dir):
-    port = free_port()
-    with WorkerProcess("--model", str(demo_dir), "--port", str(port)) as worker:
+    if not _can_bind(DEFAULT_PORT):
+        pytest.skip(f"port {DEFAULT_PORT} is taken on this machine")
+    with WorkerProcess("--model", str(demo_dir), any_port=False) as worker:
         worker.wait_ready()
-        assert f"127.0.0.1:{port}" in worker.output
+        assert worker.port == DEFAULT_PORT
+        assert f"on 127.0.0.1:{DEFAULT_PORT}" in worker.output
+        with grpc.insecure_channel(f"127.0.0.1:{DEFAULT_PORT}") as channel:
+            assert server_info(channel).server_type == "mlx-grpc-worker"
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 
 import grpc
 import httpx
@@ -19,7 +20,7 @@ from servicer.cli import config_from_args, parse_args
 @pytest.fixture(scope="module")
 def metered(demo_dir) -> Iterator[ServerThread]:
     config = demo_config(demo_dir)
-    config = type(config)(engine=config.engine, port=0, metrics_port=0)
+    config = replace(config, metrics_port=0)
     with ServerThread(config) as running:
         yield running
 
@@ -88,7 +89,7 @@ def _self_signed(tmp_path):
 def test_tls(demo_dir, tmp_path, reference, prompts):
     cert, key = _self_signed(tmp_path)
     config = demo_config(demo_dir)
-    config = type(config)(engine=config.engine, port=0, tls_cert=cert, tls_key=key)
+    config = replace(config, tls_cert=cert, tls_key=key)
     with ServerThread(config) as running:
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         options = [("grpc.ssl_target_name_override", "localhost")]

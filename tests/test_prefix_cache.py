@@ -104,7 +104,9 @@ def test_admission_guard_refuses_what_cannot_fit_and_queues_what_can_later(demo_
         details = too_big.error.details()
         assert "MiB of KV cache" in details and "allows 1.0 MiB" in details
         assert f"{len(prompt)} prompt + 4000 new tokens" in details
-        errors = running.server.metrics.errors.labels("kv_memory")._value.get()
+        errors = running.server.metrics.registry.get_sample_value(
+            "mlx_worker_errors_total", {"kind": "kv_memory"}
+        )
         assert errors == 1
 
         def run(i):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,18 +64,11 @@ class Fleet:
     def served(self, index: int) -> float:
         return self.metric(index, "mlx_worker_requests_total")
 
-    def settled_counts(self, timeout: float = 10) -> list[float]:
-        """Requests each worker has counted, once the counts stop moving (a worker counts a
+    def counts_reaching(self, total: float, timeout: float = 10) -> list[float]:
+        """Requests each worker has counted, once they add up to `total` (a worker counts a
         request just after sending its last message, so the router may answer first)."""
-        counts = [self.served(0), self.served(1)]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            time.sleep(0.2)
-            latest = [self.served(0), self.served(1)]
-            if latest == counts:
-                break
-            counts = latest
-        return counts
+        wait_until(lambda: self.served(0) + self.served(1) >= total, timeout, interval=0.05)
+        return [self.served(0), self.served(1)]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +89,7 @@ def fleet(demo_dir, tmp_path_factory) -> Iterator[Fleet]:
     try:
         for worker in workers:
             worker.wait_ready()
-        # Workers first: the router probes them once at startup.
+        # Workers first, so the router registers them without its 30 s retry.
         log_path = tmp_path_factory.mktemp("scale-out") / "smg.log"
         router = Router(
             [worker.address for worker in workers],
@@ -172,11 +164,11 @@ def _describe(replies: list[Reply], fleet: Fleet) -> str:
 
 
 def test_both_workers_serve_requests_through_one_router(fleet):
-    before = fleet.settled_counts()
+    before = fleet.counts_reaching(1)  # the router's readiness probe
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         replies = list(pool.map(lambda i: _chat(fleet, i), range(REQUESTS)))
     assert all(reply.complete for reply in replies), _describe(replies, fleet)
-    after = fleet.settled_counts()
+    after = fleet.counts_reaching(sum(before) + REQUESTS)
     served = [after[0] - before[0], after[1] - before[1]]
     assert sum(served) == REQUESTS, served
     assert min(served) > 0, f"one worker served everything: {served}"

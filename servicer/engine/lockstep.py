@@ -96,13 +96,10 @@ class Lockstep:
         """A step finished: the ranks are still moving together."""
         self._last_progress = time.monotonic()
 
-    def sync_seed(self) -> None:
-        """The same global random stream on every rank (unseeded sampling draws from it)."""
-        state = mx.random.state[0]
-        seed = mx.distributed.all_sum(
-            state if self.leads else mx.zeros_like(state), group=self.group
-        )
-        mx.random.seed(seed.view(mx.uint64).item())
+    def shared_seed(self, seed: int) -> int:
+        """Rank 0's `seed` on every rank: unseeded sampling draws the same on all of them."""
+        mine = seed % 2**31 if self.leads else 0
+        return int(mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=self.group).item())
 
     def watch(self, on_stall: Callable[[str], None]) -> None:
         """Start the watchdog: a share or step that stalls past the timeout ends the process."""

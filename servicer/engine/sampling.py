@@ -17,7 +17,6 @@ from mlx_lm.generate import StopSequences
 from mlx_lm.sample_utils import (
     apply_top_k,
     apply_top_p,
-    categorical_sampling,
     greedy_sampler,
     make_logits_processors,
 )
@@ -73,17 +72,32 @@ def _filters(spec: SamplingSpec, vocab_size: int) -> list[Sampler]:
     return filters
 
 
-class _Sampler:
-    """Filters, then a draw from MLX's global random state (requests without a seed)."""
+class RandomKeys:
+    """One engine's own random stream, for requests without a seed. MLX's global random state
+    is shared by every engine in the process (and anyone may reseed it)."""
 
-    def __init__(self, spec: SamplingSpec, vocab_size: int) -> None:
+    def __init__(self, seed: int) -> None:
+        self._key = mx.random.key(seed % 2**32)
+
+    def next(self) -> mx.array:
+        keys = mx.random.split(self._key)
+        self._key = keys[0]
+        return keys[1]
+
+
+class _Sampler:
+    """Filters, then a draw with the engine's own random stream (requests without a seed).
+    One instance serves every row with the same settings, so the batch samples in one call."""
+
+    def __init__(self, spec: SamplingSpec, vocab_size: int, keys: RandomKeys) -> None:
         self._filters = _filters(spec, vocab_size)
-        self._temperature = mx.array(spec.temperature, dtype=mx.float32)
+        self._scale = mx.array(1.0 / spec.temperature, dtype=mx.float32)
+        self._keys = keys
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         for apply in self._filters:
             logprobs = apply(logprobs)
-        return categorical_sampling(logprobs, self._temperature)
+        return mx.random.categorical(logprobs * self._scale, key=self._keys.next())
 
 
 class SeededSampler:
@@ -158,11 +172,13 @@ class SamplingFactory:
         self,
         vocab_size: int,
         grammars: GrammarFactory,
+        seed: int,
         think_start: Sequence[int] | None = None,
         think_end: Sequence[int] | None = None,
         cache_capacity: int = 128,
     ) -> None:
         self._vocab_size = vocab_size
+        self._keys = RandomKeys(seed)
         self._grammars = grammars
         self._think = (tuple(think_start), tuple(think_end)) if think_start and think_end else None
         self._samplers: _BoundedCache[SamplingSpec, Sampler] = _BoundedCache(cache_capacity)
@@ -177,7 +193,9 @@ class SamplingFactory:
             return greedy_sampler
         if spec.seed is not None:
             return SeededSampler(spec, self._vocab_size)
-        return self._samplers.get_or_build(spec, lambda: _Sampler(spec, self._vocab_size))
+        return self._samplers.get_or_build(
+            spec, lambda: _Sampler(spec, self._vocab_size, self._keys)
+        )
 
     def check_grammar(self, grammar: str) -> str | None:
         return self._grammars.check(grammar)

@@ -1,0 +1,50 @@
+"""When engine output reaches a request's handler, and where it waits until then.
+
+`handoff_due` is the one rule: a request needs its handler for its first token (alone, so the
+time to first token never waits for a batch), for every `tokens_per_handoff` tokens after
+that, and for its finish. The engine applies it to hold a step's output back while no request
+needs it; each stream applies it to decide when its handler wakes. `Outbox` is the one place
+output is merged on its way from the engine thread to the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from .messages import StepOutput
+
+
+def handoff_due(*, started: bool, pending: int, per_handoff: int, finished: bool) -> bool:
+    """Whether `pending` undelivered events of one request must go to its handler now
+    (`started`: it has had tokens before)."""
+    return pending > 0 and (not started or finished or pending >= per_handoff)
+
+
+class Outbox:
+    """Engine output waiting for the event loop: merged until the loop takes it, with one wake
+    of the loop per take, and only once some handler needs what is waiting."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._pending: StepOutput | None = None
+        self._woken = False
+
+    def put(self, out: StepOutput, due: bool) -> None:
+        """From the engine thread: a step's output, and whether some handler needs it now."""
+        with self._lock:
+            if self._pending is None:
+                self._pending = out
+            else:
+                self._pending.merge(out)
+            wake = due and not self._woken
+            self._woken = self._woken or wake
+        if wake:
+            self._wake()
+
+    def take(self) -> StepOutput | None:
+        """From the loop, once woken: everything waiting."""
+        with self._lock:
+            out, self._pending, self._woken = self._pending, None, False
+        return out

@@ -1,0 +1,106 @@
+"""Engine events -> the messages one client gets: chunks and the final GenerateComplete, text
+and stop strings included. Pure: it touches no engine, metrics or I/O, and says what the
+handler must do (send these, abort that row)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .messages import FINISH_ABORT, FINISH_STOP, GenerationRequest, RowEvent
+from .proto import mlx_engine_pb2 as pb
+from .text import TextTracker
+
+
+@dataclass(slots=True)
+class Emission:
+    """What one batch of events means for the client."""
+
+    responses: list[pb.GenerateResponse] = field(default_factory=list)
+    tokens: int = 0  # new tokens the client gets
+    finish_reason: str | None = None  # set with the last batch
+    abort: bool = False  # a stop string ended it while its row still runs in the engine
+
+
+class OutputProcessor:
+    """One Generate call's output: a chunk per batch and a GenerateComplete for a stream; only
+    the GenerateComplete, with every token, for a unary call."""
+
+    __slots__ = ("_collected", "_completion_tokens", "_request", "_stream", "_text")
+
+    def __init__(
+        self, request: GenerationRequest, stream: bool, text: TextTracker | None = None
+    ) -> None:
+        self._request = request
+        self._stream = stream
+        self._text = text  # decoded text and stop strings, when the request wants them
+        self._completion_tokens = 0
+        self._collected: list[RowEvent] = []  # a unary call's tokens so far
+
+    def process(self, events: list[RowEvent]) -> Emission:
+        last = events[-1]
+        tokens = [e for e in events if e.token is not None]
+        emission = Emission(finish_reason=last.finish_reason)
+        matched_token, matched_text, text = last.matched_stop_token_id, None, ""
+        tracker = self._text
+        if tracker is not None:
+            taken = tracker.add([e.token for e in tokens])  # type: ignore[misc]
+            if tracker.matched is not None and last.finish_reason != FINISH_ABORT:
+                del tokens[taken:]
+                emission.finish_reason, matched_token = FINISH_STOP, None
+                matched_text = tracker.matched
+                emission.abort = True
+            text = tracker.release(final=emission.finish_reason is not None)
+        emission.tokens = len(tokens)
+        self._completion_tokens += len(tokens)
+        if self._stream:
+            if tokens or text:
+                emission.responses.append(self._chunk(tokens, text, last.cached_tokens))
+        else:
+            self._collected.extend(tokens)
+        if emission.finish_reason is not None:
+            complete = self._complete(emission.finish_reason, last.cached_tokens)
+            if matched_token is not None:
+                complete.complete.matched_stop_token_id = matched_token
+            if matched_text is not None:
+                complete.complete.matched_stop = matched_text
+            emission.responses.append(complete)
+        return emission
+
+    def _chunk(self, tokens: list[RowEvent], text: str, cached: int) -> pb.GenerateResponse:
+        response = pb.GenerateResponse()
+        chunk = response.chunk  # filled in place: building it apart and copying costs twice
+        chunk.token_ids.extend([e.token for e in tokens])  # type: ignore[misc]
+        chunk.prompt_tokens = len(self._request.prompt)
+        chunk.completion_tokens = self._completion_tokens
+        chunk.cached_tokens = cached
+        if text:
+            chunk.text = text
+        if self._request.top_logprobs is not None:
+            chunk.output_logprobs.CopyFrom(logprobs_proto(tokens))
+        return response
+
+    def _complete(self, finish_reason: str, cached: int) -> pb.GenerateResponse:
+        response = pb.GenerateResponse()
+        complete = response.complete
+        complete.finish_reason = finish_reason
+        complete.prompt_tokens = len(self._request.prompt)
+        complete.completion_tokens = self._completion_tokens
+        complete.cached_tokens = cached
+        if not self._stream:
+            complete.output_ids.extend([e.token for e in self._collected])  # type: ignore[misc]
+            if self._text is not None:
+                complete.output_text = self._text.text
+            if self._request.top_logprobs is not None:
+                complete.output_logprobs.CopyFrom(logprobs_proto(self._collected))
+        return response
+
+
+def logprobs_proto(events: list[RowEvent]) -> pb.OutputLogProbs:
+    out = pb.OutputLogProbs()
+    for event in events:
+        if event.logprob is None or event.token is None:
+            continue
+        out.token_ids.append(event.token)
+        out.token_logprobs.append(event.logprob.logprob)
+        out.top_logprobs.add(values=event.logprob.top_logprobs, token_ids=event.logprob.top_ids)
+    return out

@@ -1,0 +1,151 @@
+"""The Generate calls in flight: each one's events from the engine and a way to await them.
+
+Runs on the event loop only. The engine's hand-offs land in `Streams.dispatch`, which routes
+each row's events to its request's `RequestStream`; a stream wakes its handler when the
+hand-off rule says the events are due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import MappingProxyType
+
+import grpc
+
+from .handoff import handoff_due
+from .messages import FailureKind, GenerationRequest, RowEvent, StepOutput
+from .validation import RequestError
+
+FAILURE_STATUS = MappingProxyType(
+    {
+        FailureKind.INTERNAL: grpc.StatusCode.INTERNAL,
+        FailureKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+        FailureKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    }
+)
+
+
+class RequestStream:
+    """One in-flight Generate call: the events the engine sent it, and a way to wait."""
+
+    __slots__ = (
+        "_per_handoff",
+        "_waiter",
+        "accepted_at",
+        "events",
+        "failure",
+        "finish_reason",
+        "last_token_at",
+        "ticket",
+    )
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.events: list[RowEvent] = []
+        self.failure: RequestError | None = None
+        self.finish_reason: str | None = None  # set once the terminal message is built
+        self.accepted_at = time.perf_counter()
+        self.last_token_at: float | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._per_handoff = request.tokens_per_handoff
+        self.ticket = request.ticket
+
+    def push(self, event: RowEvent) -> None:
+        self.events.append(event)
+        if self._due():
+            self._wake()
+
+    def fail(self, error: RequestError) -> None:
+        if self.failure is None:
+            self.failure = error
+            self._wake()
+
+    def _due(self) -> bool:
+        events = self.events
+        return handoff_due(
+            started=self.last_token_at is not None,
+            pending=len(events),
+            per_handoff=self._per_handoff,
+            finished=bool(events) and events[-1].finish_reason is not None,
+        )
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[RowEvent]:
+        """The events gathered since the last call, once they are due; after a failure, what
+        is left, then the failure."""
+        while not (self._due() or (self.events and self.failure is not None)):
+            if self.failure is not None:
+                raise self.failure
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        events, self.events = self.events, []
+        return events
+
+
+class Streams:
+    """The streams in flight, by engine ticket and by the client's request id."""
+
+    def __init__(self) -> None:
+        self._by_ticket: dict[int, RequestStream] = {}
+        self._by_request_id: dict[str, RequestStream] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __len__(self) -> int:
+        return len(self._by_ticket)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_request_id
+
+    def tickets(self, request_ids: list[str] | None = None) -> list[int]:
+        """The engine tickets of these request ids (those in flight), or of every stream."""
+        if request_ids is None:
+            return list(self._by_ticket)
+        found = (self._by_request_id.get(request_id) for request_id in request_ids)
+        return [stream.ticket for stream in found if stream is not None]
+
+    def open(self, request: GenerationRequest) -> RequestStream:
+        stream = RequestStream(request)
+        self._by_ticket[request.ticket] = stream
+        self._by_request_id[request.request_id] = stream
+        self._idle.clear()
+        return stream
+
+    def close(self, request: GenerationRequest) -> None:
+        stream = self._by_ticket.pop(request.ticket, None)
+        if self._by_request_id.get(request.request_id) is stream:
+            del self._by_request_id[request.request_id]
+        if not self._by_ticket:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no stream is in flight, False if `timeout` passes first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def route(self, out: StepOutput) -> None:
+        """One hand-off from the engine: each event and failure to its stream; a fatal error
+        to every stream."""
+        streams = self._by_ticket
+        for event in out.events:
+            stream = streams.get(event.ticket)
+            if stream is not None:
+                stream.push(event)
+        for failure in out.failures:
+            stream = streams.get(failure.ticket)
+            if stream is not None:
+                stream.fail(RequestError(FAILURE_STATUS[failure.kind], failure.message))
+        if out.fatal is not None:
+            error = RequestError(grpc.StatusCode.UNAVAILABLE, out.fatal)
+            for stream in streams.values():
+                stream.fail(error)

@@ -1,0 +1,74 @@
+"""TextTracker: incremental decoding and stop strings, on a byte-level toy tokenizer."""
+
+from __future__ import annotations
+
+from servicer.text import TextTracker
+
+# Token i decodes to the bytes VOCAB[i]; a character's bytes may be split over tokens.
+VOCAB = [b"Hel", b"lo", b" w", b"or", b"ld", b".", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"!"]
+
+
+def decode(ids: list[int]) -> str:
+    return b"".join(VOCAB[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def _tokens(text: bytes) -> list[int]:
+    """Greedy longest-match tokenization over VOCAB."""
+    out, i = [], 0
+    while i < len(text):
+        best = max(
+            (t for t in range(len(VOCAB)) if text.startswith(VOCAB[t], i)),
+            key=lambda t: len(VOCAB[t]),
+        )
+        out.append(best)
+        i += len(VOCAB[best])
+    return out
+
+
+def test_text_arrives_whole_whatever_the_token_boundaries():
+    tracker = TextTracker(decode)
+    pieces = []
+    for token in _tokens(b"Hello world."):
+        tracker.add([token])
+        pieces.append(tracker.release())
+    pieces.append(tracker.release(final=True))
+    assert "".join(pieces) == "Hello world."
+
+
+def test_multi_byte_characters_split_across_tokens_are_never_half_sent():
+    tracker = TextTracker(decode)
+    seen = []
+    for token in _tokens("é€!".encode()):  # é = c3 a9 over two tokens, € = e2 82 ac over two
+        tracker.add([token])
+        released = tracker.release()
+        seen.append(released)
+        assert "\ufffd" not in released
+    seen.append(tracker.release(final=True))
+    assert "".join(seen) == "é€!"
+    assert seen[0] == ""  # the first byte of é alone is no character yet
+
+
+def test_a_stop_string_split_across_tokens_is_found_and_cut():
+    tracker = TextTracker(decode, stops=["lo w"])
+    tokens = _tokens(b"Hello world.")  # "lo" and " w" are separate tokens
+    taken = tracker.add(tokens)
+    assert tracker.matched == "lo w"
+    assert taken == 3  # the token that completed the stop string is the last one taken
+    assert tracker.release(final=True) == "Hel"
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
+    tracker = TextTracker(decode, stops=["world!"])
+    tracker.add(_tokens(b"Hello wor"))
+    # The last len("world!") - 1 characters could still be the start of the stop string.
+    assert tracker.release() == "Hell"
+    tracker.add(_tokens(b"ld."))
+    assert tracker.matched is None
+    assert tracker.release(final=True) == "o world."
+
+
+def test_the_earliest_of_several_stop_strings_wins():
+    tracker = TextTracker(decode, stops=["world", "lo"])
+    tracker.add(_tokens(b"Hello world."))
+    assert tracker.matched == "lo"
+    assert tracker.text == "Hel"
