@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import report
+from arrival import long_prompt_arrival
 from load import Client, Sampling, burst_summary, summarize_bursts
 from workers import (
     BENCH,
@@ -113,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--skip",
         default="",
-        help="comma-separated parts to leave out: sweep, burst, cancel, prefix",
+        help="comma-separated parts to leave out: sweep, burst, cancel, prefix, arrival",
     )
     parser.add_argument(
         "--worker-flags",
@@ -143,7 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.results_md = not args.quick
     args.worker_flags = shlex.split(args.worker_flags)
     args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
-    unknown = args.skip - {"sweep", "burst", "cancel", "prefix"}
+    unknown = args.skip - {"sweep", "burst", "cancel", "prefix", "arrival"}
     if unknown:
         parser.error(f"unknown parts in --skip: {', '.join(sorted(unknown))}")
     return args
@@ -185,6 +186,7 @@ class Suite:
             "max_tokens": 64,
         }
         self.prefix = {"repeats": 3, "prefix_tokens": 1500, "suffix_tokens": 20, "max_tokens": 8}
+        self.arrival = {"streams": [1, 4, 16], "prompt_tokens": [1000, 4000]}
         self.run: dict[str, Any] = {
             "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "command": " ".join(["bench/bench.py", *sys.argv[1:]]),
@@ -205,11 +207,13 @@ class Suite:
                 "burst": self.burst,
                 "cancel": self.cancel,
                 "prefix": self.prefix,
+                "arrival": self.arrival,
             },
             "sweep": {report.RAW: [], "ours": []},
             "burst": {},
             "cancel": {},
             "prefix": {},
+            "arrival": {},
             "failures": [],
         }
         if self.smg_python is not None:
@@ -416,6 +420,39 @@ class Suite:
         finally:
             await client.close()
 
+    def arrivals(self) -> None:
+        """Long prompt arrival, on a fresh worker each: ours, ours without the prefill budget,
+        and smg-grpc-servicer with --side-by-side."""
+        off = [*self.args.worker_flags, "--max-prefill-stall-ms", "0"]
+        workers = [*self.workers("arrival")]
+        workers.insert(
+            1, ("ours_off", our_worker(self.model, self.batch, self.log_dir, "off", off))
+        )
+        for name, worker in workers:
+            try:
+                with worker:
+                    self.run["arrival"][name] = asyncio.run(self._arrivals_on(name, worker))
+            except RuntimeError as exc:
+                self.fail(f"{report.LABELS[name]} long prompt arrival: {exc}")
+
+    async def _arrivals_on(self, name: str, worker: Worker) -> list[dict[str, Any]]:
+        client = self.client(worker)
+        cases = []
+        try:
+            await client.warm_up(4, self.shape)
+            for streams in self.arrival["streams"]:
+                for tokens in self.arrival["prompt_tokens"]:
+                    case = await long_prompt_arrival(client, streams, tokens, f"arrival-{tokens}")
+                    cases.append(case)
+                    log(
+                        f"arrival: {report.LABELS[name]} {streams} streams + {tokens} tokens: "
+                        f"gap max {case['gap_max_during_ms'] or 0:.0f} ms, "
+                        f"TTFT {case['ttft_ms'] or 0:.0f} ms"
+                    )
+        finally:
+            await client.close()
+        return cases
+
     def fail(self, message: str) -> None:
         log(f"FAILED {message}")
         self.run["failures"].append(message)
@@ -436,6 +473,9 @@ class Suite:
             print(f"plot: {png_path}")
         else:
             print("plot: skipped (no sweep, or matplotlib is not installed)")
+        arrival_png = out / f"bench-{self.stamp}-arrival.png"
+        if report.plot_arrival(self.run, arrival_png):
+            print(f"arrival plot: {arrival_png}")
         if self.args.results_md:
             report.update_results_md(self.run)
             print(f"updated {report.RESULTS_MD}")
@@ -450,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         suite.sweep()
     if not {"burst", "cancel", "prefix"} <= args.skip:
         suite.burst_and_cancel()
+    if "arrival" not in args.skip:
+        suite.arrivals()
     return suite.finish()
 
 

@@ -3,14 +3,26 @@
     python bench/genai.py                               # demo model, D(100,100) and D(1000,100)
     python bench/genai.py --concurrency 1,4,8 --max-requests 16
     python bench/genai.py --model DIR --scenario "D(2000,200)"
+    python bench/genai.py --side-by-side --concurrency 4,8,16   # against smg-grpc-servicer too
 
 Starts our worker and `smg launch` in front of it, waits for GET /v1/models, then runs
 genai-bench's OpenAI-compatible client (/v1/chat/completions, streamed, temperature 0) with
-the model directory as its tokenizer. Its backend `sglang` is that same OpenAI client plus
-`ignore_eos`, so every request yields the scenario's output length; `--api-backend openai`
-drops ignore_eos (outputs then end at the model's EOS). genai-bench lives in its own venv
-(bench/.venv-genai, installed on first use: it brings locust, gevent, pandas and more, none
-of which the worker needs).
+the model directory as its tokenizer, once per (scenario, concurrency). Its backend `sglang`
+is that same OpenAI client plus `ignore_eos`, so every request yields the scenario's output
+length; `--api-backend openai` drops ignore_eos (outputs then end at the model's EOS).
+genai-bench lives in its own venv (bench/.venv-genai, installed on first use: it brings
+locust, gevent, pandas and more, none of which the worker needs).
+
+`--side-by-side` runs the same against smg-grpc-servicer's MLX servicer (bench/.venv-smg, as
+in bench.py) in alternating rounds (`--rounds`, default 2): each round starts our worker and
+a fresh router, runs every scenario and level, then does the same for smg-grpc-servicer, so
+that the machine's speed drift hits both alike. The summary gives, per system, the median
+over rounds with the range, and ours ÷ smg as the median of the per-round ratios.
+
+Every run also counts the router's liveness vetoes ("Worker vetoed by liveness" lines in its
+log written while that genai-bench invocation ran): a veto means the router saw in-flight
+requests pile up without progress and stopped routing to the worker.
+
 Nothing is downloaded at run time: HF_HUB_OFFLINE=1 and every tokenizer option points at the
 local model directory; genai-bench's prompts come from the text file it ships. Its results,
 plots and a summary table (summary.md, summary.json) land in bench/results/genai/STAMP/.
@@ -21,7 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -31,11 +45,31 @@ from pathlib import Path
 from typing import Any
 
 import report
-from workers import BENCH, OFFLINE_ENV, BatchConfig, Worker, ensure_venv, free_port, log, our_worker
+from workers import (
+    BENCH,
+    OFFLINE_ENV,
+    SMG_SERVICER_VERSION,
+    BatchConfig,
+    Worker,
+    ensure_venv,
+    free_port,
+    log,
+    our_worker,
+    smg_servicer_python,
+    smg_worker,
+)
 
 GENAI_VENV = BENCH / ".venv-genai"
 GENAI_BENCH_VERSION = "0.0.5"
 RESULTS = BENCH / "results" / "genai"
+SYSTEMS = {"ours": "mlx-grpc-worker", "smg": "smg-grpc-servicer"}
+VETO = "Worker vetoed by liveness"
+READMIT = "Worker re-admitted by liveness"
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# The router's log may trail the last request by a moment; a veto a run caused counts for it.
+SETTLE_S = 1.0
+# (row key, column label): the metrics compared side by side.
+METRICS = [("ttft_p50_ms", "TTFT"), ("tpot_p50_ms", "TPOT"), ("output_tokens_per_s", "tok/s")]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,11 +97,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "`openai` drops ignore_eos, so outputs end at EOS and fall short of the scenario's "
         "output length (default sglang, which sends ignore_eos)",
     )
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="also run smg-grpc-servicer's MLX servicer (installed on first use into "
+        "bench/.venv-smg), alternating with ours round by round",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds of every system over every scenario and level, each on a fresh worker "
+        "and router (default 2 with --side-by-side, else 1)",
+    )
+    parser.add_argument(
+        "--smg-version",
+        default=SMG_SERVICER_VERSION,
+        help=f"smg-grpc-servicer version for --side-by-side (default {SMG_SERVICER_VERSION})",
+    )
     parser.add_argument("--genai-bench-version", default=GENAI_BENCH_VERSION)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.scenario = args.scenario or ["D(100,100)", "D(1000,100)"]
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    if args.rounds is None:
+        args.rounds = 2 if args.side_by_side else 1
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    args.systems = ["ours", "smg"] if args.side_by_side else ["ours"]
     return args
 
 
@@ -81,6 +137,19 @@ def _http_json(method: str, url: str, body: dict[str, Any] | None = None) -> tup
             return response.status, json.loads(response.read() or b"null")
     except urllib.error.HTTPError as error:
         return error.code, None
+
+
+def count_lines(path: Path, needle: str, start: int = 0, end: int | None = None) -> int:
+    """Lines of `path` between byte offsets `start` and `end` that contain `needle`, ANSI
+    colour codes stripped (the router colours its log even into a file)."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(start)
+            data = file.read() if end is None else file.read(max(0, end - start))
+    except OSError:
+        return 0
+    text = ANSI.sub("", data.decode(errors="replace"))
+    return sum(needle in line for line in text.splitlines())
 
 
 class Router:
@@ -111,6 +180,12 @@ class Router:
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
 
     def start(self, timeout: float = 120) -> str:
         """Start, wait until it lists the model and completes a request; the model's name."""
@@ -151,8 +226,17 @@ class Router:
 
 
 def run_genai_bench(
-    python: Path, args: argparse.Namespace, base: str, model: str, model_dir: Path, out: Path
+    python: Path,
+    args: argparse.Namespace,
+    base: str,
+    model: str,
+    model_dir: Path,
+    scenario: str,
+    level: int,
+    experiment: Path,
 ) -> None:
+    """One genai-bench invocation: one scenario at one concurrency, into `experiment`."""
+    experiment.parent.mkdir(parents=True, exist_ok=True)
     command = [
         str(python.parent / "genai-bench"),
         "benchmark",
@@ -179,22 +263,21 @@ def run_genai_bench(
         "--metrics-time-unit",
         "ms",
         "--experiment-base-dir",
-        str(out),
+        str(experiment.parent),
         "--experiment-folder-name",
-        "experiment",
+        experiment.name,
         "--log-dir",
-        str(out / "logs"),
+        str(experiment.parent / "logs"),
+        "--traffic-scenario",
+        scenario,
+        "--num-concurrency",
+        str(level),
     ]
-    for scenario in args.scenario:
-        command += ["--traffic-scenario", scenario]
-    for level in args.concurrency:
-        command += ["--num-concurrency", str(level)]
-    log(f"genai-bench: {' '.join(args.scenario)} at concurrency {args.concurrency}")
-    output_path = out / "genai-bench.out"
+    output_path = experiment.parent / f"{experiment.name}.out"
     with open(output_path, "wb") as output:
         done = subprocess.run(
             command,
-            cwd=out,
+            cwd=experiment.parent,
             env={**os.environ, **OFFLINE_ENV},
             stdout=output,
             stderr=subprocess.STDOUT,
@@ -230,8 +313,196 @@ def summarise(experiment: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def summary_table(rows: list[dict[str, Any]]) -> str:
+def _slug(scenario: str) -> str:
+    """A folder name for a scenario: D(100,100) -> D100-100."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", scenario).strip("-")
+
+
+def make_worker(
+    system: str, smg_python: Path | None, model_dir: Path, log_dir: Path, tag: str
+) -> Worker:
+    if system == "smg":
+        assert smg_python is not None
+        return smg_worker(smg_python, model_dir, BatchConfig(), log_dir, tag)
+    return our_worker(model_dir, BatchConfig(), log_dir, tag)
+
+
+def run_round(
+    system: str,
+    round_no: int,
+    args: argparse.Namespace,
+    genai_python: Path,
+    smg_python: Path | None,
+    model_dir: Path,
+    out: Path,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A fresh worker and router for `system`, genai-bench once per (scenario, level).
+
+    Returns one row per run (a failed run has `failed` and no metrics) and the router's
+    record: its log and its vetoes in all and within runs.
+    """
+    tag = f"{system}-r{round_no}"
+    worker = make_worker(system, smg_python, model_dir, out / "logs", f"genai-r{round_no}")
+    router = Router(worker, out / "logs" / f"router-{tag}.log")
+    runs: list[dict[str, Any]] = []
+    base = {"system": system, "round": round_no}
+    try:
+        log(f"round {round_no}: starting {SYSTEMS[system]} on {model_dir}, then the router")
+        worker.start()
+        model = router.start()
+        for scenario in args.scenario:
+            for level in args.concurrency:
+                log(f"round {round_no}, {system}: genai-bench {scenario} at concurrency {level}")
+                experiment = out / tag / f"{_slug(scenario)}-c{level}"
+                start = router.log_size()
+                failure = None
+                try:
+                    run_genai_bench(
+                        genai_python,
+                        args,
+                        router.base,
+                        model,
+                        model_dir,
+                        scenario,
+                        level,
+                        experiment,
+                    )
+                except RuntimeError as error:
+                    failure = str(error)
+                    log(f"  failed: {failure}")
+                time.sleep(SETTLE_S)
+                counts = {
+                    "vetoes": count_lines(router.log_path, VETO, start, router.log_size()),
+                    "readmits": count_lines(router.log_path, READMIT, start, router.log_size()),
+                }
+                rows = [] if failure else summarise(experiment)
+                if not rows:
+                    failure = failure or f"genai-bench wrote no results into {experiment}"
+                    rows = [{"scenario": scenario, "concurrency": level, "failed": failure}]
+                runs += [{**base, **row, **counts, "dir": str(experiment)} for row in rows]
+    except RuntimeError as error:
+        # The worker or router did not come up: the round's remaining runs have no numbers.
+        log(f"round {round_no}, {system}: {error}")
+        done = {(run["scenario"], run["concurrency"]) for run in runs}
+        runs += [
+            {**base, "scenario": s, "concurrency": c, "failed": str(error), "vetoes": None}
+            for s in args.scenario
+            for c in args.concurrency
+            if (s, c) not in done
+        ]
+    finally:
+        router.stop()
+        worker.stop()
+    in_runs = sum(run.get("vetoes") or 0 for run in runs)
+    record = {
+        **base,
+        "router_log": str(router.log_path),
+        "worker_log": str(worker.log_path),
+        "vetoes_total": count_lines(router.log_path, VETO),
+        "vetoes_in_runs": in_runs,
+        "readmits_total": count_lines(router.log_path, READMIT),
+    }
+    return runs, record
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def _key(scenario: str) -> tuple[int, ...]:
+    """Order scenarios by their numbers, so D(100,100) comes before D(1000,100)."""
+    return tuple(int(n) for n in re.findall(r"\d+", scenario))
+
+
+def compare(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, Any]]:
+    """Per (scenario, concurrency): each system's median, min and max over rounds, its vetoes
+    per run, and the median of the per-round ratios ours ÷ peer."""
+    keys = sorted({(r["scenario"], r["concurrency"]) for r in runs}, key=lambda k: (_key(k[0]), k))
+    out = []
+    for scenario, level in keys:
+        here = [r for r in runs if r["scenario"] == scenario and r["concurrency"] == level]
+        entry: dict[str, Any] = {"scenario": scenario, "concurrency": level}
+        by_round = {(r["system"], r["round"]): r for r in here if "failed" not in r}
+        for system in systems:
+            mine = sorted((r for r in here if r["system"] == system), key=lambda r: r["round"])
+            ok = [r for r in mine if "failed" not in r]
+            stats: dict[str, Any] = {
+                "vetoes": [r.get("vetoes") for r in mine],
+                "errors": sum(r["errors"] for r in ok),
+                "failed_runs": len(mine) - len(ok),
+            }
+            for metric, _ in METRICS:
+                values = [r[metric] for r in ok]
+                stats[metric] = (
+                    {"median": statistics.median(values), "min": min(values), "max": max(values)}
+                    if values
+                    else None
+                )
+            entry[system] = stats
+        if len(systems) == 2:
+            ours, peer = systems
+            rounds = sorted({r["round"] for r in here})
+            ratios: dict[str, float | None] = {}
+            for metric, _ in METRICS:
+                per_round = [
+                    by_round[(ours, n)][metric] / by_round[(peer, n)][metric]
+                    for n in rounds
+                    if (ours, n) in by_round
+                    and (peer, n) in by_round
+                    and by_round[(peer, n)][metric]
+                ]
+                ratios[metric] = statistics.median(per_round) if per_round else None
+            entry["ratio"] = ratios
+        out.append(entry)
+    return out
+
+
+def _spread(stats: dict[str, Any] | None, rounds: int) -> str:
+    """median (min-max) over rounds; just the value for one round."""
+    if stats is None:
+        return "-"
+    digits = 2 if stats["median"] < 10 else 1
+    median = f"{stats['median']:.{digits}f}"
+    if rounds == 1:
+        return median
+    return f"{median} ({stats['min']:.{digits}f}-{stats['max']:.{digits}f})"
+
+
+def _vetoes(values: list[int | None]) -> str:
+    return ", ".join("-" if v is None else str(v) for v in values) or "-"
+
+
+def _errors(stats: dict[str, Any]) -> str:
+    failed = stats["failed_runs"]
+    return f"{stats['errors']}" + (f" ({failed} failed)" if failed else "")
+
+
+def compare_table(entries: list[dict[str, Any]], systems: list[str], rounds: int) -> str:
+    headers = ["scenario", "conc"]
+    for _, label in METRICS:
+        headers += [f"{label} {system}" for system in systems]
+        if len(systems) == 2:
+            headers.append(f"{label} {systems[0]}÷{systems[1]}")
+    headers += [f"vetoes {system}" for system in systems]
+    headers += [f"errors {system}" for system in systems]
+    rows = []
+    for entry in entries:
+        row: list[Any] = [entry["scenario"], entry["concurrency"]]
+        for metric, _ in METRICS:
+            row += [_spread(entry[system][metric], rounds) for system in systems]
+            if len(systems) == 2:
+                ratio = entry["ratio"][metric]
+                row.append("-" if ratio is None else f"{ratio:.2f}")
+        row += [_vetoes(entry[system]["vetoes"]) for system in systems]
+        row += [_errors(entry[system]) for system in systems]
+        rows.append(row)
+    return report.markdown_table(headers, rows)
+
+
+def runs_table(runs: list[dict[str, Any]], systems: list[str], rounds: int) -> str:
+    """Every run's numbers; the system and round columns only when there is more than one."""
+    lead = (["system"] if len(systems) > 1 else []) + (["round"] if rounds > 1 else [])
     headers = [
+        *lead,
         "scenario",
         "conc",
         "output tok/s",
@@ -243,31 +514,47 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         "out tokens",
         "requests",
         "errors",
+        "vetoes",
     ]
-    return report.markdown_table(
-        headers,
-        [
-            [
-                row["scenario"],
-                row["concurrency"],
-                row["output_tokens_per_s"],
-                round(row["requests_per_s"], 2),
-                row["ttft_p50_ms"],
-                row["ttft_p90_ms"],
-                round(row["tpot_p50_ms"], 2),
-                row["e2e_p50_ms"],
-                row["output_tokens_mean"],
-                row["requests"],
-                row["errors"],
-            ]
-            for row in rows
-        ],
+    ordered = sorted(
+        runs,
+        key=lambda r: (
+            _key(r["scenario"]),
+            r["scenario"],
+            r["concurrency"],
+            r["round"],
+            r["system"],
+        ),
     )
+    rows = []
+    for run in ordered:
+        row: list[Any] = ([SYSTEMS[run["system"]]] if len(systems) > 1 else []) + (
+            [run["round"]] if rounds > 1 else []
+        )
+        row += [run["scenario"], run["concurrency"]]
+        if "failed" in run:
+            row += ["failed", *["-"] * 8]
+        else:
+            row += [
+                run["output_tokens_per_s"],
+                round(run["requests_per_s"], 2),
+                run["ttft_p50_ms"],
+                run["ttft_p90_ms"],
+                round(run["tpot_p50_ms"], 2),
+                run["e2e_p50_ms"],
+                run["output_tokens_mean"],
+                run["requests"],
+                run["errors"],
+            ]
+        row.append("-" if run.get("vetoes") is None else run["vetoes"])
+        rows.append(row)
+    return report.markdown_table(headers, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    python = ensure_venv(GENAI_VENV, [f"genai-bench=={args.genai_bench_version}"])
+    genai_python = ensure_venv(GENAI_VENV, [f"genai-bench=={args.genai_bench_version}"])
+    smg_python = smg_servicer_python(args.smg_version) if args.side_by_side else None
     if args.model is None:
         from servicer.demo_model import demo_model_path
 
@@ -277,30 +564,76 @@ def main(argv: list[str] | None = None) -> int:
     machine = report.machine_info()
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    worker = our_worker(model_dir, BatchConfig(), out / "logs", "genai")
-    router = Router(worker, out / "logs" / "router.log")
-    try:
-        log(f"starting the worker on {model_dir}")
-        worker.start()
-        log("starting the router")
-        model = router.start()
-        run_genai_bench(python, args, router.base, model, model_dir, out)
-    finally:
-        router.stop()
-        worker.stop()
-    rows = summarise(out / "experiment")
-    table = summary_table(rows)
+    runs: list[dict[str, Any]] = []
+    routers: list[dict[str, Any]] = []
+    # Rounds alternate the systems, so a slow minute of the machine hits both alike.
+    for round_no in range(1, args.rounds + 1):
+        for system in args.systems:
+            round_runs, record = run_round(
+                system, round_no, args, genai_python, smg_python, model_dir, out
+            )
+            runs += round_runs
+            routers.append(record)
     machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+
+    entries = compare(runs, args.systems)
+    every = runs_table(runs, args.systems, args.rounds)
+    systems = " and ".join(
+        f"{SYSTEMS[s]}" + (f" {args.smg_version}" if s == "smg" else "") for s in args.systems
+    )
     header = (
         f"genai-bench {args.genai_bench_version} ({args.api_backend} client) through the smg "
-        f"router, {time.strftime('%Y-%m-%d %H:%M %Z')}, model {model_dir.name}"
+        f"router to {systems}, {time.strftime('%Y-%m-%d %H:%M %Z')}, model {model_dir.name}, "
+        f"{args.rounds} round(s), at most {args.max_requests} requests per run"
     )
-    summary = f"{header}\n\nMachine: {report.machine_line({'machine': machine})}\n\n{table}\n"
-    (out / "summary.md").write_text(summary)
-    (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    parts = [header, f"Machine: {report.machine_line({'machine': machine})}"]
+    table = every
+    if len(args.systems) > 1 or args.rounds > 1:
+        table = compare_table(entries, args.systems, args.rounds)
+        explain = (
+            "TTFT and TPOT p50 in ms, output tokens/s; median over rounds, (min-max) over rounds"
+        )
+        if len(args.systems) == 2:
+            explain += (
+                "; ours ÷ smg is the median of the per-round ratios (below 1: ours is faster "
+                "for TTFT and TPOT, slower for tok/s)"
+            )
+        explain += "; vetoes: the router's liveness vetoes in each round's run."
+        parts += [explain, table, "Every run:", every]
+    outside = [r for r in routers if r["vetoes_total"] != r["vetoes_in_runs"]]
+    if outside:
+        parts.append(
+            "Vetoes outside the runs (start-up, probe or shut-down): "
+            + ", ".join(
+                f"{SYSTEMS[r['system']]} round {r['round']}: "
+                f"{r['vetoes_total'] - r['vetoes_in_runs']}"
+                for r in outside
+            )
+        )
+    (out / "summary.md").write_text("\n\n".join(parts) + "\n")
+    summary = {
+        "settings": {
+            "systems": args.systems,
+            "rounds": args.rounds,
+            "scenarios": args.scenario,
+            "concurrency": args.concurrency,
+            "max_requests": args.max_requests,
+            "max_minutes": args.max_minutes,
+            "api_backend": args.api_backend,
+            "genai_bench_version": args.genai_bench_version,
+            "smg_version": args.smg_version if args.side_by_side else None,
+            "model": str(model_dir),
+        },
+        "machine": machine,
+        "comparison": entries,
+        "runs": runs,
+        "routers": routers,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(table)
     print(f"\nsummary, genai-bench's JSON, xlsx and plots: {out}")
-    return 0 if rows and not any(row["errors"] for row in rows) else 1
+    ok = runs and not any("failed" in run or run["errors"] for run in runs)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

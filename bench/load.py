@@ -56,10 +56,19 @@ class Client:
         self.vocab_size = vocab_size
         self.sampling = sampling
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.MlxEngineStub(self._channel)
+        self.stub = pb_grpc.MlxEngineStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close()
+
+    def request(self, prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
+        """A streamed request with this client's sampling settings."""
+        return pb.GenerateRequest(
+            request_id=f"bench-{next(_ids)}",
+            tokenized=pb.TokenizedInput(input_ids=prompt),
+            sampling_params=self.sampling.params(max_tokens),
+            stream=True,
+        )
 
     async def generate(
         self,
@@ -71,15 +80,10 @@ class Client:
     ) -> RequestRecord:
         """One streamed Generate; with `cancel_after`, cancel the call once that many tokens
         arrived. Errors are recorded, not raised."""
-        request = pb.GenerateRequest(
-            request_id=f"bench-{next(_ids)}",
-            tokenized=pb.TokenizedInput(input_ids=prompt),
-            sampling_params=self.sampling.params(max_tokens),
-            stream=True,
-        )
+        request = self.request(prompt, max_tokens)
         record = RequestRecord(start=time.perf_counter())
         last = record.start
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self.stub.Generate(request, timeout=timeout)
         try:
             async for response in call:
                 if not response.HasField("chunk"):

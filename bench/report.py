@@ -28,9 +28,10 @@ RAW = "raw"
 LABELS = {
     RAW: "raw BatchGenerator",
     "ours": "mlx-grpc-worker",
+    "ours_off": "mlx-grpc-worker, budget off",
     "smg": "smg-grpc-servicer",
 }
-COLORS = {RAW: "#555555", "ours": "#1f77b4", "smg": "#d62728"}
+COLORS = {RAW: "#555555", "ours": "#1f77b4", "ours_off": "#9ecae1", "smg": "#d62728"}
 
 Run = dict[str, Any]
 
@@ -286,6 +287,72 @@ def prefix_table(run: Run) -> str:
     return markdown_table(headers, rows)
 
 
+def arrival_table(run: Run) -> str:
+    headers = [
+        "worker",
+        "streams",
+        "arriving tokens",
+        "gap p50 before ms",
+        "gap p99 during ms",
+        "gap max during ms",
+        "arrival TTFT ms",
+        "errors",
+    ]
+    rows = [
+        [
+            LABELS[name],
+            case["streams"],
+            case["prompt_tokens"],
+            case["gap_p50_before_ms"],
+            case["gap_p99_during_ms"],
+            case["gap_max_during_ms"],
+            case["ttft_ms"],
+            case["errors"],
+        ]
+        for name, cases in run.get("arrival", {}).items()
+        for case in cases
+    ]
+    return markdown_table(headers, rows)
+
+
+def plot_arrival(run: Run, path: Path, streams: int = 4, tokens: int = 4000) -> bool:
+    """The running streams' gaps over time around one arrival, a line per worker."""
+    cases = {
+        name: case
+        for name, found in run.get("arrival", {}).items()
+        for case in found
+        if case["streams"] == streams and case["prompt_tokens"] == tokens
+    }
+    if not cases:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axis = plt.subplots(figsize=(9, 4))
+    for name, case in cases.items():
+        times = [t for t, _ in case["timeline"]]
+        gaps = [g for _, g in case["timeline"]]
+        axis.plot(times, gaps, ".", color=COLORS[name], label=LABELS[name], alpha=0.7)
+        if case["ttft_ms"]:
+            axis.axvline(case["ttft_ms"] / 1000, color=COLORS[name], linestyle=":")
+    axis.axvline(0, color="black", linewidth=0.8)
+    axis.set_yscale("log")
+    axis.set_xlabel(f"seconds since a {tokens}-token prompt arrived (dotted: its first token)")
+    axis.set_ylabel("gap between a stream's chunks, ms")
+    axis.set_title(f"{streams} running streams while a long prompt arrives")
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def machine_line(run: Run) -> str:
     m = run["machine"]
     line = (
@@ -377,6 +444,14 @@ def render(run: Run) -> str:
             f"with {prefix['suffix_tokens']} new tokens; median of {prefix['repeats']})",
             "",
             prefix_table(run),
+        ]
+    if run.get("arrival"):
+        parts += [
+            "",
+            "### Long prompt arrival (k streams decoding, then one long prompt arrives; the "
+            "streams' gaps between chunks before it and while it prefills, and its TTFT)",
+            "",
+            arrival_table(run),
         ]
     return "\n".join(parts)
 

@@ -29,6 +29,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 _UNITS = MappingProxyType({"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40})
 
 
@@ -80,6 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prompt tokens processed per prefill step (default 2048)",
     )
     parser.add_argument(
+        "--max-prefill-stall-ms",
+        type=_non_negative,
+        default=50.0,
+        help="while requests decode, a step prefills only as much prompt as fits this many "
+        "milliseconds, learned as the worker runs (default 50; 0: full --prefill-step-size "
+        "chunks, as mlx-lm does)",
+    )
+    parser.add_argument(
         "--max-prompt-tokens",
         type=_positive,
         help="refuse longer prompts (default: the model's context length - 1)",
@@ -87,14 +102,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--prompt-cache-size",
         type=int,
-        default=64,
-        help="prompt prefixes kept for reuse (default 64; 0 turns prefix reuse off)",
+        default=65536,
+        help="prompt blocks kept in RAM for prefix reuse (default 65536; 0 turns prefix reuse off)",
     )
     parser.add_argument(
         "--prompt-cache-bytes",
         type=_size,
-        help="bytes the kept prefixes may hold, e.g. 512M (default: a quarter of "
+        help="bytes the kept prompt blocks may hold in RAM, e.g. 4G (default: a quarter of "
         "--max-kv-memory, at most 1G)",
+    )
+    parser.add_argument(
+        "--prompt-cache-block",
+        type=_positive,
+        default=256,
+        help="tokens per prompt block (default 256)",
+    )
+    parser.add_argument(
+        "--prompt-cache-snapshot-interval",
+        type=_positive,
+        help="tokens between snapshots of recurrent and sliding-window state during prefill "
+        "(default: chosen from the model so they add at most a quarter to a prompt's KV bytes)",
+    )
+    parser.add_argument(
+        "--prompt-cache-dir",
+        help="keep prompt blocks evicted from RAM in this directory, across restarts "
+        "(default: no disk tier)",
+    )
+    parser.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=_size,
+        default=32 << 30,
+        help="bytes the disk tier may hold (default 32G)",
     )
     parser.add_argument(
         "--max-kv-memory",
@@ -172,8 +210,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         completion_batch_size=args.completion_batch_size,
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
+        max_prefill_stall_ms=args.max_prefill_stall_ms,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_block=args.prompt_cache_block,
+        prompt_cache_snapshot_interval=args.prompt_cache_snapshot_interval,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         max_kv_memory=args.max_kv_memory,
         faults=FaultPlan.parse(faults) if (faults := os.environ.get(FAULTS_ENV_VAR)) else None,
     )

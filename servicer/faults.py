@@ -3,11 +3,14 @@
 Set with the environment variable MLX_GRPC_WORKER_FAULTS, parts separated by `;`:
 `step:3,4` (engine steps 3 and 4 raise, the engine recovers), `die:5` (step 5 kills the engine
 thread), `resolve:2.5` (resolving the model's files takes 2.5 s longer), `load:8` (loading the
-weights takes 8 s longer). Steps count from 1, from the first step after warm-up.
+weights takes 8 s longer), `diskfull` (every prompt-cache file write fails with ENOSPC),
+`diskro` (the prompt-cache directory is read-only: EROFS).
+Steps count from 1, from the first step after warm-up.
 """
 
 from __future__ import annotations
 
+import errno
 import time
 from dataclasses import dataclass
 
@@ -28,14 +31,20 @@ class FaultPlan:
     die_at_step: int | None = None
     resolve_delay_s: float = 0.0
     load_delay_s: float = 0.0
+    disk_full: bool = False
+    disk_read_only: bool = False
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
         fail: set[int] = set()
         die = None
         delays = {"resolve": 0.0, "load": 0.0}
+        disk = {"diskfull": False, "diskro": False}
         for part in filter(None, (p.strip() for p in text.split(";"))):
             kind, _, value = part.partition(":")
+            if kind in disk:
+                disk[kind] = True
+                continue
             try:
                 if kind in delays:
                     delays[kind] = float(value)
@@ -48,9 +57,16 @@ class FaultPlan:
             elif kind == "die" and len(numbers) == 1:
                 die = numbers[0]
             else:
-                usage = "'step:N[,M...]', 'die:N', 'resolve:S' or 'load:S'"
+                usage = "'step:N[,M...]', 'die:N', 'resolve:S', 'load:S', 'diskfull', 'diskro'"
                 raise ValueError(f"bad fault spec {part!r}: use {usage}")
-        return cls(frozenset(fail), die, delays["resolve"], delays["load"])
+        return cls(
+            frozenset(fail),
+            die,
+            delays["resolve"],
+            delays["load"],
+            disk["diskfull"],
+            disk["diskro"],
+        )
 
     def before_step(self, step: int) -> None:
         if step == self.die_at_step:
@@ -65,3 +81,9 @@ class FaultPlan:
     def before_load(self) -> None:
         if self.load_delay_s > 0:
             time.sleep(self.load_delay_s)
+
+    def before_disk_write(self) -> None:
+        if self.disk_read_only:
+            raise OSError(errno.EROFS, "Read-only file system (injected)")
+        if self.disk_full:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")

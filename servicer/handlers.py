@@ -108,6 +108,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._tickets = itertools.count(1)
         self._streams = Streams()
         self._archive: asyncio.Task[TokenizerArchive] | None = None
+        self._block_size = 0
         self._started = time.monotonic()
 
     # ----- lifecycle, driven by the server -----
@@ -117,16 +118,20 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._info = files.info
         self._codec = TextCodec(files.tokenizer)
         self._limits = Limits.for_model(files.info, self._options.max_prompt_tokens)
+        self._block_size = 0
 
     def attach(
         self,
         admission: Admission,
         has_thinking: bool = False,
         check_grammar: GrammarCheck | None = None,
+        block_size: int = 0,
     ) -> None:
-        """The engine is warm: requests can be checked against what it supports."""
+        """The engine is warm: requests can be checked against what it supports.
+        `block_size`: its prefix store's tokens per block (0: no prefix reuse)."""
         assert self._info is not None
         self._admission = admission
+        self._block_size = block_size
         self._limits = Limits.for_model(
             self._info, self._options.max_prompt_tokens, has_thinking, check_grammar
         )
@@ -146,6 +151,12 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         """Route one engine hand-off (called on the loop thread)."""
         for seconds in out.step_seconds:
             self._metrics.step_time.observe(seconds)
+        for tokens in out.prefill_tokens:
+            self._metrics.prefill_tokens.observe(tokens)
+        for seconds in out.disk_load_seconds:
+            self._metrics.disk_load.observe(seconds)
+        if out.over_budget:
+            self._metrics.over_budget.inc(out.over_budget)
         for kind in {failure.kind for failure in out.failures}:  # once per step and kind
             self._metrics.errors.labels(_FAILURE_METRIC[kind]).inc()
         if out.fatal is not None:
@@ -201,7 +212,14 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 text_ids = self._codec.encode(request.text)
             else:
                 text_ids = await asyncio.to_thread(self._codec.encode, request.text)
-        args = (request, next(self._tickets), self._limits, text_ids, self._options.stream_interval)
+        args = (
+            request,
+            next(self._tickets),
+            self._limits,
+            text_ids,
+            self._options.stream_interval,
+            self._block_size,
+        )
         try:
             if request.sampling_params.WhichOneof("constraint") is None:
                 return build_request(*args)

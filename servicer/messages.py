@@ -65,6 +65,7 @@ class GenerationRequest:
     prompt: list[int]
     max_tokens: int
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    block_keys: tuple[bytes, ...] = ()  # the names of its prompt's full blocks (prefix reuse)
     penalties: PenaltySpec = field(default_factory=PenaltySpec)
     stop_token_ids: frozenset[int] = frozenset()
     top_logprobs: int | None = None  # None: no logprobs; N >= 0: token logprob + top N
@@ -119,9 +120,14 @@ class StepOutput:
     failures: list[RowFailure] = field(default_factory=list)
     fatal: str | None = None  # set once, when the engine thread is about to die
     step_seconds: list[float] = field(default_factory=list)  # each step's duration
+    prefill_tokens: list[int] = field(default_factory=list)  # each prefilling step's prompt tokens
+    over_budget: int = 0  # steps whose prefill held decoding rows up past the budget
+    disk_load_seconds: list[float] = field(default_factory=list)  # prompt-cache disk loads
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.failures or self.fatal)
+        return bool(
+            self.events or self.failures or self.fatal or self.step_seconds or self.prefill_tokens
+        )
 
     def merge(self, later: StepOutput) -> None:
         """Fold a later step's output into this one (the loop had not picked this one up)."""
@@ -129,6 +135,9 @@ class StepOutput:
         self.failures.extend(later.failures)
         self.fatal = self.fatal or later.fatal
         self.step_seconds.extend(later.step_seconds)
+        self.prefill_tokens.extend(later.prefill_tokens)
+        self.over_budget += later.over_budget
+        self.disk_load_seconds.extend(later.disk_load_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,10 +158,20 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class PrefixCacheStats:
-    entries: int = 0
-    bytes: int = 0
+    entries: int = 0  # blocks in RAM
+    bytes: int = 0  # their bytes
     hits: int = 0
     misses: int = 0
+    disk_blocks: int = 0
+    disk_bytes: int = 0
+    ram_hits: int = 0
+    disk_hits: int = 0  # hits that needed blocks loaded from disk
+    ram_tokens: int = 0  # prompt tokens reused
+    disk_tokens: int = 0
+    evictions: int = 0  # blocks that left RAM
+    pinned_blocks: int = 0  # held by running requests
+    dropped_writes: int = 0  # disk writes dropped because the queue was full
+    disk_faults: int = 0  # unreadable, corrupt or foreign files, failed writes, a bad directory
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,35 @@ from .messages import EngineLoad, PrefixCacheStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_PREFIX_GAUGES = (
+    ("entries", "Prompt blocks kept in RAM", "entries"),
+    ("bytes", "Bytes of the prompt blocks kept in RAM", "bytes"),
+    ("hits", "Requests that reused a kept prefix", "hits"),
+    ("misses", "Requests that found no prefix to reuse", "misses"),
+    ("evictions", "Prompt blocks that left RAM (to the disk tier when there is one)", "evictions"),
+    ("pinned_blocks", "Prompt blocks held by running requests (never evicted)", "pinned_blocks"),
+    ("dropped_writes", "Disk writes dropped because the write queue was full", "dropped_writes"),
+    (
+        "disk_faults",
+        "Unreadable, corrupt or foreign files, failed writes, a bad directory",
+        "disk_faults",
+    ),
+)
+_PREFIX_TIER_GAUGES = (
+    (
+        "hits_by_tier",
+        "Requests that reused a prefix, by where it came from",
+        ("ram_hits", "disk_hits"),
+    ),
+    (
+        "tokens_reused",
+        "Prompt tokens reused, by where they came from",
+        ("ram_tokens", "disk_tokens"),
+    ),
+    ("blocks", "Prompt blocks kept, by tier", ("entries", "disk_blocks")),
+    ("tier_bytes", "Bytes of the prompt blocks kept, by tier", ("bytes", "disk_bytes")),
+)
 
 
 class WorkerMetrics:
@@ -74,16 +103,35 @@ class WorkerMetrics:
             buckets=_STEP_BUCKETS,
             registry=reg,
         )
+        self.prefill_tokens = Histogram(
+            "mlx_worker_prefill_tokens_per_step",
+            "Prompt tokens one engine step put through the model (steps that prefilled)",
+            buckets=_PREFILL_BUCKETS,
+            registry=reg,
+        )
+        self.over_budget = Counter(
+            "mlx_worker_prefill_steps_over_budget",
+            "Steps whose prefill held decoding rows up longer than --max-prefill-stall-ms",
+            registry=reg,
+        )
 
     def _prefix_cache(self, stats: Callable[[], PrefixCacheStats | None]) -> None:
-        for name, doc, field in (
-            ("entries", "Prompt prefixes kept for reuse", "entries"),
-            ("bytes", "Bytes held by kept prompt prefixes", "bytes"),
-            ("hits", "Requests that reused a kept prefix", "hits"),
-            ("misses", "Requests that found no prefix to reuse", "misses"),
-        ):
+        def read(field: str) -> Callable[[], float]:
+            return lambda: getattr(stats() or PrefixCacheStats(), field)
+
+        for name, doc, field in _PREFIX_GAUGES:
             gauge = Gauge(f"mlx_worker_prompt_cache_{name}", doc, registry=self.registry)
-            gauge.set_function(lambda field=field: getattr(stats() or PrefixCacheStats(), field))
+            gauge.set_function(read(field))
+        for name, doc, (ram, disk) in _PREFIX_TIER_GAUGES:
+            gauge = Gauge(f"mlx_worker_prompt_cache_{name}", doc, ["tier"], registry=self.registry)
+            gauge.labels("ram").set_function(read(ram))
+            gauge.labels("disk").set_function(read(disk))
+        self.disk_load = Histogram(
+            "mlx_worker_prompt_cache_disk_load_seconds",
+            "Reading one prompt block back from the disk tier",
+            buckets=_STEP_BUCKETS,
+            registry=self.registry,
+        )
 
     def serve(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP; returns the bound port."""

@@ -179,8 +179,12 @@ class WorkerServer:
         except EngineStartupError as exc:
             self.lifecycle.advance(Phase.FAILED, f"cannot serve the model: {exc}")
             raise
+        store = self.engine.prefix_cache
         self.servicer.attach(
-            self.engine.admission, self.engine.has_thinking, self.engine.grammar_check
+            self.engine.admission,
+            self.engine.has_thinking,
+            self.engine.grammar_check,
+            store.block_size if store is not None else 0,
         )
         self.lifecycle.advance(Phase.SERVING)
         await self._set_health(SERVING)

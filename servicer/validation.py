@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from .blocks import block_keys
 from .messages import Constraint, GenerationRequest, ModelInfo, PenaltySpec, SamplingSpec
 from .proto import mlx_engine_pb2 as pb
 
@@ -196,12 +197,14 @@ def build_request(
     limits: Limits,
     text_ids: list[int] | None = None,
     stream_interval: int = 1,
+    block_size: int = 0,
 ) -> tuple[GenerationRequest, TextOptions | None]:
     """Validate and normalise; raises RequestError with the status to send.
 
     `stream_interval` is the tokens per streamed chunk after the first. A unary call needs
     its handler only for the first token (time-to-first-token metric) and the finish, unless
-    it watches for stop strings."""
+    it watches for stop strings. `block_size`: name the prompt's blocks for prefix reuse (0:
+    the worker keeps no prefixes)."""
     if not request.request_id:
         raise _invalid("request_id is empty")
     prompt = prompt_ids(request, limits, text_ids)
@@ -240,5 +243,6 @@ def build_request(
         constraint=grammar,
         thinking_budget=thinking_budget,
         tokens_per_handoff=sys.maxsize if unary else stream_interval,
+        block_keys=block_keys(prompt, block_size) if block_size else (),
     )
     return job, text

@@ -1,7 +1,16 @@
-"""The scheduler's admission policy, on plain data (no MLX, no server)."""
+"""The scheduler's admission and prefill policy, on plain data (no MLX, no server)."""
 
 from __future__ import annotations
 
+from servicer.engine.prefill import (
+    PrefillCost,
+    PrefillPolicy,
+    PrefillRow,
+    PrefillSample,
+    can_join,
+    chunk_for,
+    step_capacity,
+)
 from servicer.engine.scheduler import BatchView, Scheduler
 from servicer.messages import Admission, GenerationRequest, MemoryModel
 
@@ -14,38 +23,125 @@ def _request(ticket: int, tokens: int = 10) -> GenerationRequest:
     return GenerationRequest(ticket, f"r{ticket}", [1] * (tokens // 2), tokens - tokens // 2)
 
 
+# Without a prefill budget (the old policy): everything that fits memory, full chunks.
+
+
 def test_admits_in_arrival_order_while_memory_lasts():
     scheduler = Scheduler(ADMISSION)
     scheduler.enqueue([_request(1, 40), _request(2, 40), _request(3, 40)])
-    admits = scheduler.admit(IDLE)
+    admits = scheduler.schedule(IDLE).admits
     assert [a.request.ticket for a in admits] == [1, 2]
     assert scheduler.reserved == 80 * 1024 and scheduler.waiting == 1
-    assert scheduler.admit(BatchView(rows=2, first_tokens_due=False)) == []  # 3 waits
+    assert scheduler.schedule(BatchView(rows=2, first_tokens_due=False)).admits == []  # 3 waits
     scheduler.release(admits[0].reserved)
-    assert [a.request.ticket for a in scheduler.admit(BatchView(2, False))] == [3]
+    assert [a.request.ticket for a in scheduler.schedule(BatchView(2, False)).admits] == [3]
 
 
 def test_a_request_alone_is_admitted_even_past_the_limit():
     # The handler refuses what could never fit; past the limit alone means nothing runs.
     scheduler = Scheduler(ADMISSION)
     scheduler.enqueue([_request(1, 150)])
-    assert [a.request.ticket for a in scheduler.admit(IDLE)] == [1]
+    assert [a.request.ticket for a in scheduler.schedule(IDLE).admits] == [1]
 
 
 def test_nothing_is_admitted_while_a_first_token_is_due():
     scheduler = Scheduler(ADMISSION)
     scheduler.enqueue([_request(1)])
-    assert scheduler.admit(BatchView(rows=1, first_tokens_due=True)) == []
-    assert len(scheduler.admit(BatchView(rows=1, first_tokens_due=False))) == 1
+    assert scheduler.schedule(BatchView(rows=1, first_tokens_due=True)).admits == []
+    assert len(scheduler.schedule(BatchView(rows=1, first_tokens_due=False)).admits) == 1
 
 
 def test_withdraw_drain_and_forgetting_reservations():
     scheduler = Scheduler(ADMISSION)
     scheduler.enqueue([_request(1), _request(2), _request(3)])
     assert scheduler.withdraw({2, 9}) == [2]
-    admitted = scheduler.admit(BatchView(rows=0, first_tokens_due=False))
+    admitted = scheduler.schedule(BatchView(rows=0, first_tokens_due=False)).admits
     assert [a.request.ticket for a in admitted] == [1, 3]
     scheduler.enqueue([_request(4)])
     assert scheduler.drain() == [4] and scheduler.waiting == 0
     scheduler.forget_reservations()
     assert scheduler.reserved == 0
+
+
+# With a prefill budget.
+
+POLICY = PrefillPolicy(max_stall_s=0.05, step_tokens=2048, max_rows=8, min_chunk=32)
+BIG = Admission(MemoryModel(((1, None),), 0, allocation_step=1), limit_bytes=1 << 40)
+
+
+def _prompt(ticket: int, tokens: int) -> GenerationRequest:
+    return GenerationRequest(ticket, f"p{ticket}", [1] * tokens, 16)
+
+
+def _budgeted(cost: PrefillCost | None = None) -> Scheduler:
+    scheduler = Scheduler(BIG, POLICY)
+    if cost is not None:
+        scheduler.cost = cost
+    return scheduler
+
+
+def _linear_cost(per_token_s: float) -> PrefillCost:
+    cost = PrefillCost()
+    for n in (64, 128, 256, 512, 1024) * 4:
+        cost.observe(PrefillSample(1, n, 0, per_token_s * n))
+    return cost
+
+
+def test_the_cost_model_learns_a_linear_and_an_attention_term():
+    cost = PrefillCost()
+    for n, c in [(64, 0), (512, 0), (128, 2000), (1024, 3000), (256, 500), (32, 3900)] * 5:
+        cost.observe(PrefillSample(1, n, c, 0.002 + 3e-4 * n + 1e-8 * n * (c + n / 2)))
+    assert abs(cost.seconds(1, 300, 1000) - (0.002 + 3e-4 * 300 + 1e-8 * 300 * 1150)) < 2e-3
+    assert cost.tokens_within(0.05, 3000) < cost.tokens_within(0.05, 0)  # context costs
+    assert cost.tokens_within(0.001, 0) == 0  # less than the fixed part
+
+
+def test_idle_steps_prefill_full_chunks_and_decoding_steps_what_fits_the_budget():
+    cost = _linear_cost(5e-4)  # 100 tokens in 50 ms
+    assert step_capacity(POLICY, cost, decoding=False, context=0) == 2048
+    assert 90 <= step_capacity(POLICY, cost, decoding=True, context=0) <= 100
+    # a slow model: prefill keeps at least as long as a decode step
+    assert step_capacity(POLICY, cost, True, 0, decode_step_s=0.2) >= 390
+    assert step_capacity(PrefillPolicy(max_stall_s=0), cost, True, 0) == 2048
+
+
+def test_a_long_prompt_is_split_while_rows_decode():
+    scheduler = _budgeted(_linear_cost(5e-4))
+    scheduler.enqueue([_prompt(1, 4000)])
+    decoding = BatchView(rows=4, first_tokens_due=False)
+    choice = scheduler.schedule(decoding)
+    assert [a.request.ticket for a in choice.admits] == [1]
+    assert 32 <= choice.chunk <= 100
+    in_prefill = BatchView(5, False, (PrefillRow(3999 - choice.chunk, choice.chunk),))
+    assert scheduler.schedule(in_prefill).chunk <= 100
+
+
+def test_the_oldest_prompt_goes_first_and_short_ones_squeeze_in_beside_it():
+    scheduler = _budgeted(_linear_cost(5e-4))
+    scheduler.enqueue([_prompt(1, 3000), _prompt(2, 3000), _prompt(3, 20), _prompt(4, 30)])
+    first = scheduler.schedule(BatchView(rows=2, first_tokens_due=False))
+    # 1 starts; 2 is long and waits for 1; 3 finishes within half the step beside 1; 4 would
+    # leave the long prompt less than half the step
+    assert [a.request.ticket for a in first.admits] == [1, 3]
+    later = scheduler.schedule(BatchView(3, False, (PrefillRow(2900, 100),)))
+    assert [a.request.ticket for a in later.admits] == [4]
+    assert scheduler.waiting == 1  # 2 waits until 1 is through
+
+
+def test_idle_prompts_arriving_together_start_a_few_at_a_time_oldest_first():
+    scheduler = _budgeted()
+    scheduler.enqueue([_prompt(t, 1000) for t in range(1, 9)])
+    choice = scheduler.schedule(BatchView(rows=0, first_tokens_due=False))
+    assert [a.request.ticket for a in choice.admits] == [1, 2]  # 2 x 1000 fit a 2048 chunk
+    assert choice.chunk == 999
+
+
+def test_chunks_and_joining_rules():
+    assert chunk_for([], 500, 32) == 500
+    assert chunk_for([3000], 500, 32) == 500
+    assert chunk_for([3000, 10], 500, 32) == 250
+    assert chunk_for([5, 10], 500, 32) == 32  # at least the minimum
+    assert can_join([], 400, 500, 32)
+    assert can_join([3000], 200, 500, 32) and not can_join([3000], 300, 500, 32)
+    assert not can_join([3000, 10], 100, 500, 32)  # the long one would keep a third
+    assert can_join([10, 20], 100, 500, 32)  # all finish this step

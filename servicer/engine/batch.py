@@ -3,6 +3,7 @@ events each row produced (engine thread only)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -13,12 +14,34 @@ from mlx_lm.generate import BatchGenerator
 
 from ..faults import FaultPlan
 from ..handoff import handoff_due
-from ..messages import FINISH_ABORT, FINISH_STOP, FailureKind, RowEvent, RowFailure, StepOutput
+from ..messages import (
+    FINISH_ABORT,
+    FINISH_STOP,
+    FailureKind,
+    GenerationRequest,
+    RowEvent,
+    RowFailure,
+    StepOutput,
+)
+from .block_index import Node
 from .constraints import GrammarProcessor
 from .lockstep import LockstepBroken
-from .prefix_cache import PrefixCache
+from .prefill import PrefillRow, PrefillSample
+from .prefix_store import Hit, PrefixStore
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
+
+_DECODE_EWMA = 0.2  # weight of the newest decode-only step in `decode_step_s`
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What one step did besides its events."""
+
+    due: bool  # some handler needs the output now
+    prefill: PrefillSample | None  # the step's prefill, measured, if it had any
+    prefill_tokens: int = 0  # prompt tokens it put through the model
+
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +52,14 @@ class Row:
 
     admit: Admit
     uid: int
+    prefill_left: int = 0  # prompt tokens not yet through the model (the last one included)
+    context: int = 0  # tokens in its cache
     generated: int = 0
     handed: int = 0  # tokens handed to the handlers so far
     unsent: int = 0  # events produced since the last hand-off
     prefilled: bool = False  # its prompt is in; its first token comes with the next step
     grammar: GrammarProcessor | None = None  # its structured-output processor, if any
+    blocks: tuple[Node, ...] = ()  # the prefix blocks it reused, pinned while it runs
 
     @property
     def ticket(self) -> int:
@@ -56,7 +82,7 @@ class Batch:
         self,
         new_generator: Callable[[], BatchGenerator],
         sampling: SamplingFactory,
-        prefix: PrefixCache | None,
+        prefix: PrefixStore | None,
         on_leave: Callable[[Admit], None],
         faults: FaultPlan | None = None,
         wants_logprobs: bool = True,
@@ -70,6 +96,7 @@ class Batch:
         self._wants_logprobs = wants_logprobs  # only rank 0 sends them anywhere
         self._errors = ErrorLog()
         self.rows: dict[int, Row] = {}
+        self.decode_step_s = 0.0  # a recent step without prefill, smoothed
         self.steps = 0
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
 
@@ -78,17 +105,25 @@ class Batch:
         return self._generator
 
     def view(self) -> BatchView:
-        due = any(row.prefilled and not row.generated for row in self.rows.values())
-        return BatchView(rows=len(self.rows), first_tokens_due=due)
+        rows = self.rows.values()
+        due = any(row.prefilled and not row.generated for row in rows)
+        prefilling = tuple(
+            PrefillRow(row.prefill_left - 1, row.context) for row in rows if row.prefill_left > 1
+        )
+        return BatchView(len(self.rows), due, prefilling, self.decode_step_s)
+
+    def set_chunk(self, tokens: int) -> None:
+        """Prompt tokens per row the next step prefills (mlx-lm reads it at every step)."""
+        self._generator.prefill_step_size = tokens
 
     def tickets(self) -> set[int]:
         return {row.ticket for row in self.rows.values()}
 
-    def lookup(self, prompt: list[int]) -> tuple[list[Any] | None, int]:
-        """The longest reusable prefix's cache (a private copy) and its length."""
+    def lookup(self, request: GenerationRequest, from_disk: bool = False) -> Hit | None:
+        """A private cache for the longest reusable prefix, or None."""
         if self._prefix is None:
-            return None, 0
-        return self._prefix.lookup(prompt)
+            return None
+        return self._prefix.fetch(request, from_disk)
 
     # ----- applying a plan -----
 
@@ -100,40 +135,92 @@ class Batch:
             self._drop(row)
             out.events.append(RowEvent(row.ticket, None, FINISH_ABORT))
 
-    def insert(self, admits: list[Admit], caches: list[list[Any] | None]) -> None:
+    def insert(self, admits: list[Admit], hits: list[Hit | None]) -> None:
         requests = [admit.request for admit in admits]
         sampling = self._sampling
         chains = [sampling.processors(r) for r in requests]
-        uids = self._generator.insert(
-            [a.request.prompt[a.cached_tokens :] for a in admits],
+        uids = self._generator.insert_segments(
+            [self._segments(a.request, a.cached_tokens) for a in admits],
             max_tokens=[r.max_tokens for r in requests],
-            caches=caches,
+            caches=[hit.cache if hit is not None else None for hit in hits],
             all_tokens=[a.request.prompt[: a.cached_tokens] for a in admits],
             samplers=[sampling.sampler(r.sampling) for r in requests],
             logits_processors=chains,
             stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
         )
-        for uid, admit, chain in zip(uids, admits, chains, strict=True):
+        for uid, admit, chain, hit in zip(uids, admits, chains, hits, strict=True):
             grammar = next((p for p in chain if isinstance(p, GrammarProcessor)), None)
-            self.rows[uid] = Row(admit, uid, grammar=grammar)
+            left = len(admit.request.prompt) - admit.cached_tokens
+            blocks = hit.nodes if hit is not None else ()
+            row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, blocks=blocks)
+            self.rows[uid] = row
+
+    def _segments(self, request: GenerationRequest, cached: int) -> list[list[int]]:
+        """The prompt past its reused prefix, cut where the prefix store wants a snapshot."""
+        prompt = request.prompt
+        points = self._prefix.snapshot_points(request, cached) if self._prefix else []
+        cuts = [cached, *points, len(prompt)]
+        return [prompt[a:b] for a, b in itertools.pairwise(cuts) if b > a]
 
     def _drop(self, row: Row) -> None:
         del self.rows[row.uid]
+        if row.blocks and self._prefix is not None:
+            self._prefix.release(row.blocks)
         self._on_leave(row.admit)
 
     # ----- stepping -----
 
-    def step(self, out: StepOutput) -> bool:
-        """One generator step; its events go to `out`. True when some handler needs them."""
+    def step(self, out: StepOutput) -> StepReport:
+        """One generator step; its events go to `out`."""
         self.steps += 1
         if self._faults is not None:
             self._faults.before_step(self.steps)
-        prompt_progress, responses = self._generator.next()
+        rows = self.rows
+        if not any(row.prefill_left > 1 for row in rows.values()):
+            started = time.perf_counter()
+            prompt_progress, responses = self._generator.next()
+            elapsed = time.perf_counter() - started
+            self.decode_step_s += _DECODE_EWMA * (elapsed - self.decode_step_s)
+            self._track_prefill(prompt_progress)
+            return StepReport(self._collect(responses, out), None)
+        before = {uid: (row.context, row.prefill_left) for uid, row in rows.items()}
+        with self._generator.stats() as stats:
+            prompt_progress, responses = self._generator.next()
+        self._track_prefill(prompt_progress)
+        sample = self._prefill_sample(before, stats.prompt_time)
+        return StepReport(self._collect(responses, out), sample, stats.prompt_tokens)
+
+    def _track_prefill(self, prompt_progress: list[Any]) -> None:
         for progress in prompt_progress:
-            if progress.end_of_prompt and (row := self.rows.get(progress.uid)) is not None:
-                row.prefilled = True
+            row = self.rows.get(progress.uid)
+            if row is None:
+                continue
+            if progress.end_of_prompt:
+                row.prefilled, row.prefill_left = True, 0
+            else:
+                done, total = progress.progress
+                row.prefill_left = total - done
+                row.context = row.admit.cached_tokens + done
         if self._prefix is not None:
             self._snapshot_prefills(prompt_progress)
+
+    def _prefill_sample(
+        self, before: dict[int, tuple[int, int]], seconds: float
+    ) -> PrefillSample | None:
+        """The step's prefill as a cost sample: every row in prefill is padded to the longest
+        chunk, and the context is the longest one's."""
+        chunks = [
+            (left - row.prefill_left, context)
+            for uid, (context, left) in before.items()
+            if (row := self.rows.get(uid)) is not None and left > max(row.prefill_left, 1)
+        ]
+        if not chunks:
+            return None
+        chunk = max(n for n, _ in chunks)
+        return PrefillSample(len(chunks), chunk, max(c for _, c in chunks), seconds)
+
+    def _collect(self, responses: list[Any], out: StepOutput) -> bool:
+        """The step's tokens as events in `out`; True when some handler needs them now."""
         due, broken, wanted = False, [], []
         for response in responses:
             row = self.rows.get(response.uid)
@@ -181,15 +268,16 @@ class Batch:
     def _finish(self, row: Row, response: Any) -> None:
         self._drop(row)
         if self._prefix is not None and response.prompt_cache is not None:
-            self._prefix.store(response.all_tokens, response.prompt_cache)
+            self._prefix.keep(response.all_tokens, response.prompt_cache, snapshot=True)
 
     def _snapshot_prefills(self, progress: list[Any]) -> None:
-        """Keep the state of prompts whose prefill just reached their last token."""
+        """Keep the blocks of prompts whose prefill just reached a snapshot point or their last
+        token."""
         assert self._prefix is not None
         done = [p.uid for p in progress if p.end_of_segment and not p.end_of_prompt]
         if done:
             for cache, tokens in self._generator.extract_cache(done).values():
-                self._prefix.store(tokens, cache)
+                self._prefix.keep(tokens, cache, snapshot=True)
 
     def handed_over(self) -> None:
         """Every row's events so far went to the handlers."""

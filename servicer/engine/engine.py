@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -27,7 +27,8 @@ from ..messages import (
 from .batch import Batch, check_same_prefix
 from .inbox import Inbox
 from .lockstep import LockstepBroken
-from .prefix_cache import PrefixCache
+from .prefill import PrefillPolicy
+from .prefix_store import Hit, PrefixStore
 from .provider import EngineConfig, EngineParts, build_parts, new_generator, warm_up
 from .scheduler import Admit, Plan, Scheduler
 
@@ -61,7 +62,7 @@ class Engine:
         self._batch: Batch | None = None
         self._lockstep = config.lockstep
         self._leads = self._lockstep is None or self._lockstep.leads
-        self._fetched: dict[int, list[Any] | None] = {}  # prefixes rank 0 found while planning
+        self._fetched: dict[int, Hit | None] = {}  # prefixes rank 0 found while planning
         self.failure: str | None = None  # why the engine thread ended, when it failed
 
     # ----- called from any thread -----
@@ -102,7 +103,7 @@ class Engine:
         return self._parts.sampling.check_grammar
 
     @property
-    def prefix_cache(self) -> PrefixCache | None:
+    def prefix_cache(self) -> PrefixStore | None:
         return self._parts.prefix if self._parts is not None else None
 
     def submit(self, request: GenerationRequest) -> None:
@@ -151,6 +152,8 @@ class Engine:
             finally:
                 assert self._batch is not None
                 self._batch.close()
+                if self.prefix_cache is not None:
+                    self.prefix_cache.close()
 
     def _start_up(self, stream: mx.Stream) -> None:
         assert self._info is not None
@@ -167,7 +170,19 @@ class Engine:
         if config.warmup:
             warm_up(batch.generator, self._info.bos_token_id or 0)
         self._parts, self._batch = parts, batch
-        self._scheduler = Scheduler(parts.admission)
+        policy = PrefillPolicy(
+            max_stall_s=config.max_prefill_stall_ms / 1000,
+            step_tokens=config.prefill_step_size,
+            max_rows=config.prefill_batch_size,
+        )
+        store = parts.prefix
+        self._scheduler = Scheduler(
+            parts.admission,
+            policy,
+            reusable=(lambda r: store.match(r).length) if store is not None else lambda r: 0,
+            ready=store.ready if store is not None else lambda r: True,
+            max_rows=config.completion_batch_size,
+        )
 
     def _left(self, admit: Admit) -> None:
         assert self._scheduler is not None
@@ -188,7 +203,7 @@ class Engine:
             try:
                 self._apply(plan, out)
                 if batch.rows:
-                    due = batch.step(out)
+                    due = self._step(batch, out)
                     out.step_seconds.append(time.perf_counter() - started)
             except Exception as exc:
                 if self._lockstep is not None:
@@ -198,6 +213,21 @@ class Engine:
             if self._lockstep is not None:
                 self._lockstep.progress()
             self._send(out, due)
+
+    def _step(self, batch: Batch, out: StepOutput) -> bool:
+        """One step; what it prefilled teaches the scheduler's cost model (rank 0 plans)."""
+        decoding = batch.view().decoding
+        report = batch.step(out)
+        if report.prefill_tokens:
+            out.prefill_tokens.append(report.prefill_tokens)
+        sample = report.prefill
+        if sample is not None and self._leads:
+            assert self._scheduler is not None
+            self._scheduler.observe(sample)
+            budget = self.config.max_prefill_stall_ms / 1000
+            if decoding and budget > 0 and sample.seconds > budget:
+                out.over_budget += 1
+        return report.due
 
     def _send(self, out: StepOutput, due: bool) -> None:
         """Hand the output over; the loop wakes only once some handler needs it (a first
@@ -234,16 +264,26 @@ class Engine:
             timeout_s=lockstep.heartbeat_s if lockstep is not None else None,
         )
         scheduler.enqueue(take.requests)
+        store = self.prefix_cache
+        if store is not None:
+            out.disk_load_seconds.extend(store.collect())
         plan = Plan(stop=take.stopping, check=batch.check)
         if take.aborts:  # requests not admitted yet end here; admitted rows end on every rank
             for ticket in scheduler.withdraw(take.aborts):
                 out.events.append(RowEvent(ticket, None, FINISH_ABORT))
+                if store is not None:
+                    store.forget(ticket)
             plan.aborts = sorted(take.aborts & batch.tickets())
         if plan.stop:
             return plan
-        for admit in scheduler.admit(batch.view()):
-            cache, cached = batch.lookup(admit.request.prompt)
-            self._fetched[admit.request.ticket] = cache
+        choice = scheduler.schedule(batch.view())
+        plan.chunk = choice.chunk
+        for admit in choice.admits:
+            ticket = admit.request.ticket
+            from_disk = store.admitted(ticket) if store is not None else False
+            hit = batch.lookup(admit.request, from_disk)
+            self._fetched[ticket] = hit
+            cached = hit.length if hit is not None else 0
             plan.admits.append(Admit(admit.request, admit.reserved, cached))
         return plan
 
@@ -251,19 +291,20 @@ class Engine:
         """Remove aborted rows and insert admitted requests: the same on every rank."""
         batch = self._batch
         assert batch is not None
+        batch.set_chunk(plan.chunk)
         if plan.aborts:
             batch.remove(plan.aborts, out)
         if not plan.admits:
             return
-        caches = []
+        hits = []
         for admit in plan.admits:
             if self._leads:
-                cache = self._fetched.pop(admit.request.ticket)
+                hit = self._fetched.pop(admit.request.ticket)
             else:
-                cache, cached = batch.lookup(admit.request.prompt)
-                check_same_prefix(cached, admit.cached_tokens)
-            caches.append(cache)
-        batch.insert(plan.admits, caches)
+                hit = batch.lookup(admit.request)
+                check_same_prefix(hit.length if hit is not None else 0, admit.cached_tokens)
+            hits.append(hit)
+        batch.insert(plan.admits, hits)
 
     def _end_all(self, out: StepOutput) -> None:
         assert self._batch is not None and self._scheduler is not None

@@ -11,12 +11,13 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from ..faults import FaultPlan
-from ..messages import Admission, ModelInfo
+from ..messages import Admission, MemoryModel, ModelInfo
 from .constraints import GrammarFactory
+from .disk_tier import DiskTier, model_identity
 from .lockstep import Lockstep
 from .memory import device_memory_bytes, measure, weights_bytes
 from .model import LoadedModel, load_model, log_blas_hint
-from .prefix_cache import PrefixCache
+from .prefix_store import CacheLayout, PrefixStore
 from .sampling import SamplingFactory
 
 
@@ -26,15 +27,23 @@ class EngineConfig:
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 2048
+    # While rows decode, a step prefills only what fits this stall (0: full chunks always).
+    max_prefill_stall_ms: float = 50.0
     # A burst that is still arriving while nothing generates is admitted together:
     # wait while new requests keep coming `coalesce_quiet_s` apart, at most `coalesce_max_s`.
     coalesce_quiet_s: float = 0.002
     coalesce_max_s: float = 0.010
     warmup: bool = True
-    # Prompt-prefix reuse: entries kept, and their bytes (None: a quarter of max_kv_memory,
-    # at most 1 GiB). 0 entries turns it off.
-    prompt_cache_size: int = 64
+    # Prompt-prefix reuse: blocks kept in RAM, and their bytes (None: a quarter of
+    # max_kv_memory, at most 1 GiB). 0 blocks turns it off.
+    prompt_cache_size: int = 65536
     prompt_cache_bytes: int | None = None
+    prompt_cache_block: int = 256  # tokens per block
+    # Tokens between snapshots of recurrent and sliding-window state (None: chosen from the
+    # model so that they take at most about a quarter of a prompt's KV bytes).
+    prompt_cache_snapshot_interval: int | None = None
+    prompt_cache_dir: str | None = None  # the disk tier's directory (None: no disk tier)
+    prompt_cache_disk_bytes: int = 32 << 30
     # KV and recurrent state the running requests may reserve (None: half the device's
     # memory less the weights). A request that cannot fit alone is refused; one that cannot
     # fit beside the others waits.
@@ -53,7 +62,7 @@ class EngineParts:
     loaded: LoadedModel
     sampling: SamplingFactory
     admission: Admission
-    prefix: PrefixCache | None
+    prefix: PrefixStore | None
     has_thinking: bool
 
 
@@ -84,7 +93,7 @@ def build_parts(config: EngineConfig, info: ModelInfo) -> EngineParts:
         loaded,
         sampling,
         admission,
-        _prefix_cache(config, admission),
+        _prefix_store(config, admission, loaded, info),
         bool(tokenizer.think_start_tokens and tokenizer.think_end_tokens),
     )
 
@@ -96,15 +105,48 @@ def _admission(config: EngineConfig, loaded: LoadedModel) -> Admission:
     return Admission(measure(loaded.model), limit)
 
 
-def _prefix_cache(config: EngineConfig, admission: Admission) -> PrefixCache | None:
+def _prefix_store(
+    config: EngineConfig, admission: Admission, loaded: LoadedModel, info: ModelInfo
+) -> PrefixStore | None:
     if config.prompt_cache_size <= 0:
         return None
     max_bytes = config.prompt_cache_bytes
+    shared = config.lockstep is not None
     if max_bytes is None:
         # Ranks must evict alike, so a distributed engine does not size it per machine.
-        shared = config.lockstep is not None
         max_bytes = 1 << 30 if shared else min(admission.limit_bytes // 4, 1 << 30)
-    return PrefixCache(config.prompt_cache_size, max_bytes)
+    layout = CacheLayout.of(loaded.model)
+    block = config.prompt_cache_block
+    interval = config.prompt_cache_snapshot_interval
+    if interval is None:
+        interval = snapshot_interval(admission.memory, block)
+    disk = None
+    if config.prompt_cache_dir is not None and not shared:  # ranks cannot share disk timing
+        model_dir = Path(info.model_dir)
+        model_id = model_identity(model_dir, config.adapter_path, block)
+        disk = DiskTier(
+            Path(config.prompt_cache_dir),
+            model_id,
+            config.prompt_cache_disk_bytes,
+            faults=config.faults,
+        )
+        disk.open()
+    return PrefixStore(layout, block, interval, max_bytes, config.prompt_cache_size, disk)
+
+
+SNAPSHOT_SHARE = 0.25  # snapshots may add at most this share to a long prompt's KV bytes
+
+
+def snapshot_interval(memory: MemoryModel, block: int) -> int:
+    """Tokens between snapshots: one snapshot (the model's uncuttable state) costs at most
+    SNAPSHOT_SHARE of the KV bytes of the tokens between two of them."""
+    per_token = sum(bytes_ for bytes_, window in memory.per_token if window is None)
+    if memory.fixed_bytes == 0 and not any(window for _, window in memory.per_token):
+        return block  # nothing uncuttable: no snapshots are taken anyway
+    windows = sum(bytes_ * window for bytes_, window in memory.per_token if window)
+    snapshot = memory.fixed_bytes + windows
+    tokens = snapshot / (SNAPSHOT_SHARE * max(per_token, 1))
+    return max(block, -(-int(tokens) // block) * block)
 
 
 def new_generator(config: EngineConfig, parts: EngineParts, stream: mx.Stream) -> BatchGenerator:

@@ -1,15 +1,29 @@
-"""Which waiting requests join the batch at each step: the waiting line, the memory they
-reserve, and when admitting would hold back a first token. Pure policy over plain data (no
-MLX), decided on rank 0 and shared with the other ranks as a `Plan`.
+"""Which waiting requests join the batch at each step, and how much prompt the step prefills:
+the waiting line, the memory requests reserve, and the prefill budget. Pure policy over plain
+data (no MLX), decided on rank 0 and shared with the other ranks as a `Plan`.
+
+Order: the oldest waiting prompt starts its prefill as soon as no other prompt is in prefill;
+a prompt that can finish within its share of the step (a short one, or a prefix hit) may
+start beside others, as long as a long one keeps at least half of the step. While rows
+decode, a step prefills only what its learned cost says fits `max_stall_s`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..messages import Admission, GenerationRequest
+from .prefill import (
+    PrefillCost,
+    PrefillPolicy,
+    PrefillRow,
+    PrefillSample,
+    can_join,
+    chunk_for,
+    step_capacity,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +39,7 @@ class Plan:
 
     aborts: list[int] = field(default_factory=list)  # tickets of admitted rows to remove
     admits: list[Admit] = field(default_factory=list)
+    chunk: int = 2048  # prompt tokens per row this step prefills (mlx-lm's prefill_step_size)
     stop: bool = False
     check: int = 0  # what the previous step produced, so the ranks can compare notes
 
@@ -35,6 +50,19 @@ class BatchView:
 
     rows: int  # requests in the batch (prefilling or decoding)
     first_tokens_due: bool  # some row finished its prefill; its first token comes next step
+    prefilling: tuple[PrefillRow, ...] = ()  # rows with prompt chunks still to process
+    decode_step_s: float = 0.0  # how long a step without prefill takes lately
+
+    @property
+    def decoding(self) -> bool:
+        """Some row gets tokens from the coming step, which its prefill would hold up."""
+        return self.rows > len(self.prefilling)
+
+
+@dataclass(frozen=True, slots=True)
+class StepChoice:
+    admits: list[Admit]
+    chunk: int
 
 
 class Scheduler:
@@ -44,10 +72,25 @@ class Scheduler:
     never fit was refused before it got here.
     """
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        policy: PrefillPolicy | None = None,
+        reusable: Callable[[GenerationRequest], int] = lambda request: 0,
+        ready: Callable[[GenerationRequest], bool] = lambda request: True,
+        max_rows: int = 32,
+    ) -> None:
+        """`reusable(request)`: how many prompt tokens a cached prefix would cover (a cheap
+        estimate); `ready(request)`: False while its prefix is still being read from disk
+        (it waits; the others go ahead); `max_rows`: the most requests in the batch at once."""
         self._admission = admission
+        self._policy = policy or PrefillPolicy(max_stall_s=0)
+        self._reusable = reusable
+        self._ready = ready
+        self._max_rows = max_rows
         self._waiting: deque[GenerationRequest] = deque()
         self._reserved = 0
+        self.cost = PrefillCost()
 
     @property
     def waiting(self) -> int:
@@ -67,21 +110,55 @@ class Scheduler:
             self._waiting = deque(r for r in self._waiting if r.ticket not in tickets)
         return found
 
-    def admit(self, batch: BatchView) -> list[Admit]:
-        """The waiting requests that join the batch now, oldest first, with their memory
-        reserved. None while a first token is due: mlx-lm returns a step's tokens only after
-        that step's prefill work, so a new prompt now would hold that token back."""
+    def schedule(self, batch: BatchView) -> StepChoice:
+        """The waiting requests that join the batch now, with their memory reserved, and the
+        step's prefill chunk."""
+        policy = self._policy
+        if not policy.budgeted:
+            return StepChoice(self._admit_all(batch), policy.step_tokens)
+        context = max((row.context for row in batch.prefilling), default=0)
+        capacity = step_capacity(policy, self.cost, batch.decoding, context, batch.decode_step_s)
+        rows = [row.remaining for row in batch.prefilling]
+        admits: list[Admit] = []
+        for request in list(self._waiting):
+            if len(rows) >= policy.max_rows or batch.rows + len(admits) >= self._max_rows:
+                break
+            need = self._admission.estimate(request)
+            if (batch.rows or admits) and self._reserved + need > self._admission.limit_bytes:
+                break  # it waits for running requests to finish; so do the ones behind it
+            if not self._ready(request):
+                continue
+            remaining = max(1, len(request.prompt) - self._reusable(request)) - 1
+            if rows and not can_join(rows, remaining, capacity, policy.min_chunk):
+                continue  # too long to start beside the prompts in prefill now
+            self._waiting.remove(request)
+            self._reserved += need
+            admits.append(Admit(request, need))
+            rows.append(remaining)
+        return StepChoice(admits, chunk_for([r for r in rows if r > 0], capacity, policy.min_chunk))
+
+    def _admit_all(self, batch: BatchView) -> list[Admit]:
+        """No prefill budget: every waiting request that fits in memory, oldest first. None
+        while a first token is due: mlx-lm returns a step's tokens only after that step's
+        prefill work, so a new prompt now would hold that token back."""
         if batch.first_tokens_due:
             return []
         admits: list[Admit] = []
         limit = self._admission.limit_bytes
-        while self._waiting:
-            need = self._admission.estimate(self._waiting[0])
+        for request in list(self._waiting):
+            if not self._ready(request):
+                continue
+            need = self._admission.estimate(request)
             if (batch.rows or admits) and self._reserved + need > limit:
                 break  # it waits for running requests to finish
+            self._waiting.remove(request)
             self._reserved += need
-            admits.append(Admit(self._waiting.popleft(), need))
+            admits.append(Admit(request, need))
         return admits
+
+    def observe(self, sample: PrefillSample) -> None:
+        """A step's measured prefill: the cost model learns from it."""
+        self.cost.observe(sample)
 
     def release(self, reserved: int) -> None:
         """An admitted request left the batch."""

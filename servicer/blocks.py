@@ -1,0 +1,29 @@
+"""Prompt blocks for prefix reuse: fixed-size token blocks named by a chained hash, so that
+identical prefixes have identical names whichever request made them. Pure (no MLX); the
+handler side names a request's blocks, the engine's prefix store keeps them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+KEY_BYTES = 16
+ROOT = b"\0" * KEY_BYTES  # the empty prefix
+
+
+def block_key(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """A block's name: its tokens and everything before it (through `parent`'s name)."""
+    digest = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+    digest.update(array("i", tokens).tobytes())
+    return digest.digest()
+
+
+def block_keys(tokens: list[int], block_size: int) -> tuple[bytes, ...]:
+    """The names of the full blocks of `tokens`, in order."""
+    keys = []
+    parent = ROOT
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_key(parent, tokens[start : start + block_size])
+        keys.append(parent)
+    return tuple(keys)

@@ -1,0 +1,254 @@
+"""The prefix store's index: a tree of token blocks, each held in RAM, on disk, or both, with
+pins, least-recently-used order and the rule for the longest reusable prefix. Pure (no MLX):
+what a block holds is opaque here.
+
+A full block has `block_size` tokens; a tail (the end of a prompt or of an output) has fewer
+and is always a leaf. Attention state (`kv`) can be cut anywhere, so a model whose layers are
+all attention reuses any prefix the blocks cover. State that cannot be cut (recurrent layers,
+sliding windows) is kept only at some block ends (`snapshot`), and a model with such layers
+reuses only prefixes that end at one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..blocks import ROOT, block_key
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    key: bytes
+    parent: Node | None
+    tokens: tuple[int, ...]
+    start: int  # position of its first token
+    snapshot: bool  # the uncuttable state at its end is kept too
+    ram: Any = None  # what the RAM tier holds for it
+    ram_bytes: int = 0
+    disk: Any = None  # what the disk tier knows of its file
+    disk_bytes: int = 0
+    pins: int = 0
+    children: dict[bytes, Node] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def chain(self) -> list[Node]:
+        """This node and its ancestors, root first."""
+        nodes: list[Node] = []
+        node: Node | None = self
+        while node is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes[::-1]
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The longest reusable prefix of a prompt: the blocks it takes, in order (the last may
+    be used only in part), and how many prompt tokens they cover."""
+
+    nodes: tuple[Node, ...] = ()
+    length: int = 0
+
+    @property
+    def on_disk(self) -> list[Node]:
+        return [node for node in self.nodes if node.ram is None]
+
+
+class BlockIndex:
+    """Every block either tier holds, by key; the RAM tier's blocks in least-recently-used
+    order."""
+
+    def __init__(self, block_size: int, cuttable: bool) -> None:
+        self.block_size = block_size
+        self.cuttable = cuttable  # every layer's state can be cut at any token
+        self._nodes: dict[bytes, Node] = {}
+        self._roots: dict[bytes, Node] = {}
+        self._ram: OrderedDict[bytes, Node] = OrderedDict()
+        self.ram_bytes = 0
+        self.disk_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._nodes
+
+    def get(self, key: bytes) -> Node | None:
+        return self._nodes.get(key)
+
+    @property
+    def ram_blocks(self) -> int:
+        return len(self._ram)
+
+    @property
+    def disk_blocks(self) -> int:
+        return sum(1 for node in self._nodes.values() if node.disk is not None)
+
+    def ram_nodes(self) -> list[Node]:
+        """The RAM tier's blocks, parents before children."""
+        return sorted(self._ram.values(), key=lambda node: node.start)
+
+    def pinned(self) -> tuple[int, int]:
+        """(blocks, RAM bytes) pinned by running requests."""
+        nodes = [node for node in self._nodes.values() if node.pins]
+        return len(nodes), sum(node.ram_bytes for node in nodes)
+
+    # ----- finding -----
+
+    def match(self, prompt: list[int], keys: tuple[bytes, ...]) -> Match:
+        """The longest prefix of `prompt` that can be reused, at most all but its last token
+        (which must go through the model to give the first new token). `keys` are the names
+        of the prompt's full blocks."""
+        limit = len(prompt) - 1
+        path: list[Node] = []
+        children = self._roots
+        for key in keys:
+            node = children.get(key)
+            if node is None or node.end > limit + (1 if self.cuttable else 0):
+                break
+            path.append(node)
+            children = node.children
+        best = Match()
+        for depth in range(len(path) + 1):
+            chain = tuple(path[:depth])
+            end = chain[-1].end if chain else 0
+            if depth and (self.cuttable or chain[-1].snapshot):
+                best = max(best, Match(chain, min(end, limit)), key=lambda m: m.length)
+            parent = chain[-1].children if chain else self._roots
+            tail = self._best_tail(parent.values(), prompt, end, limit)
+            if tail is not None and tail[1] > best.length:
+                best = Match((*chain, tail[0]), tail[1])
+        return best
+
+    def _best_tail(
+        self, candidates: Any, prompt: list[int], start: int, limit: int
+    ) -> tuple[Node, int] | None:
+        """A block hanging off the matched path that covers more of the prompt: any common
+        prefix when state can be cut, else a tail matched whole with its snapshot."""
+        best: tuple[Node, int] | None = None
+        for node in candidates:
+            tokens = node.tokens
+            if self.cuttable:
+                shared = _common(tokens, prompt, start)
+            elif node.snapshot and len(tokens) < self.block_size:
+                shared = len(tokens) if _common(tokens, prompt, start) == len(tokens) else 0
+            else:
+                continue
+            end = min(start + shared, limit)
+            if shared and end > start and (best is None or end > best[1]):
+                best = (node, end)
+        return best
+
+    # ----- changing -----
+
+    def add(
+        self, parent: Node | None, tokens: tuple[int, ...], snapshot: bool, key: bytes | None = None
+    ) -> Node:
+        """The node for `tokens` under `parent` (made if new; a snapshot only adds)."""
+        key = key or block_key(parent.key if parent is not None else ROOT, tokens)
+        node = self._nodes.get(key)
+        if node is None:
+            start = parent.end if parent is not None else 0
+            node = Node(key, parent, tokens, start, snapshot)
+            self._nodes[key] = node
+            (parent.children if parent is not None else self._roots)[key] = node
+        return node
+
+    def set_ram(self, node: Node, payload: Any, nbytes: int, snapshot: bool) -> None:
+        if node.ram is not None:
+            self.ram_bytes -= node.ram_bytes
+        node.ram, node.ram_bytes = payload, nbytes
+        node.snapshot = node.snapshot or snapshot
+        self.ram_bytes += nbytes
+        self._ram[node.key] = node
+        self._ram.move_to_end(node.key)
+
+    def drop_ram(self, node: Node, keep: bool = False) -> None:
+        """Out of RAM; out of the index too unless it is on disk or `keep` (on its way)."""
+        if node.ram is None:
+            return
+        self.ram_bytes -= node.ram_bytes
+        node.ram, node.ram_bytes = None, 0
+        self._ram.pop(node.key, None)
+        if node.disk is None and not keep:
+            self.remove(node)
+
+    def set_disk(self, node: Node, entry: Any, nbytes: int) -> None:
+        if node.disk is not None:
+            self.disk_bytes -= node.disk_bytes
+        node.disk, node.disk_bytes = entry, nbytes
+        self.disk_bytes += nbytes
+
+    def drop_disk(self, node: Node) -> Any:
+        entry = node.disk
+        if entry is not None:
+            self.disk_bytes -= node.disk_bytes
+            node.disk, node.disk_bytes = None, 0
+            if node.ram is None:
+                self.remove(node)
+        return entry
+
+    def remove(self, node: Node) -> list[Node]:
+        """Take `node` and everything under it out of the index; returns them, deepest first."""
+        gone = list(self._subtree(node))
+        for each in gone:
+            self._nodes.pop(each.key, None)
+            if each.ram is not None:
+                self.ram_bytes -= each.ram_bytes
+                self._ram.pop(each.key, None)
+            if each.disk is not None:
+                self.disk_bytes -= each.disk_bytes
+        siblings = node.parent.children if node.parent is not None else self._roots
+        siblings.pop(node.key, None)
+        return gone
+
+    def _subtree(self, node: Node) -> Iterator[Node]:
+        for child in list(node.children.values()):
+            yield from self._subtree(child)
+        yield node
+
+    def touch(self, nodes: tuple[Node, ...] | list[Node]) -> None:
+        """Used now: the deepest last, so it is the last of them to leave."""
+        for node in nodes:
+            if node.ram is not None:
+                self._ram.move_to_end(node.key)
+
+    def pin(self, nodes: tuple[Node, ...]) -> None:
+        for node in nodes:
+            node.pins += 1
+
+    def unpin(self, nodes: tuple[Node, ...]) -> None:
+        for node in nodes:
+            node.pins = max(0, node.pins - 1)
+
+    # ----- leaving -----
+
+    def ram_victim(self) -> Node | None:
+        """The least recently used RAM block that nothing pins and no RAM block hangs off."""
+        for node in self._ram.values():
+            if node.pins == 0 and not any(c.ram is not None for c in node.children.values()):
+                return node
+        return None
+
+    def disk_victim(self) -> Node | None:
+        """A disk-only block with nothing under it, least recently used first (RAM order
+        says nothing about these; the oldest-added go first)."""
+        for node in self._nodes.values():
+            if node.disk is not None and node.ram is None and node.pins == 0 and not node.children:
+                return node
+        return None
+
+
+def _common(tokens: tuple[int, ...], prompt: list[int], start: int) -> int:
+    count = 0
+    for a, b in zip(tokens, prompt[start : start + len(tokens)], strict=False):
+        if a != b:
+            break
+        count += 1
+    return count

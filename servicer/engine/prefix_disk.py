@@ -1,0 +1,207 @@
+"""Between the prefix store's RAM tier and its disk tier (engine thread): blocks leaving RAM
+are written out, blocks a waiting request needs are read back, files a previous run left are
+indexed, and what the disk threads finished is taken in at each step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as mlx_cache
+
+from ..blocks import ROOT, block_key
+from ..messages import GenerationRequest
+from .block_data import BlockData, arrays_of
+from .block_index import BlockIndex, Match, Node
+from .disk_tier import _DTYPES, BlockFile, Completion, DiskEntry, DiskTier
+
+LOAD_TIMEOUT_S = 10.0  # a request waits this long for its blocks from disk, at most
+
+
+class DiskLink:
+    def __init__(self, index: BlockIndex, disk: DiskTier) -> None:
+        self.index = index
+        self.disk = disk
+        self.load_seconds: list[float] = []  # disk loads finished since the last report
+        self._loading: dict[int, tuple[tuple[Node, ...], float]] = {}  # ticket -> blocks
+
+    def spill(self, node: Node, data: BlockData) -> None:
+        """A block leaving RAM: to disk, unless a copy is there already. The node stays in the
+        index (pinned) until the write is done; a write that cannot start drops it."""
+        if node.disk is not None:
+            return
+        if not self.disk.usable:
+            self.index.remove(node)
+            return
+        node.pins += 1
+        if not self._write(node, data):
+            node.pins -= 1
+            self.index.remove(node)
+
+    def index_files(self) -> None:
+        """Put the files a previous run left into the index (at startup)."""
+        disk = self.disk
+        for block, path, size in disk.scan():
+            parent = self.index.get(block.parent) if block.parent is not None else None
+            if block.parent is not None and parent is None:
+                disk.delete(DiskEntry(path))  # its parent is gone: nothing can reach it
+                continue
+            key = block_key(parent.key if parent is not None else ROOT, block.tokens)
+            if key != block.key:
+                disk.delete(DiskEntry(path))
+                continue
+            node = self.index.add(parent, block.tokens, block.snapshot, key)
+            self.index.set_disk(node, DiskEntry(path), size)
+        self._enforce_disk_budget()
+
+    def close(self, flush_s: float = 10.0) -> None:
+        """Shutdown: RAM blocks not on disk yet go there (within `flush_s`), so a worker
+        started on the same directory finds them."""
+        disk = self.disk
+        if disk.usable:
+            deadline = time.monotonic() + flush_s
+            for node in self.index.ram_nodes():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if node.disk is None:
+                    self._write(node, node.ram, wait_s=left)
+        disk.close(max(1.0, flush_s))
+
+    def _write(self, node: Node, data: BlockData, wait_s: float = 0.0) -> bool:
+        arrays: list[Any] = []
+        meta = {
+            "kv_layers": len(data.kv),
+            "states": {
+                str(layer): {"cls": type(state).__name__, "state": _flatten(state.state, arrays)}
+                for layer, state in (data.states or {}).items()
+            },
+        }
+        arrays = [a for pair in data.kv for a in pair] + arrays
+        meta["arrays"] = [
+            {"dtype": str(a.dtype).split(".")[-1], "shape": list(a.shape), "nbytes": a.nbytes}
+            for a in arrays
+        ]
+        parent = node.parent.key if node.parent is not None else None
+        block = BlockFile(node.key, parent, node.start, node.tokens, node.snapshot, meta)
+        try:
+            views = [memoryview(a) for a in arrays]
+        except Exception:  # a dtype the buffer protocol cannot show: RAM only
+            return False
+        return self.disk.write(block, views, wait_s)
+
+    def load(self, nodes: list[Node]) -> None:
+        """Read these blocks back from disk (off the engine thread); `collect` installs them."""
+        for node in nodes:
+            if node.disk is not None and node.ram is None:
+                node.pins += 1  # until it is in RAM or given up
+                self.disk.load(node.key, node.disk)
+
+    def collect(self) -> None:
+        """Take in what the disk threads finished: written files, and loaded blocks."""
+        for done in self.disk.completed():
+            node = self.index.get(done.key)
+            if done.kind in ("written", "write_failed"):
+                self._written(node, done)
+            elif node is not None:
+                node.pins = max(0, node.pins - 1)
+                if done.kind == "loaded" and done.block is not None and node.ram is None:
+                    data = _from_file(done.block)
+                    mx.eval(arrays_of(data))
+                    self.index.set_ram(node, data, data.nbytes, node.snapshot)
+                    self.load_seconds.append(done.seconds)
+                elif done.kind == "load_failed":
+                    self.index.drop_disk(node)
+        self._enforce_disk_budget()
+
+    def _written(self, node: Node | None, done: Completion) -> None:
+        if node is None:
+            if done.path is not None:
+                self.disk.delete(DiskEntry(done.path))  # dropped meanwhile
+            return
+        node.pins = max(0, node.pins - 1)
+        if done.kind == "written" and done.path is not None:
+            self.index.set_disk(node, DiskEntry(done.path), done.nbytes)
+        elif node.ram is None:
+            self.index.remove(node)
+
+    def _enforce_disk_budget(self) -> None:
+        disk = self.disk
+        while self.index.disk_bytes > disk.max_bytes:
+            node = self.index.disk_victim()
+            if node is None:
+                return
+            entry = self.index.drop_disk(node)
+            if entry is not None:
+                disk.delete(entry)
+
+    def take_load_seconds(self) -> list[float]:
+        seconds, self.load_seconds = self.load_seconds, []
+        return seconds
+
+    def ready(self, request: GenerationRequest, match: Callable[[], Match]) -> bool:
+        """Whether `request` may join the batch: its prefix is in RAM, or there is nothing
+        to load, or the load took too long (then it reuses what is in RAM). Starts the load
+        the first time."""
+        loading = self._loading.get(request.ticket)
+        if loading is None:
+            if not self.disk.usable:
+                return True
+            on_disk = match().on_disk
+            if not on_disk:
+                return True
+            self.load(on_disk)
+            self._loading[request.ticket] = (tuple(on_disk), time.monotonic())
+            return False
+        nodes, started = loading
+        waited = time.monotonic() - started
+        return all(node.ram is not None for node in nodes) or waited > LOAD_TIMEOUT_S
+
+    def admitted(self, ticket: int) -> bool:
+        """The request joins the batch now; True when blocks were loaded from disk for it."""
+        return self._loading.pop(ticket, None) is not None
+
+    def forget(self, ticket: int) -> None:
+        self._loading.pop(ticket, None)
+
+
+def _flatten(value: Any, arrays: list[Any]) -> Any:
+    """A cache layer's `state` as JSON, its arrays replaced by their place in `arrays`."""
+    if isinstance(value, mx.array):
+        arrays.append(value)
+        return {"array": len(arrays) - 1}
+    if isinstance(value, list | tuple):
+        return {"items": [_flatten(v, arrays) for v in value], "tuple": isinstance(value, tuple)}
+    if value is None or isinstance(value, int | float | bool | str):
+        return {"value": value}
+    raise TypeError(f"cannot keep a {type(value).__name__} on disk")
+
+
+def _unflatten(spec: Any, arrays: list[mx.array]) -> Any:
+    if "array" in spec:
+        return arrays[spec["array"]]
+    if "items" in spec:
+        items = [_unflatten(item, arrays) for item in spec["items"]]
+        return tuple(items) if spec["tuple"] else items
+    return spec["value"]
+
+
+def _from_file(block: BlockFile) -> BlockData:
+    """A loaded block file as a RAM block (on the engine thread: it makes MLX arrays)."""
+    meta = block.meta
+    arrays = []
+    for spec, raw in zip(meta["arrays"], block.arrays, strict=True):
+        array = mx.array(np.ascontiguousarray(raw))
+        view = _DTYPES[spec["dtype"]][1]
+        arrays.append(array.view(getattr(mx, view)) if view else array)
+    count = meta["kv_layers"]
+    kv = [(arrays[2 * i], arrays[2 * i + 1]) for i in range(count)]
+    rest = arrays[2 * count :]
+    states = {}
+    for layer, spec in meta["states"].items():
+        cls = getattr(mlx_cache, spec["cls"])
+        states[int(layer)] = cls.from_state(_unflatten(spec["state"], rest))
+    return BlockData(kv, states or None)
