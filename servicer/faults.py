@@ -82,6 +82,10 @@ class FaultPlan:
         if self.load_delay_s > 0:
             time.sleep(self.load_delay_s)
 
+    def before_disk_open(self) -> None:
+        if self.disk_read_only:
+            raise OSError(errno.EROFS, "Read-only file system (injected)")
+
     def before_disk_write(self) -> None:
         if self.disk_read_only:
             raise OSError(errno.EROFS, "Read-only file system (injected)")

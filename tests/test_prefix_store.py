@@ -4,6 +4,7 @@ hit equals a cold run. Blocks and snapshots every 256 tokens here."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 
 import pytest
@@ -27,7 +28,9 @@ def store_config(model_dir, **engine):
 
 
 def text_tokens(reference: Reference, tokens: int, salt: int = 0) -> list[int]:
-    text = " ".join(TEST_PROMPTS[(i * 3 + salt) % len(TEST_PROMPTS)] for i in range(700))
+    """`tokens` tokens of demo text; each salt gives another text."""
+    rng = random.Random(salt)
+    text = " ".join(rng.choice(TEST_PROMPTS) for _ in range(tokens))
     ids = reference.encode(text)
     assert len(ids) >= tokens
     return ids[:tokens]

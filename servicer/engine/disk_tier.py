@@ -214,7 +214,7 @@ class DiskTier:
         other failure leaves the tier unusable (every lookup on it a miss) and says why."""
         try:
             if self._faults is not None:
-                self._faults.before_disk_write()
+                self._faults.before_disk_open()
             self.dir.mkdir(parents=True, exist_ok=True)
             lock_path = self.dir / "lock"
             self._lock_file = open(lock_path, "a+")  # noqa: SIM115 (held for the process)
@@ -267,7 +267,7 @@ class DiskTier:
                 continue
             try:
                 block, size = read_header(path, self.model_id)
-            except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+            except Exception as exc:  # any file that cannot be read whole is a miss
                 self.counters.fault("corrupt")
                 self._log.warning("scan", "ignoring prompt cache file %s: %s", path.name, exc)
                 _unlink(path)
@@ -369,7 +369,7 @@ class DiskTier:
                 block = read_block(path, self.model_id)
                 if block.key != key:
                     raise ValueError("the file holds another block")
-            except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+            except Exception as exc:  # any file that cannot be read whole is a miss
                 self.counters.fault("corrupt" if isinstance(exc, ValueError) else "read")
                 self._log.warning("load", "prompt cache file %s unusable: %s", path.name, exc)
                 _unlink(path)

@@ -158,7 +158,8 @@ class DiskLink:
             return False
         nodes, started = loading
         waited = time.monotonic() - started
-        return all(node.ram is not None for node in nodes) or waited > LOAD_TIMEOUT_S
+        settled = all(node.ram is not None or node.disk is None for node in nodes)
+        return settled or waited > LOAD_TIMEOUT_S  # loaded, given up, or too slow
 
     def admitted(self, ticket: int) -> bool:
         """The request joins the batch now; True when blocks were loaded from disk for it."""
