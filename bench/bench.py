@@ -140,10 +140,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.repeats = 2 if args.quick else 5
     if args.min_seconds is None:
         args.min_seconds = 2.0 if args.quick else 4.0
-    if args.results_md is None:
-        args.results_md = not args.quick
     args.worker_flags = shlex.split(args.worker_flags)
     args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    if args.results_md is None:
+        args.results_md = not args.quick and not args.skip  # only a full run
     unknown = args.skip - {"sweep", "burst", "cancel", "prefix", "arrival"}
     if unknown:
         parser.error(f"unknown parts in --skip: {', '.join(sorted(unknown))}")
@@ -442,7 +442,8 @@ class Suite:
             await client.warm_up(4, self.shape)
             for streams in self.arrival["streams"]:
                 for tokens in self.arrival["prompt_tokens"]:
-                    case = await long_prompt_arrival(client, streams, tokens, f"arrival-{tokens}")
+                    seed = f"arrival-{streams}-{tokens}"
+                    case = await long_prompt_arrival(client, streams, tokens, seed)
                     cases.append(case)
                     log(
                         f"arrival: {report.LABELS[name]} {streams} streams + {tokens} tokens: "
