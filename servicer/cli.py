@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .engine import EngineConfig
+from .engine_config import EngineConfig
 from .faults import ENV_VAR as FAULTS_ENV_VAR
 from .faults import FaultPlan
 from .handlers import HandlerOptions
@@ -174,6 +174,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds in-flight requests get to finish after SIGTERM (default 30)",
     )
     parser.add_argument(
+        "--engine-mode",
+        choices=["process", "thread"],
+        default="process",
+        help="process: the engine runs in a child process, so serving and stepping do not "
+        "share one GIL (default); thread: in the server's own process (embedding; a "
+        "--distributed worker always does this)",
+    )
+    parser.add_argument(
         "--distributed",
         action="store_true",
         help="serve one model sharded over the processes of an mx.distributed group (start "
@@ -227,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
     return ServerConfig(
         model=ModelSpec(args.model, args.served_model_name),
+        engine_mode=args.engine_mode,
         engine=engine,
         handlers=handlers,
         host=args.host,

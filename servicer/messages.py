@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+
+class EngineStartupError(RuntimeError):
+    """The engine could not load its model or build its generator."""
+
+
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
@@ -197,6 +202,15 @@ class MemoryModel:
         for per_token, window in self.per_token:
             total += per_token * (min(tokens, window) if window else -(-tokens // step) * step)
         return total
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    """What a warm engine tells the handlers about itself."""
+
+    admission: Admission
+    has_thinking: bool  # the tokenizer marks a reasoning section
+    block_size: int  # tokens per prefix-store block (0: no prefix reuse)
 
 
 @dataclass(frozen=True, slots=True)

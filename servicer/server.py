@@ -17,17 +17,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .engine import Engine, EngineConfig, EngineStartupError
+from .engine_config import EngineConfig
+from .engine_process import EngineProcess
 from .faults import FaultPlan
+from .grammar import GrammarChecker
 from .handlers import HandlerOptions, MlxEngineServicer
 from .handoff import Outbox
 from .lifecycle import Lifecycle, Phase
-from .messages import ModelInfo, PrefixCacheStats
+from .messages import EngineStartupError, ModelInfo
 from .metrics import WorkerMetrics
 from .model_files import ModelFiles, ModelLoadError, ModelSpec, prepare_model_files
 from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
@@ -42,6 +45,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 @dataclass(frozen=True)
 class ServerConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
+    # "process": the engine runs in a child process (the default); "thread": in this one
+    # (for embedding; a distributed worker always runs its engine here).
+    engine_mode: str = "process"
     engine: EngineConfig = field(default_factory=EngineConfig)
     handlers: HandlerOptions = field(default_factory=HandlerOptions)
     host: str = "127.0.0.1"
@@ -61,6 +67,15 @@ def resolve_files(config: ServerConfig) -> ModelFiles:
     return prepare_model_files(config.model)
 
 
+def make_engine(config: ServerConfig, outbox: Outbox) -> Any:
+    """The engine in a child process, or (thread mode, distributed) in this one."""
+    if config.engine_mode == "process" and config.engine.lockstep is None:
+        return EngineProcess(config.engine, outbox)
+    from .engine import Engine  # MLX comes into this process only in thread mode
+
+    return Engine(config.engine, outbox)
+
+
 class WorkerServer:
     """One engine behind one gRPC port. Several can live in one process."""
 
@@ -68,8 +83,8 @@ class WorkerServer:
         self.config = config
         self.lifecycle = Lifecycle()
         self.outbox = Outbox(self._wake_loop)
-        self.engine = Engine(config.engine, self.outbox)
-        self.metrics = WorkerMetrics(self.engine.load, self._prefix_stats)
+        self.engine = make_engine(config, self.outbox)
+        self.metrics = WorkerMetrics(self.engine.load, self.engine.prefix_stats)
         self.servicer = MlxEngineServicer(
             self.engine, self.lifecycle, self._on_fatal, config.handlers, self.metrics
         )
@@ -82,11 +97,8 @@ class WorkerServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = asyncio.Event()
         self._preparing: asyncio.Task[ModelFiles] | None = None
+        self._grammar: asyncio.Task[GrammarChecker] | None = None
         self._server: grpc.aio.Server | None = None
-
-    def _prefix_stats(self) -> PrefixCacheStats | None:
-        cache = self.engine.prefix_cache
-        return cache.stats() if cache is not None else None
 
     # ----- engine -> loop -----
 
@@ -168,6 +180,11 @@ class WorkerServer:
             files.info.served_model_name,
         )
         self.engine.start(files.info)
+        info = files.info
+        eos = info.eos_token_ids[0] if info.eos_token_ids else 0
+        self._grammar = asyncio.ensure_future(
+            asyncio.to_thread(GrammarChecker, files.tokenizer, info.vocab_size, eos)
+        )
         return files
 
     async def wait_ready(self, timeout: float | None = None) -> ModelInfo:
@@ -179,12 +196,14 @@ class WorkerServer:
         except EngineStartupError as exc:
             self.lifecycle.advance(Phase.FAILED, f"cannot serve the model: {exc}")
             raise
-        store = self.engine.prefix_cache
+        assert self._grammar is not None
+        grammar = await self._grammar
+        capabilities = self.engine.capabilities
         self.servicer.attach(
-            self.engine.admission,
-            self.engine.has_thinking,
-            self.engine.grammar_check,
-            store.block_size if store is not None else 0,
+            capabilities.admission,
+            capabilities.has_thinking,
+            grammar.check,
+            capabilities.block_size,
         )
         self.lifecycle.advance(Phase.SERVING)
         await self._set_health(SERVING)
@@ -213,7 +232,7 @@ class WorkerServer:
             await self._server.stop(grace=1.0)
         if self._preparing is not None and not self._preparing.done():
             self._preparing.cancel()
-        await asyncio.to_thread(self.engine.shutdown, 10.0)
+        await asyncio.to_thread(self.engine.shutdown, 30.0)
         self.lifecycle.advance(Phase.STOPPED)
         self.metrics.close()
 
@@ -259,7 +278,7 @@ async def run_worker(config: ServerConfig, on_ready: Callable[[], None] = lambda
         " with TLS" if config.tls_cert else "",
         info.context_length,
         info.vocab_size,
-        server.engine.admission.limit_bytes / 2**20,
+        server.engine.capabilities.admission.limit_bytes / 2**20,
         f"; metrics on http://{config.host}:{server.metrics_port}/metrics"
         if server.metrics_port
         else "",
@@ -284,6 +303,8 @@ def run_follower(config: ServerConfig, on_ready: Callable[[], None] = lambda: No
     """
     lockstep = config.engine.lockstep
     assert lockstep is not None and not lockstep.leads
+    from .engine import Engine
+
     engine = Engine(config.engine, _Discard())
 
     def on_signal(signum: int, frame: object) -> None:

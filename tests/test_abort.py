@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from dataclasses import replace
 
-from support import generate, make_request, server_info, wait_until
+import grpc
+import pytest
+from conftest import demo_config
+from support import ServerThread, generate, make_request, server_info, wait_until
 
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
 
 LONG = 3000  # far more tokens than any test waits for
+
+
+@pytest.fixture(scope="module", params=["process", "thread"])
+def server(request, demo_dir) -> Iterator[ServerThread]:
+    """Every abort test runs against both engine modes."""
+    with ServerThread(replace(demo_config(demo_dir), engine_mode=request.param)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def channel(server) -> Iterator[grpc.Channel]:
+    with server.channel() as chan:
+        yield chan
 
 
 def _engine_idle(server) -> bool:

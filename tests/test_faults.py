@@ -44,7 +44,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(
 def test_repeated_step_failures_are_logged_rate_limited(demo_dir, prompts, caplog):
     spec = "step:" + ",".join(str(n) for n in range(1, 21))  # each request fails at its first
     caplog.set_level(logging.ERROR, logger="servicer.engine")
-    with ServerThread(_with_faults(demo_dir, spec)) as running, running.channel() as chan:
+    config = replace(_with_faults(demo_dir, spec), engine_mode="thread")  # its log, here
+    with ServerThread(config) as running, running.channel() as chan:
         codes = [
             generate(chan, prompts[i % 8], max_tokens=4, ignore_eos=True).code for i in range(20)
         ]

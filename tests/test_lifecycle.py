@@ -9,6 +9,7 @@ import pytest
 from support import BackgroundGenerate, WorkerProcess, generate, server_info, wait_until
 
 DEFAULT_PORT = 50051
+MODES = pytest.mark.parametrize("mode", ["process", "thread"])
 
 
 def test_missing_model_path_exits_non_zero_with_the_reason(tmp_path):
@@ -33,8 +34,10 @@ def test_port_in_use_exits_non_zero(demo_dir):
         assert "cannot listen" in second.output
 
 
-def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(demo_dir, prompts):
-    with WorkerProcess("--model", str(demo_dir), "--shutdown-grace", "60") as worker:
+@MODES
+def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(demo_dir, prompts, mode):
+    args = ("--model", str(demo_dir), "--shutdown-grace", "60", "--engine-mode", mode)
+    with WorkerProcess(*args) as worker:
         worker.wait_ready()
         with grpc.insecure_channel(worker.address) as channel:
             caller = BackgroundGenerate(
@@ -55,8 +58,10 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_zero(demo_dir, prompts
     assert long.complete.completion_tokens == 2000
 
 
-def test_sigterm_past_the_grace_period_ends_requests_with_abort(demo_dir, prompts):
-    with WorkerProcess("--model", str(demo_dir), "--shutdown-grace", "0.5") as worker:
+@MODES
+def test_sigterm_past_the_grace_period_ends_requests_with_abort(demo_dir, prompts, mode):
+    args = ("--model", str(demo_dir), "--shutdown-grace", "0.5", "--engine-mode", mode)
+    with WorkerProcess(*args) as worker:
         worker.wait_ready()
         with grpc.insecure_channel(worker.address) as channel:
             params = {"temperature": 0, "max_tokens": 3000, "ignore_eos": True}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 from conftest import Reference, demo_config
@@ -19,12 +20,14 @@ KINDS = ["llama", "hybrid", "gemma3"]
 
 
 def store_config(model_dir, **engine):
-    return demo_config(
+    """Thread mode: these tests look into the engine's prefix store."""
+    config = demo_config(
         model_dir,
         prompt_cache_block=BLOCK,
         prompt_cache_snapshot_interval=BLOCK,
         **engine,
     )
+    return replace(config, engine_mode="thread")
 
 
 def text_tokens(reference: Reference, tokens: int, salt: int = 0) -> list[int]:

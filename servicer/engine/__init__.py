@@ -1,6 +1,7 @@
 """The engine side: everything that touches MLX lives in this package (and the demo model)."""
 
-from .engine import Engine, EngineStartupError
-from .provider import EngineConfig
+from ..engine_config import EngineConfig
+from ..messages import EngineStartupError
+from .engine import Engine
 
 __all__ = ["Engine", "EngineConfig", "EngineStartupError"]

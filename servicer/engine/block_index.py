@@ -72,6 +72,8 @@ class BlockIndex:
         self._ram: OrderedDict[bytes, Node] = OrderedDict()
         self.ram_bytes = 0
         self.disk_bytes = 0
+        self.disk_blocks = 0
+        self.pinned_blocks = 0
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -86,18 +88,9 @@ class BlockIndex:
     def ram_blocks(self) -> int:
         return len(self._ram)
 
-    @property
-    def disk_blocks(self) -> int:
-        return sum(1 for node in self._nodes.values() if node.disk is not None)
-
     def ram_nodes(self) -> list[Node]:
         """The RAM tier's blocks, parents before children."""
         return sorted(self._ram.values(), key=lambda node: node.start)
-
-    def pinned(self) -> tuple[int, int]:
-        """(blocks, RAM bytes) pinned by running requests."""
-        nodes = [node for node in self._nodes.values() if node.pins]
-        return len(nodes), sum(node.ram_bytes for node in nodes)
 
     # ----- finding -----
 
@@ -182,6 +175,8 @@ class BlockIndex:
     def set_disk(self, node: Node, entry: Any, nbytes: int) -> None:
         if node.disk is not None:
             self.disk_bytes -= node.disk_bytes
+        else:
+            self.disk_blocks += 1
         node.disk, node.disk_bytes = entry, nbytes
         self.disk_bytes += nbytes
 
@@ -189,6 +184,7 @@ class BlockIndex:
         entry = node.disk
         if entry is not None:
             self.disk_bytes -= node.disk_bytes
+            self.disk_blocks -= 1
             node.disk, node.disk_bytes = None, 0
             if node.ram is None:
                 self.remove(node)
@@ -204,6 +200,10 @@ class BlockIndex:
                 self._ram.pop(each.key, None)
             if each.disk is not None:
                 self.disk_bytes -= each.disk_bytes
+                self.disk_blocks -= 1
+            if each.pins:
+                self.pinned_blocks -= 1
+                each.pins = 0
         siblings = node.parent.children if node.parent is not None else self._roots
         siblings.pop(node.key, None)
         return gone
@@ -219,12 +219,17 @@ class BlockIndex:
             if node.ram is not None:
                 self._ram.move_to_end(node.key)
 
-    def pin(self, nodes: tuple[Node, ...]) -> None:
+    def pin(self, nodes: tuple[Node, ...] | list[Node]) -> None:
+        """Held by a running request, a load or a write: never evicted meanwhile."""
         for node in nodes:
+            if node.pins == 0:
+                self.pinned_blocks += 1
             node.pins += 1
 
-    def unpin(self, nodes: tuple[Node, ...]) -> None:
+    def unpin(self, nodes: tuple[Node, ...] | list[Node]) -> None:
         for node in nodes:
+            if node.pins == 1:
+                self.pinned_blocks -= 1
             node.pins = max(0, node.pins - 1)
 
     # ----- leaving -----

@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
+from ..grammar import GrammarChecker
 from ..messages import Constraint
 
 log = logging.getLogger(__name__)
@@ -67,31 +67,18 @@ class GrammarProcessor:
 
 
 class GrammarFactory:
-    """Builds the llguidance tokenizer once, when the engine loads (slow for big vocabularies);
-    `check` may then run on any thread."""
+    """Structured-output processors for the engine; the llguidance tokenizer is built once,
+    when the engine loads (the handler side checks grammars with its own)."""
 
     def __init__(self, hf_tokenizer: object, vocab_size: int, eos: int) -> None:
         self._vocab_size = vocab_size
         self._eos = eos
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        self._unavailable: str | None = None
-        try:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                hf_tokenizer, n_vocab=vocab_size, eos_token=eos
-            )
-        except Exception as exc:  # a tokenizer llguidance cannot read: no structured output
-            self._unavailable = f"structured output is unavailable for this model: {exc}"
-            log.warning("%s", self._unavailable)
+        self._checker = GrammarChecker(hf_tokenizer, vocab_size, eos)
 
     def check(self, grammar: str) -> str | None:
-        """Why `grammar` cannot run on this model's vocabulary, or None when it can."""
-        if self._tokenizer is None:
-            return self._unavailable
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self._tokenizer
-        )
-        return (messages[0] if messages else "invalid grammar") if is_error else None
+        return self._checker.check(grammar)
 
     def processor(self, constraint: Constraint) -> GrammarProcessor:
-        assert self._tokenizer is not None, "check() refuses every grammar in this case"
-        return GrammarProcessor(self._tokenizer, constraint, self._vocab_size, self._eos)
+        tokenizer = self._checker.tokenizer
+        assert tokenizer is not None, "check() refuses every grammar in this case"
+        return GrammarProcessor(tokenizer, constraint, self._vocab_size, self._eos)

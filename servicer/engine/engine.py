@@ -10,17 +10,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 import mlx.core as mx
 
+from ..engine_config import EngineConfig
 from ..messages import (
     FINISH_ABORT,
-    Admission,
+    EngineCapabilities,
     EngineLoad,
+    EngineStartupError,
     GenerationRequest,
     ModelInfo,
+    PrefixCacheStats,
     RowEvent,
     StepOutput,
 )
@@ -29,7 +32,7 @@ from .inbox import Inbox
 from .lockstep import LockstepBroken
 from .prefill import PrefillPolicy
 from .prefix_store import Hit, PrefixStore
-from .provider import EngineConfig, EngineParts, build_parts, new_generator, warm_up
+from .provider import EngineParts, build_parts, new_generator, warm_up
 from .scheduler import Admit, Plan, Scheduler
 
 log = logging.getLogger(__name__)
@@ -39,10 +42,6 @@ class Sink(Protocol):
     """Where the engine's output goes (the handler side's `Outbox`)."""
 
     def put(self, out: StepOutput, due: bool) -> None: ...
-
-
-class EngineStartupError(RuntimeError):
-    """The engine could not load its model or build its generator."""
 
 
 class Engine:
@@ -85,26 +84,21 @@ class Engine:
         return self._thread.is_alive()
 
     @property
-    def admission(self) -> Admission:
-        """The cache-memory model and limit (after `wait_ready`)."""
-        assert self._parts is not None
-        return self._parts.admission
-
-    @property
-    def has_thinking(self) -> bool:
-        """The tokenizer marks a reasoning section (after `wait_ready`)."""
-        assert self._parts is not None
-        return self._parts.has_thinking
-
-    @property
-    def grammar_check(self) -> Callable[[str], str | None]:
-        """Checks a grammar against the model's vocabulary (any thread, after `wait_ready`)."""
-        assert self._parts is not None
-        return self._parts.sampling.check_grammar
+    def capabilities(self) -> EngineCapabilities:
+        """The admission guard's model and limit, and what the model supports (after
+        `wait_ready`)."""
+        parts = self._parts
+        assert parts is not None
+        block = parts.prefix.block_size if parts.prefix is not None else 0
+        return EngineCapabilities(parts.admission, parts.has_thinking, block)
 
     @property
     def prefix_cache(self) -> PrefixStore | None:
         return self._parts.prefix if self._parts is not None else None
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        store = self.prefix_cache
+        return store.stats() if store is not None else None
 
     def submit(self, request: GenerationRequest) -> None:
         self._inbox.put(request)

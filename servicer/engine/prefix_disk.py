@@ -36,9 +36,9 @@ class DiskLink:
         if not self.disk.usable:
             self.index.remove(node)
             return
-        node.pins += 1
+        self.index.pin([node])
         if not self._write(node, data):
-            node.pins -= 1
+            self.index.unpin([node])
             self.index.remove(node)
 
     def index_files(self) -> None:
@@ -97,7 +97,7 @@ class DiskLink:
         """Read these blocks back from disk (off the engine thread); `collect` installs them."""
         for node in nodes:
             if node.disk is not None and node.ram is None:
-                node.pins += 1  # until it is in RAM or given up
+                self.index.pin([node])  # until it is in RAM or given up
                 self.disk.load(node.key, node.disk)
 
     def collect(self) -> None:
@@ -107,7 +107,7 @@ class DiskLink:
             if done.kind in ("written", "write_failed"):
                 self._written(node, done)
             elif node is not None:
-                node.pins = max(0, node.pins - 1)
+                self.index.unpin([node])
                 if done.kind == "loaded" and done.block is not None and node.ram is None:
                     data = _from_file(done.block)
                     mx.eval(arrays_of(data))
@@ -122,7 +122,7 @@ class DiskLink:
             if done.path is not None:
                 self.disk.delete(DiskEntry(done.path))  # dropped meanwhile
             return
-        node.pins = max(0, node.pins - 1)
+        self.index.unpin([node])
         if done.kind == "written" and done.path is not None:
             self.index.set_disk(node, DiskEntry(done.path), done.nbytes)
         elif node.ram is None:

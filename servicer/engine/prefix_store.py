@@ -254,7 +254,6 @@ class PrefixStore:
     def stats(self) -> PrefixCacheStats:
         counters = self.counters
         ram, disk = counters.by_tier[RAM], counters.by_tier[DISK]
-        pinned_blocks, _ = self.index.pinned()
         return PrefixCacheStats(
             entries=self.index.ram_blocks,
             bytes=self.index.ram_bytes,
@@ -267,7 +266,7 @@ class PrefixStore:
             ram_tokens=ram.tokens,
             disk_tokens=disk.tokens,
             evictions=counters.evictions,
-            pinned_blocks=pinned_blocks,
+            pinned_blocks=self.index.pinned_blocks,
             dropped_writes=self.disk.disk.counters.dropped_writes if self.disk else 0,
             disk_faults=sum(self.disk.disk.counters.faults.values()) if self.disk else 0,
         )

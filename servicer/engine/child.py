@@ -1,0 +1,144 @@
+"""The engine process: `python -m servicer.engine.child FD`, started by `EngineProcess`.
+
+It reads its configuration from the socket FD, runs one Engine (scheduler, loop, every MLX
+object), forwards requests and aborts to it, and sends each hand-off back as one frame. It
+ignores SIGINT and SIGTERM (the server drains it), dies with its parent (Linux), and exits as
+soon as its socket closes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+
+from ..engine_process import (
+    ABORT,
+    CONFIG,
+    DECODE_REQUEST,
+    DECODE_TICKETS,
+    FAILED,
+    LOG_LEVEL_ENV,
+    READY,
+    STATS,
+    STEP,
+    STOP,
+    SUBMIT,
+    Channel,
+    Started,
+)
+from ..messages import EngineStartupError, StepOutput
+from .engine import Engine
+
+log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 0.5  # prefix-store figures go to the server at most this often
+_PR_SET_PDEATHSIG = 1
+
+
+class PipeSink:
+    """The engine's outbox in the child: output waits (merged) until some handler needs it,
+    then goes to the server as one frame."""
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self._pending: StepOutput | None = None
+
+    def put(self, out: StepOutput, due: bool) -> None:
+        if self._pending is None:
+            self._pending = out
+        else:
+            self._pending.merge(out)
+        if not due:
+            return
+        pending, self._pending = self._pending, None
+        try:
+            self._channel.send(STEP, pending)
+        except OSError:
+            os._exit(0)  # the server is gone: nobody is left to serve
+
+
+def _report_stats(engine: Engine, channel: Channel) -> None:
+    """The prefix store's figures for the server's metrics, whenever they change (its
+    counters are plain integers, read here as they stand)."""
+    last = None
+    while True:
+        time.sleep(STATS_INTERVAL_S)
+        try:
+            stats = engine.prefix_stats()
+        except RuntimeError:  # a dictionary changed under the read: next time
+            continue
+        if stats is not None and stats != last:
+            try:
+                channel.send(STATS, stats)
+            except OSError:
+                return
+            last = stats
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass  # the end of file on the socket still ends the process
+
+
+def main(argv: list[str]) -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent()
+    channel = Channel(socket.socket(fileno=int(argv[0])))
+    frame = channel.receive()
+    if frame is None or frame[0] != CONFIG:
+        return 1
+    config, info = pickle.loads(frame[1])
+    logging.basicConfig(
+        level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
+        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
+    )
+    engine = Engine(config, PipeSink(channel))
+    engine.start(info)
+    for target in (_report_ready, _report_stats):
+        threading.Thread(target=target, args=(engine, channel), daemon=True).start()
+    _serve(engine, channel)
+    engine.shutdown(30)
+    return 1 if engine.failure else 0
+
+
+def _report_ready(engine: Engine, channel: Channel) -> None:
+    try:
+        engine.wait_ready()
+    except EngineStartupError as exc:
+        channel.send(FAILED, Started(None, str(exc)))
+        return
+    channel.send(READY, Started(engine.capabilities))
+    stats = engine.prefix_stats()
+    if stats is not None:
+        channel.send(STATS, stats)
+
+
+def _serve(engine: Engine, channel: Channel) -> None:
+    """Requests and aborts from the server until it says stop or goes away."""
+    while (frame := channel.receive()) is not None:
+        kind, data = frame
+        if kind == SUBMIT:
+            engine.submit(DECODE_REQUEST.decode(data))
+        elif kind == ABORT:
+            engine.abort(DECODE_TICKETS.decode(data))
+        elif kind == STOP:
+            return
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    logging.shutdown()
+    # Everything the engine owns is closed; the interpreter's own teardown would only race
+    # MLX's native threads.
+    os._exit(code)

@@ -1,0 +1,45 @@
+"""The engine's settings: plain data that crosses to the engine process (no MLX here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .faults import FaultPlan
+
+if TYPE_CHECKING:
+    from .engine.lockstep import Lockstep
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    adapter_path: str | None = None
+    completion_batch_size: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    # While rows decode, a step prefills only what fits this stall (0: full chunks always).
+    max_prefill_stall_ms: float = 50.0
+    # A burst that is still arriving while nothing generates is admitted together:
+    # wait while new requests keep coming `coalesce_quiet_s` apart, at most `coalesce_max_s`.
+    coalesce_quiet_s: float = 0.002
+    coalesce_max_s: float = 0.010
+    warmup: bool = True
+    # Prompt-prefix reuse: blocks kept in RAM, and their bytes (None: a quarter of
+    # max_kv_memory, at most 1 GiB). 0 blocks turns it off.
+    prompt_cache_size: int = 65536
+    prompt_cache_bytes: int | None = None
+    prompt_cache_block: int = 256  # tokens per block
+    # Tokens between snapshots of recurrent and sliding-window state (None: chosen from the
+    # model so that they take at most about a quarter of a prompt's KV bytes).
+    prompt_cache_snapshot_interval: int | None = None
+    prompt_cache_dir: str | None = None  # the disk tier's directory (None: no disk tier)
+    prompt_cache_disk_bytes: int = 32 << 30
+    # KV and recurrent state the running requests may reserve (None: half the device's
+    # memory less the weights). A request that cannot fit alone is refused; one that cannot
+    # fit beside the others waits.
+    max_kv_memory: int | None = None
+    # The engine's own random stream for unseeded sampling (None: a fresh random seed).
+    sampling_seed: int | None = None
+    # One model over several processes: rank 0 plans every step and shares the plan.
+    lockstep: Lockstep | None = None  # in-process engines only
+    faults: FaultPlan | None = None  # testing only

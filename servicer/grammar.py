@@ -1,0 +1,40 @@
+"""Checking a structured-output grammar against the model's vocabulary (handler side, no MLX).
+
+The llguidance tokenizer is built once from the model's Hugging Face tokenizer (slow for
+large vocabularies, so off the event loop); `check` may then run on any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import llguidance
+import llguidance.hf
+
+log = logging.getLogger(__name__)
+
+
+def llg_tokenizer(hf_tokenizer: Any, vocab_size: int, eos: int) -> llguidance.LLTokenizer:
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+
+
+class GrammarChecker:
+    """Why a grammar cannot run on this model's vocabulary, or None when it can."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos: int) -> None:
+        self.tokenizer: llguidance.LLTokenizer | None = None
+        self.unavailable: str | None = None
+        try:
+            self.tokenizer = llg_tokenizer(hf_tokenizer, vocab_size, eos)
+        except Exception as exc:  # a tokenizer llguidance cannot read: no structured output
+            self.unavailable = f"structured output is unavailable for this model: {exc}"
+            log.warning("%s", self.unavailable)
+
+    def check(self, grammar: str) -> str | None:
+        if self.tokenizer is None:
+            return self.unavailable
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self.tokenizer
+        )
+        return (messages[0] if messages else "invalid grammar") if is_error else None
