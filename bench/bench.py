@@ -22,12 +22,15 @@ import asyncio
 import contextlib
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import prefix
 import report
 from arrival import long_prompt_arrival
 from load import Client, Sampling, burst_summary, summarize_bursts
@@ -37,6 +40,7 @@ from workers import (
     BatchConfig,
     RawProcess,
     Worker,
+    free_port,
     log,
     our_worker,
     smg_servicer_python,
@@ -185,7 +189,14 @@ class Suite:
             "long_tokens": 2048,
             "max_tokens": 64,
         }
-        self.prefix = {"repeats": 3, "prefix_tokens": 1500, "suffix_tokens": 20, "max_tokens": 8}
+        self.prefix_settings = {
+            "repeats": 3,
+            "prefix_tokens": prefix.SYSTEM_TOKENS,
+            "suffix_tokens": prefix.TURN_TOKENS,
+            "max_tokens": prefix.MAX_TOKENS,
+            "shared_tokens": prefix.SHARED_TOKENS,
+            "conversations": prefix.CONVERSATIONS,
+        }
         self.arrival = {"streams": [1, 4, 16], "prompt_tokens": [1000, 4000]}
         self.run: dict[str, Any] = {
             "date": time.strftime("%Y-%m-%d %H:%M %Z"),
@@ -206,13 +217,15 @@ class Suite:
                 "steal_limit": STEAL_LIMIT,
                 "burst": self.burst,
                 "cancel": self.cancel,
-                "prefix": self.prefix,
+                "prefix": self.prefix_settings,
                 "arrival": self.arrival,
             },
             "sweep": {report.RAW: [], "ours": []},
             "burst": {},
             "cancel": {},
             "prefix": {},
+            "prefix_disk": {},
+            "prefix_bytes": {},
             "arrival": {},
             "failures": [],
         }
@@ -368,7 +381,7 @@ class Suite:
         )
 
     def burst_and_cancel(self) -> None:
-        """The parts that each take a fresh worker: burst, cancel and reuse, prefix reuse."""
+        """The parts that each take a fresh worker: burst, and cancel and reuse."""
         for name, worker in self.workers("burst-cancel"):
             try:
                 with worker:
@@ -413,12 +426,76 @@ class Suite:
                 )
                 self.run["cancel"][name] = cancel
                 log(f"cancel and reuse: {label} follow-up ÷ idle {cancel['ratio']:.2f}")
-            if "prefix" not in self.args.skip:
-                prefix = await client.prefix_reuse(seed="prefix", **self.prefix)
-                self.run["prefix"][name] = prefix
-                log(f"prefix reuse: {label} TTFT on a hit ÷ cold {prefix['ratio']:.3f}")
         finally:
             await client.close()
+
+    def prefixes(self) -> None:
+        """Prefix reuse on the llama and hybrid demos (or the model given), on fresh workers:
+        a shared system prompt's hit against cold for each worker; ours also after a restart
+        on the same directory, and the bytes 16 conversations sharing a prompt hold."""
+        for kind, model in prefix.model_dirs(self.args.model).items():
+            for name, worker in self._model_workers(model, f"prefix-{kind}"):
+                try:
+                    with worker:
+                        result = asyncio.run(self._on(worker, prefix.hit_and_cold, kind))
+                    self.run["prefix"].setdefault(kind, {})[name] = result
+                    log(f"prefix {kind}: {report.LABELS[name]} hit ÷ cold {result['ratio']:.3f}")
+                except RuntimeError as exc:
+                    self.fail(f"{report.LABELS[name]} prefix reuse on {kind}: {exc}")
+            try:
+                self.run["prefix_disk"][kind] = self._disk_restart(model, kind)
+                self.run["prefix_bytes"][kind] = self._shared_bytes(model, kind)
+            except RuntimeError as exc:
+                self.fail(f"prefix store on {kind}: {exc}")
+
+    def _model_workers(self, model: Path, tag: str) -> list[tuple[str, Worker]]:
+        found = [("ours", our_worker(model, self.batch, self.log_dir, tag, self.args.worker_flags))]
+        if self.smg_python is not None:
+            found.append(("smg", smg_worker(self.smg_python, model, self.batch, self.log_dir, tag)))
+        return found
+
+    async def _on(self, worker: Worker, part: Any, seed: str) -> dict[str, Any]:
+        client = self.client(worker)
+        try:
+            await client.warm_up(2, self.shape)
+            return await part(client, seed)
+        finally:
+            await client.close()
+
+    def _disk_restart(self, model: Path, kind: str) -> dict[str, Any]:
+        directory = Path(tempfile.mkdtemp(prefix="bench-prompt-cache-"))
+        flags = [*self.args.worker_flags, "--prompt-cache-dir", str(directory)]
+        port = free_port()
+
+        def start() -> Worker:
+            worker = our_worker(model, self.batch, self.log_dir, f"disk-{kind}", flags)
+            worker.command[worker.command.index("--port") + 1] = str(port)
+            worker.port = port
+            return worker.start()
+
+        try:
+            result = asyncio.run(prefix.disk_restart(start, self.client, f"disk-{kind}"))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        log(f"prefix {kind}: disk hit after a restart ÷ cold {result['ratio'] or 0:.3f}")
+        return result
+
+    def _shared_bytes(self, model: Path, kind: str) -> dict[str, Any]:
+        metrics_port = free_port()
+        flags = [*self.args.worker_flags, "--metrics-port", str(metrics_port)]
+        worker = our_worker(model, self.batch, self.log_dir, f"bytes-{kind}", flags)
+        with worker:
+            client = self.client(worker)
+
+            async def measure() -> dict[str, Any]:
+                try:
+                    return await prefix.shared_conversations(client, metrics_port, kind)
+                finally:
+                    await client.close()
+
+            result = asyncio.run(measure())
+        log(f"prefix {kind}: 16 conversations ÷ one, bytes {result['ratio'] or 0:.2f}")
+        return result
 
     def arrivals(self) -> None:
         """Long prompt arrival, on a fresh worker each: ours, ours without the prefill budget,
@@ -489,8 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model {suite.model}; levels {args.levels}; log files in {suite.log_dir}")
     if "sweep" not in args.skip:
         suite.sweep()
-    if not {"burst", "cancel", "prefix"} <= args.skip:
+    if not {"burst", "cancel"} <= args.skip:
         suite.burst_and_cancel()
+    if "prefix" not in args.skip:
+        suite.prefixes()
     if "arrival" not in args.skip:
         suite.arrivals()
     return suite.finish()

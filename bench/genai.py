@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -115,10 +116,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"smg-grpc-servicer version for --side-by-side (default {SMG_SERVICER_VERSION})",
     )
     parser.add_argument("--genai-bench-version", default=GENAI_BENCH_VERSION)
+    parser.add_argument(
+        "--worker-flags",
+        default="",
+        help="extra flags for our worker, e.g. '--max-prefill-stall-ms 100'",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.scenario = args.scenario or ["D(100,100)", "D(1000,100)"]
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    args.worker_flags = shlex.split(args.worker_flags)
     if args.rounds is None:
         args.rounds = 2 if args.side_by_side else 1
     if args.rounds < 1:
@@ -319,12 +326,17 @@ def _slug(scenario: str) -> str:
 
 
 def make_worker(
-    system: str, smg_python: Path | None, model_dir: Path, log_dir: Path, tag: str
+    system: str,
+    smg_python: Path | None,
+    model_dir: Path,
+    log_dir: Path,
+    tag: str,
+    flags: list[str] | None = None,
 ) -> Worker:
     if system == "smg":
         assert smg_python is not None
         return smg_worker(smg_python, model_dir, BatchConfig(), log_dir, tag)
-    return our_worker(model_dir, BatchConfig(), log_dir, tag)
+    return our_worker(model_dir, BatchConfig(), log_dir, tag, flags or [])
 
 
 def run_round(
@@ -342,7 +354,8 @@ def run_round(
     record: its log and its vetoes in all and within runs.
     """
     tag = f"{system}-r{round_no}"
-    worker = make_worker(system, smg_python, model_dir, out / "logs", f"genai-r{round_no}")
+    tag = f"genai-r{round_no}"
+    worker = make_worker(system, smg_python, model_dir, out / "logs", tag, args.worker_flags)
     router = Router(worker, out / "logs" / f"router-{tag}.log")
     runs: list[dict[str, Any]] = []
     base = {"system": system, "round": round_no}

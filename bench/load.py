@@ -165,31 +165,6 @@ class Client:
             follow.append(await self.generate(prompts[3 * i + 2], shape.max_tokens))
         return _cancel_summary(idle, follow, cancelled, shape.max_tokens, cancel_after)
 
-    async def prefix_reuse(
-        self, repeats: int, prefix_tokens: int, suffix_tokens: int, max_tokens: int, seed: str
-    ) -> dict[str, object]:
-        """A long prompt, then the same prefix with a new suffix: the second request's TTFT
-        against the first's (a worker that reuses prefixes skips most of the prefill)."""
-        prompts = make_prompts(2 * repeats, prefix_tokens + suffix_tokens, self.vocab_size, seed)
-        cold: list[RequestRecord] = []
-        hit: list[RequestRecord] = []
-        for i in range(repeats):
-            first = prompts[2 * i][:prefix_tokens]
-            second = first + prompts[2 * i + 1][:suffix_tokens]
-            cold.append(await self.generate(first, max_tokens))
-            hit.append(await self.generate(second, max_tokens))
-        ratios = [h.ttft / c.ttft for c, h in zip(cold, hit, strict=True) if h.ttft and c.ttft]
-        return {
-            "repeats": repeats,
-            "prefix_tokens": prefix_tokens,
-            "suffix_tokens": suffix_tokens,
-            "cold_ttft_ms": _median_ms([r.ttft for r in cold if r.ttft is not None]),
-            "hit_ttft_ms": _median_ms([r.ttft for r in hit if r.ttft is not None]),
-            "ratio": percentile(ratios, 50),
-            "hit_cached_tokens": min((r.cached_tokens for r in hit), default=0),
-            "errors": sum(1 for r in cold + hit if r.error is not None),
-        }
-
     def _prompts(self, count: int, shape: Shape, seed: int | str) -> list[list[int]]:
         return make_prompts(count, shape.prompt_tokens, self.vocab_size, seed)
 

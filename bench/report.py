@@ -266,6 +266,7 @@ def cancel_table(run: Run) -> str:
 
 def prefix_table(run: Run) -> str:
     headers = [
+        "model",
         "worker",
         "cold TTFT ms",
         "TTFT on a hit ms",
@@ -275,6 +276,7 @@ def prefix_table(run: Run) -> str:
     ]
     rows = [
         [
+            kind,
             LABELS[name],
             prefix["cold_ttft_ms"],
             prefix["hit_ttft_ms"],
@@ -282,8 +284,39 @@ def prefix_table(run: Run) -> str:
             prefix["hit_cached_tokens"],
             prefix["errors"],
         ]
-        for name, prefix in run.get("prefix", {}).items()
+        for kind, workers in run.get("prefix", {}).items()
+        if isinstance(workers, dict) and "ratio" not in workers
+        for name, prefix in workers.items()
     ]
+    return markdown_table(headers, rows)
+
+
+def prefix_store_table(run: Run) -> str:
+    headers = [
+        "model",
+        "cold TTFT ms",
+        "disk hit after a restart ms",
+        "disk hit ÷ cold",
+        "cached tokens",
+        "one conversation, bytes",
+        "16 sharing its prompt, bytes",
+        "16 ÷ one",
+    ]
+    rows = []
+    for kind, disk in run.get("prefix_disk", {}).items():
+        shared = run.get("prefix_bytes", {}).get(kind, {})
+        rows.append(
+            [
+                kind,
+                disk["cold_ttft_ms"],
+                disk["disk_hit_ttft_ms"],
+                _fmt(disk["ratio"], 3),
+                disk["hit_cached_tokens"],
+                shared.get("one_bytes"),
+                shared.get("many_bytes"),
+                _fmt(shared.get("ratio"), 2),
+            ]
+        )
     return markdown_table(headers, rows)
 
 
@@ -440,10 +473,20 @@ def render(run: Run) -> str:
         prefix = s["prefix"]
         parts += [
             "",
-            f"### Prefix reuse (a {prefix['prefix_tokens']}-token prompt, then the same prefix "
-            f"with {prefix['suffix_tokens']} new tokens; median of {prefix['repeats']})",
+            f"### Prefix reuse (a {prefix['prefix_tokens']}-token system prompt with a "
+            f"{prefix['suffix_tokens']}-token turn, then the same system prompt with a new "
+            f"turn, against a new system prompt; median of {prefix['repeats']})",
             "",
             prefix_table(run),
+        ]
+    if run.get("prefix_disk"):
+        parts += [
+            "",
+            "### Prefix store (ours): the same system prompt after a restart on the same "
+            "--prompt-cache-dir, and the RAM bytes of 16 conversations sharing a "
+            f"{s['prefix'].get('shared_tokens', 1024)}-token prompt against one",
+            "",
+            prefix_store_table(run),
         ]
     if run.get("arrival"):
         parts += [

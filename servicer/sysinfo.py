@@ -16,14 +16,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def cpu_seconds(pid: int | None = None) -> float:
-    """User + system CPU seconds of this process, or of process `pid` (0.0 when unknown)."""
+    """User + system CPU seconds of this process, or of process `pid` and its children (a
+    worker's engine process among them); 0.0 when unknown."""
     if pid is None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
+    own = _stat(pid)
+    if own is None:
+        return 0.0
+    total = own[0]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (child := _stat(int(entry))) is not None and child[1] == pid:
+            total += child[0]
+    return total
+
+
+def _stat(pid: int) -> tuple[float, int] | None:
+    """(CPU seconds, parent pid) of a process, from /proc."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return 0.0
-    # utime and stime are fields 14 and 15 of stat(5), counted after the command name.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return None
+    # After the command name: state, ppid (field 4 of stat(5)), ..., utime and stime (14, 15).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[1])

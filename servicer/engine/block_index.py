@@ -208,6 +208,11 @@ class BlockIndex:
         siblings.pop(node.key, None)
         return gone
 
+    def siblings(self, node: Node) -> list[Node]:
+        """The other blocks under `node`'s parent."""
+        under = node.parent.children if node.parent is not None else self._roots
+        return [other for other in under.values() if other is not node]
+
     def _subtree(self, node: Node) -> Iterator[Node]:
         for child in list(node.children.values()):
             yield from self._subtree(child)

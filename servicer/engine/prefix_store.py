@@ -191,8 +191,19 @@ class PrefixStore:
             for node, data in pending:
                 self.index.set_ram(node, data, data.nbytes, data.states is not None)
         assert parent is not None
+        if self.layout.cuttable and len(parent.tokens) < size:
+            self._drop_shorter_tails(parent)
         self.index.touch(parent.chain())
         self.enforce_budget()
+
+    def _drop_shorter_tails(self, tail: Node) -> None:
+        """A tail that starts another tail holds nothing the longer one lacks (attention state
+        can be cut anywhere): a prompt's end, once its output is kept after it."""
+        for node in self.index.siblings(tail):
+            shorter = len(node.tokens) < len(tail.tokens)
+            starts = tail.tokens[: len(node.tokens)] == node.tokens
+            if shorter and starts and node.pins == 0 and node.disk is None:
+                self.index.remove(node)
 
     def _state_layers(self) -> list[int]:
         kv = set(self.layout.kv)

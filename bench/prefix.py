@@ -1,0 +1,112 @@
+"""Prefix reuse across model kinds: a shared system prompt's hit against a cold prefill, a disk
+hit after a restart, and the bytes that conversations sharing one prompt hold.
+
+Each part takes fresh workers; the restart and the bytes are ours alone (the other servicer
+keeps no blocks on disk and reports no cache bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from load import Client, _median_ms
+from workers import Worker
+from workload import make_prompts, percentile
+
+SYSTEM_TOKENS = 1500
+TURN_TOKENS = 20
+SHARED_TOKENS = 1024  # the conversations' shared prompt
+CONVERSATIONS = 16
+MAX_TOKENS = 8
+
+
+async def hit_and_cold(client: Client, seed: str, repeats: int = 3) -> dict[str, Any]:
+    """A shared system prompt with a new turn (a hit) against a new system prompt (cold)."""
+    prompts = make_prompts(3 * repeats, SYSTEM_TOKENS + TURN_TOKENS, client.vocab_size, seed)
+    cold, hit = [], []
+    for i in range(repeats):
+        system = prompts[3 * i][:SYSTEM_TOKENS]
+        await client.generate(system + prompts[3 * i + 1][:TURN_TOKENS], MAX_TOKENS)
+        cold.append(await client.generate(prompts[3 * i + 2], MAX_TOKENS))
+        hit.append(await client.generate(system + prompts[3 * i + 2][:TURN_TOKENS], MAX_TOKENS))
+    ratios = [h.ttft / c.ttft for c, h in zip(cold, hit, strict=True) if h.ttft and c.ttft]
+    return {
+        "cold_ttft_ms": _median_ms([r.ttft for r in cold if r.ttft]),
+        "hit_ttft_ms": _median_ms([r.ttft for r in hit if r.ttft]),
+        "ratio": percentile(ratios, 50),
+        "hit_cached_tokens": min((r.cached_tokens for r in hit), default=0),
+        "errors": sum(1 for r in cold + hit if r.error is not None),
+    }
+
+
+async def disk_restart(
+    start: Callable[[], Worker], client_for: Callable[[Worker], Client], seed: str
+) -> dict[str, Any]:
+    """A prompt on a worker, a restart on the same directory, the same system prompt again."""
+    worker = start()
+    client = client_for(worker)
+    try:
+        prompts = make_prompts(3, SYSTEM_TOKENS + TURN_TOKENS, client.vocab_size, seed)
+        system = prompts[0][:SYSTEM_TOKENS]
+        cold = await client.generate(system + prompts[1][:TURN_TOKENS], MAX_TOKENS)
+    finally:
+        await client.close()
+        worker.stop()
+    worker = start()
+    client = client_for(worker)
+    try:
+        hit = await client.generate(system + prompts[2][:TURN_TOKENS], MAX_TOKENS)
+    finally:
+        await client.close()
+        worker.stop()
+    ratio = hit.ttft / cold.ttft if hit.ttft and cold.ttft else None
+    return {
+        "cold_ttft_ms": _median_ms([cold.ttft] if cold.ttft else []),
+        "disk_hit_ttft_ms": _median_ms([hit.ttft] if hit.ttft else []),
+        "ratio": ratio,
+        "hit_cached_tokens": hit.cached_tokens,
+        "errors": int(cold.error is not None) + int(hit.error is not None),
+    }
+
+
+def cache_bytes(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    match = re.search(rb"^mlx_worker_prompt_cache_bytes ([0-9.e+]+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def shared_conversations(client: Client, metrics_port: int, seed: str) -> dict[str, Any]:
+    """Bytes the prompt cache holds after one conversation, then after 16 sharing its prompt."""
+    turns = make_prompts(CONVERSATIONS + 1, SHARED_TOKENS + TURN_TOKENS, client.vocab_size, seed)
+    shared = turns[0][:SHARED_TOKENS]
+    await client.generate(shared + turns[1][:TURN_TOKENS], MAX_TOKENS)
+    one = await _settled_bytes(metrics_port)
+    for turn in turns[2:]:
+        await client.generate(shared + turn[:TURN_TOKENS], MAX_TOKENS)
+    many = await _settled_bytes(metrics_port)
+    return {
+        "one_bytes": one,
+        "many_bytes": many,
+        "conversations": CONVERSATIONS,
+        "ratio": many / one if one else None,
+    }
+
+
+async def _settled_bytes(metrics_port: int) -> float:
+    """The figure after the engine process has reported it (every half second)."""
+    await asyncio.sleep(1.2)
+    return cache_bytes(metrics_port)
+
+
+def model_dirs(model: Path | None) -> dict[str, Path]:
+    """The models the prefix part runs on: the llama and hybrid demos, or the one given."""
+    if model is not None:
+        return {model.name: model}
+    from servicer.demo_model import demo_model_path
+
+    return {kind: demo_model_path(kind) for kind in ("llama", "hybrid")}
