@@ -485,9 +485,9 @@ class Suite:
         flags = [*self.args.worker_flags, "--metrics-port", str(metrics_port)]
         worker = our_worker(model, self.batch, self.log_dir, f"bytes-{kind}", flags)
         with worker:
-            client = self.client(worker)
 
             async def measure() -> dict[str, Any]:
+                client = self.client(worker)
                 try:
                     return await prefix.shared_conversations(client, metrics_port, kind)
                 finally:

@@ -119,6 +119,18 @@ class BlockIndex:
                 best = Match((*chain, tail[0]), tail[1])
         return best
 
+    def shared_length(self, prompt: list[int], keys: tuple[bytes, ...]) -> int:
+        """How many leading tokens `prompt` shares with anything stored, snapshots or not:
+        where a later prompt like it will want to resume."""
+        children, shared = self._roots, 0
+        for key in keys:
+            node = children.get(key)
+            if node is None:
+                break
+            shared, children = node.end, node.children
+        extra = max((_common(n.tokens, prompt, shared) for n in children.values()), default=0)
+        return shared + extra
+
     def _best_tail(
         self, candidates: Any, prompt: list[int], start: int, limit: int
     ) -> tuple[Node, int] | None:

@@ -206,6 +206,7 @@ class DiskTier:
         self._threads: list[threading.Thread] = []
         self.usable = False
         self.reason = ""
+        self.on_load: Callable[[], None] = lambda: None  # wakes the engine
 
     # ----- startup -----
 
@@ -307,6 +308,11 @@ class DiskTier:
     def load(self, key: bytes, entry: DiskEntry) -> None:
         self._loads.put((key, entry.path))
 
+    def _finished(self, done: Completion) -> None:
+        """A load finished: the engine may be idle, waiting for just this."""
+        self._done.append(done)
+        self.on_load()
+
     def completed(self) -> list[Completion]:
         done = []
         while self._done:
@@ -373,10 +379,10 @@ class DiskTier:
                 self.counters.fault("corrupt" if isinstance(exc, ValueError) else "read")
                 self._log.warning("load", "prompt cache file %s unusable: %s", path.name, exc)
                 _unlink(path)
-                self._done.append(Completion("load_failed", key, path))
+                self._finished(Completion("load_failed", key, path))
                 continue
             seconds = time.perf_counter() - started
-            self._done.append(Completion("loaded", key, path, block=block, seconds=seconds))
+            self._finished(Completion("loaded", key, path, block=block, seconds=seconds))
 
 
 def _unlink(path: Path) -> None:

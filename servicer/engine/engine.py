@@ -170,6 +170,8 @@ class Engine:
             max_rows=config.prefill_batch_size,
         )
         store = parts.prefix
+        if parts.prefix is not None and parts.prefix.disk is not None:
+            parts.prefix.disk.disk.on_load = self._inbox.nudge
         self._scheduler = Scheduler(
             parts.admission,
             policy,
@@ -250,15 +252,18 @@ class Engine:
         scheduler, batch = self._scheduler, self._batch
         assert scheduler is not None and batch is not None
         lockstep = self._lockstep
+        store = self.prefix_cache
+        # Requests that only wait for their blocks from disk leave the engine idle: a finished
+        # load wakes it (or a timeout, should the wake be lost).
+        loading = store is not None and store.loading and not batch.rows
         take = self._inbox.take(
-            idle=not batch.rows and not scheduler.waiting,
+            idle=not batch.rows and (not scheduler.waiting or loading),
             quiet_s=self.config.coalesce_quiet_s,
             max_s=self.config.coalesce_max_s,
             burst_size=self.config.prefill_batch_size,
-            timeout_s=lockstep.heartbeat_s if lockstep is not None else None,
+            timeout_s=lockstep.heartbeat_s if lockstep is not None else (0.1 if loading else None),
         )
         scheduler.enqueue(take.requests)
-        store = self.prefix_cache
         if store is not None:
             out.disk_load_seconds.extend(store.collect())
         plan = Plan(stop=take.stopping, check=batch.check)

@@ -27,6 +27,7 @@ class Inbox:
         self._requests: list[GenerationRequest] = []
         self._aborts: set[int] = set()
         self._stopping = False
+        self._nudged = False
 
     def put(self, request: GenerationRequest) -> None:
         with self._cond:
@@ -36,6 +37,12 @@ class Inbox:
     def abort(self, tickets: Iterable[int]) -> None:
         with self._cond:
             self._aborts.update(tickets)
+            self._cond.notify()
+
+    def nudge(self) -> None:
+        """Wake an idle engine with nothing new in the inbox (a disk load finished)."""
+        with self._cond:
+            self._nudged = True
             self._cond.notify()
 
     def stop(self) -> None:
@@ -63,12 +70,12 @@ class Inbox:
                 self._wait_for_work(timeout_s)
                 self._wait_for_burst(quiet_s, max_s, burst_size)
             taken = InboxTake(self._requests, self._aborts, self._stopping)
-            self._requests, self._aborts = [], set()
+            self._requests, self._aborts, self._nudged = [], set(), False
             return taken
 
     def _wait_for_work(self, timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not (self._requests or self._aborts or self._stopping):
+        while not (self._requests or self._aborts or self._stopping or self._nudged):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return

@@ -161,6 +161,10 @@ class DiskLink:
         settled = all(node.ram is not None or node.disk is None for node in nodes)
         return settled or waited > LOAD_TIMEOUT_S  # loaded, given up, or too slow
 
+    @property
+    def loading(self) -> bool:
+        return bool(self._loading)
+
     def admitted(self, ticket: int) -> bool:
         """The request joins the batch now; True when blocks were loaded from disk for it."""
         return self._loading.pop(ticket, None) is not None

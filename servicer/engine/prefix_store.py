@@ -152,11 +152,7 @@ class PrefixStore:
             return []
         end = len(request.prompt) - 1
         points = set(range(self.snapshot_interval, end, self.snapshot_interval))
-        shared = 0
-        for i, key in enumerate(request.block_keys):
-            if key not in self.index:
-                break
-            shared = (i + 1) * self.block_size
+        shared = self.index.shared_length(request.prompt, request.block_keys)
         if 0 < shared < end:
             points.add(shared)
         return sorted(p for p in points if p > start)
@@ -245,6 +241,11 @@ class PrefixStore:
         self.disk.collect()
         self.enforce_budget()
         return self.disk.take_load_seconds()
+
+    @property
+    def loading(self) -> bool:
+        """Some waiting request waits for blocks from disk."""
+        return self.disk is not None and self.disk.loading
 
     def ready(self, request: GenerationRequest) -> bool:
         if self.disk is None:
