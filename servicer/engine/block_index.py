@@ -141,7 +141,8 @@ class BlockIndex:
             tokens = node.tokens
             if self.cuttable:
                 shared = _common(tokens, prompt, start)
-            elif node.snapshot and len(tokens) < self.block_size:
+            elif node.snapshot and len(tokens) < self.block_size and start + len(tokens) <= limit:
+                # A snapshot holds the state after all of its tokens: used whole or not at all.
                 shared = len(tokens) if _common(tokens, prompt, start) == len(tokens) else 0
             else:
                 continue

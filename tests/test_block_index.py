@@ -1,0 +1,50 @@
+"""The block index's rule for the longest reusable prefix (pure, no MLX)."""
+
+from __future__ import annotations
+
+from servicer.blocks import block_keys
+from servicer.engine.block_index import BlockIndex
+
+BLOCK = 4
+
+
+def _index(
+    cuttable: bool, stored: list[tuple[list[int], bool]], block: int = BLOCK
+) -> BlockIndex:
+    """An index holding each token list's blocks (the last one a snapshot if asked)."""
+    index = BlockIndex(block, cuttable)
+    for tokens, snapshot in stored:
+        parent = None
+        for start in range(0, len(tokens), block):
+            piece = tuple(tokens[start : start + block])
+            last = start + block >= len(tokens)
+            parent = index.add(parent, piece, snapshot and last)
+            index.set_ram(parent, object(), 1, snapshot and last)
+    return index
+
+
+def _match(index: BlockIndex, prompt: list[int]) -> int:
+    return index.match(prompt, block_keys(prompt, index.block_size)).length
+
+
+def test_attention_only_reuses_any_length_and_leaves_the_last_token():
+    index = _index(True, [(list(range(10)), False)])
+    assert _match(index, list(range(10))) == 9  # identical: all but the last token
+    assert _match(index, [*range(6), 99, 98]) == 6  # cut inside a block
+    assert _match(index, [*range(10), 5, 6]) == 10
+
+
+def test_uncuttable_state_reuses_only_prefixes_ending_at_a_snapshot():
+    index = _index(False, [(list(range(10)), True)])  # a snapshot at 10 only
+    assert _match(index, [*range(10), 7]) == 10
+    assert _match(index, [*range(9), 99, 98]) == 0  # shares 9, but no snapshot at 9
+
+
+def test_a_snapshot_past_the_last_reusable_token_is_not_cut_back():
+    # A longer prompt left a snapshot after token 33; a 33-token prompt must leave its last
+    # token to the model, and the state after it cannot be rewound: a miss, not a wrong hit.
+    prompt = list(range(33))
+    index = _index(False, [(prompt, True), (prompt[:32], True)], block=64)
+    assert _match(index, prompt) == 32  # the snapshot after 32, never the one after 33
+    lone = _index(False, [(prompt, True)], block=64)
+    assert _match(lone, prompt) == 0
