@@ -8,9 +8,7 @@ from servicer.engine.block_index import BlockIndex
 BLOCK = 4
 
 
-def _index(
-    cuttable: bool, stored: list[tuple[list[int], bool]], block: int = BLOCK
-) -> BlockIndex:
+def _index(cuttable: bool, stored: list[tuple[list[int], bool]], block: int = BLOCK) -> BlockIndex:
     """An index holding each token list's blocks (the last one a snapshot if asked)."""
     index = BlockIndex(block, cuttable)
     for tokens, snapshot in stored:
