@@ -93,9 +93,9 @@ def test_a_shared_prefix_is_stored_once(kind):
     outputs = [_run(running, prompt) for prompt in prompts]
     assert [o.tokens for o in outputs] == [reference.greedy(p, N) for p in prompts]
     assert all(o.complete.cached_tokens >= 1024 for o in outputs[1:]), name
-    shared = [
+    blocks = [
         node
         for node in store.index.ram_nodes()
-        if node.start < 1024 and node.tokens == tuple(prefix[node.start : node.end])
+        if len(node.tokens) == BLOCK and node.tokens == tuple(prefix[node.start : node.end])
     ]
-    assert len(shared) == 4, name  # the prefix's 4 blocks, once, not once per request
+    assert len(blocks) == 4, name  # the prefix's 4 blocks, once, not once per request
