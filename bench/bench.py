@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=3,
         help="pairs per level that may be added when the hypervisor took more than "
-        f"{STEAL_LIMIT:.0%} of the CPU during one (default 3)",
+        f"{STEAL_LIMIT * 100:.0f}%% of the CPU during one (default 3)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)

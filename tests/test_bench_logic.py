@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from support import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -73,3 +75,17 @@ def test_bursts_are_summarised_by_the_median_one_and_all_stay_listed() -> None:
     assert summary["errors"] == 1 and summary["requests"] == 80
     assert summary["bursts"] == bursts
     assert summarize_bursts(bursts[:2])["max_over_p50"] == 2.0  # the higher of two
+
+
+@pytest.mark.parametrize(
+    "script", ["bench.py", "genai.py", "soak.py", "raw.py", "random_model.py", "report.py"]
+)
+def test_every_bench_script_prints_its_help(script: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout
