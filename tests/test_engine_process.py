@@ -65,11 +65,11 @@ def test_a_killed_engine_process_ends_streams_with_a_status_and_the_server_exits
             )
             watcher.start()
             watcher.join(10)
-            elapsed = time.monotonic() - killed
+            elapsed = time.monotonic() - killed  # an upper bound: it includes the last probe
             for call in calls:
                 call.join(60)
         assert worker.wait(60) == 1
-    assert seen == [True] and elapsed < 1.5  # not serving within about a second
+    assert seen == [True] and elapsed < 1.0  # not serving within a second
     for call in calls:
         assert call.outcome.code == grpc.StatusCode.UNAVAILABLE
         assert "engine process exited" in call.outcome.error.details()
