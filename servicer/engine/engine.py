@@ -170,8 +170,8 @@ class Engine:
             max_rows=config.prefill_batch_size,
         )
         store = parts.prefix
-        if parts.prefix is not None and parts.prefix.disk is not None:
-            parts.prefix.disk.disk.on_load = self._inbox.nudge
+        if store is not None and store.disk is not None:
+            store.disk.disk.on_load = self._inbox.nudge
         self._scheduler = Scheduler(
             parts.admission,
             policy,
@@ -220,8 +220,7 @@ class Engine:
         if sample is not None and self._leads:
             assert self._scheduler is not None
             self._scheduler.observe(sample)
-            budget = self.config.max_prefill_stall_ms / 1000
-            if decoding and budget > 0 and sample.seconds > budget:
+            if decoding and self._scheduler.over_budget(sample):
                 out.over_budget += 1
         return report.due
 

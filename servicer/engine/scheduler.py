@@ -160,6 +160,11 @@ class Scheduler:
         """A step's measured prefill: the cost model learns from it."""
         self.cost.observe(sample)
 
+    def over_budget(self, sample: PrefillSample) -> bool:
+        """Whether a step's prefill took longer than the budget allows (while rows decode)."""
+        policy = self._policy
+        return policy.budgeted and sample.seconds > policy.max_stall_s
+
     def release(self, reserved: int) -> None:
         """An admitted request left the batch."""
         self._reserved -= reserved
