@@ -200,19 +200,30 @@ class EngineProcess:
     # ----- the reader thread -----
 
     def _read(self) -> None:
+        """Frames from the child until its socket closes. However it ends, the end is
+        reported: a stop, or the fatal path (never a stream left waiting)."""
         assert self._channel is not None
-        while (frame := self._channel.receive()) is not None:
-            kind, data = frame
-            if kind == STEP:
-                out = DECODE_STEP.decode(data)
-                self._track(out)
-                self._sink.put(out, due=True)
-            elif kind == STATS:
-                self._stats = DECODE_STATS.decode(data)
-            elif kind in (READY, FAILED):
-                self._started = DECODE_STARTED.decode(data)
-                self._ready.set()
-        self._ended()
+        faults = self.config.faults
+        broken: str | None = None
+        try:
+            while (frame := self._channel.receive()) is not None:
+                kind, data = frame
+                if kind == STEP:
+                    if faults is not None:
+                        faults.before_call("reader")
+                    out = DECODE_STEP.decode(data)
+                    self._track(out)
+                    self._sink.put(out, due=True)
+                elif kind == STATS:
+                    self._stats = DECODE_STATS.decode(data)
+                elif kind in (READY, FAILED):
+                    self._started = DECODE_STARTED.decode(data)
+                    self._ready.set()
+        except BaseException as exc:
+            broken = f"reading the engine process's output failed: {type(exc).__name__}: {exc}"
+            log.exception("engine reader failed")
+        finally:
+            self._ended(broken)
 
     def _track(self, out: StepOutput) -> None:
         waiting, running = self._waiting, self._running
@@ -228,12 +239,15 @@ class EngineProcess:
             waiting.discard(failure.ticket)
             running.discard(failure.ticket)
 
-    def _ended(self) -> None:
-        """The child's socket closed: a clean stop, or a death the handlers must hear of."""
+    def _ended(self, broken: str | None = None) -> None:
+        """The child's socket closed, or reading it failed (`broken`): a clean stop, or a
+        death the handlers must hear of (the child is killed if it still runs)."""
+        if broken is not None and self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
         code = self._proc.wait() if self._proc is not None else None
-        if self._stopping and code == 0:
+        if self._stopping and code == 0 and broken is None:
             return
-        self.failure = f"the engine process exited (code {code})"
+        self.failure = broken or f"the engine process exited (code {code})"
         log.error("%s", self.failure)
         self._ready.set()
         self._sink.put(StepOutput(fatal=self.failure), due=True)

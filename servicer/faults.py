@@ -4,17 +4,21 @@ Set with the environment variable MLX_GRPC_WORKER_FAULTS, parts separated by `;`
 `step:3,4` (engine steps 3 and 4 raise, the engine recovers), `die:5` (step 5 kills the engine
 thread), `resolve:2.5` (resolving the model's files takes 2.5 s longer), `load:8` (loading the
 weights takes 8 s longer), `diskfull` (every prompt-cache file write fails with ENOSPC),
-`diskro` (the prompt-cache directory is read-only: EROFS).
-Steps count from 1, from the first step after warm-up.
+`diskro` (the prompt-cache directory is read-only: EROFS), `fetch:2` (the second prompt-cache
+lookup raises), `build:N` (the Nth build of a request's cache from blocks raises), `collect:N`
+(taking in the Nth block loaded from disk raises), `keep:N` (the Nth keeping of blocks raises),
+`reader:N` (the server's reader of the engine process fails on the Nth output frame).
+Steps count from 1, from the first step after warm-up; the other counts from 1 too.
 """
 
 from __future__ import annotations
 
 import errno
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ENV_VAR = "MLX_GRPC_WORKER_FAULTS"
+COUNTED = ("fetch", "build", "collect", "keep", "reader")  # faults at the Nth call of a kind
 
 
 class InjectedFault(RuntimeError):
@@ -33,10 +37,13 @@ class FaultPlan:
     load_delay_s: float = 0.0
     disk_full: bool = False
     disk_read_only: bool = False
+    counted: frozenset[tuple[str, int]] = frozenset()  # (kind, N): the Nth call raises
+    _calls: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
         fail: set[int] = set()
+        counted: set[tuple[str, int]] = set()
         die = None
         delays = {"resolve": 0.0, "load": 0.0}
         disk = {"diskfull": False, "diskro": False}
@@ -54,10 +61,15 @@ class FaultPlan:
                 numbers = []
             if kind == "step" and numbers:
                 fail.update(numbers)
+            elif kind in COUNTED and numbers:
+                counted.update((kind, n) for n in numbers)
             elif kind == "die" and len(numbers) == 1:
                 die = numbers[0]
             else:
-                usage = "'step:N[,M...]', 'die:N', 'resolve:S', 'load:S', 'diskfull', 'diskro'"
+                usage = (
+                    "'step:N[,M...]', 'die:N', 'resolve:S', 'load:S', 'diskfull', 'diskro', "
+                    f"or one of {', '.join(COUNTED)} with ':N[,M...]'"
+                )
                 raise ValueError(f"bad fault spec {part!r}: use {usage}")
         return cls(
             frozenset(fail),
@@ -66,6 +78,7 @@ class FaultPlan:
             delays["load"],
             disk["diskfull"],
             disk["diskro"],
+            frozenset(counted),
         )
 
     def before_step(self, step: int) -> None:
@@ -91,3 +104,9 @@ class FaultPlan:
             raise OSError(errno.EROFS, "Read-only file system (injected)")
         if self.disk_full:
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def before_call(self, kind: str) -> None:
+        """Raise when this is a call of `kind` the plan names (counted per process)."""
+        count = self._calls[kind] = self._calls.get(kind, 0) + 1
+        if (kind, count) in self.counted:
+            raise InjectedFault(f"injected {kind} fault (call {count})")

@@ -175,6 +175,7 @@ class PrefixCacheStats:
     disk_tokens: int = 0
     evictions: int = 0  # blocks that left RAM
     pinned_blocks: int = 0  # held by running requests
+    faults: int = 0  # lookups served cold and blocks not kept because something failed
     dropped_writes: int = 0  # disk writes dropped because the queue was full
     disk_faults: int = 0  # unreadable, corrupt or foreign files, failed writes, a bad directory
 

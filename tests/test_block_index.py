@@ -16,7 +16,7 @@ def _index(cuttable: bool, stored: list[tuple[list[int], bool]], block: int = BL
         for start in range(0, len(tokens), block):
             piece = tuple(tokens[start : start + block])
             last = start + block >= len(tokens)
-            parent = index.add(parent, piece, snapshot and last)
+            parent = index.add(parent, piece)
             index.set_ram(parent, object(), 1, snapshot and last)
     return index
 

@@ -23,6 +23,7 @@ from ..messages import (
     RowFailure,
     StepOutput,
 )
+from ..ratelimit import RateLimitedLog
 from .block_index import Node
 from .constraints import GrammarProcessor
 from .lockstep import LockstepBroken
@@ -94,7 +95,7 @@ class Batch:
         self._on_leave = on_leave
         self._faults = faults
         self._wants_logprobs = wants_logprobs  # only rank 0 sends them anywhere
-        self._errors = ErrorLog()
+        self._errors = RateLimitedLog(log, 10.0)
         self.rows: dict[int, Row] = {}
         self.decode_step_s = 0.0  # a recent step without prefill, smoothed
         self.steps = 0
@@ -135,20 +136,42 @@ class Batch:
             self._drop(row)
             out.events.append(RowEvent(row.ticket, None, FINISH_ABORT))
 
-    def insert(self, admits: list[Admit], hits: list[Hit | None]) -> None:
-        requests = [admit.request for admit in admits]
+    def insert(self, admits: list[Admit], hits: list[Hit | None], out: StepOutput) -> None:
+        """Admitted requests into the generator, with their reused prefixes (whose pins their
+        rows take over). A request whose own parts cannot be built fails alone."""
         sampling = self._sampling
-        chains = [sampling.processors(r) for r in requests]
-        uids = self._generator.insert_segments(
-            [self._segments(a.request, a.cached_tokens) for a in admits],
-            max_tokens=[r.max_tokens for r in requests],
-            caches=[hit.cache if hit is not None else None for hit in hits],
-            all_tokens=[a.request.prompt[: a.cached_tokens] for a in admits],
-            samplers=[sampling.sampler(r.sampling) for r in requests],
-            logits_processors=chains,
-            stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
-        )
-        for uid, admit, chain, hit in zip(uids, admits, chains, hits, strict=True):
+        parts = []
+        for admit, hit in zip(admits, hits, strict=True):
+            request = admit.request
+            try:
+                chain = sampling.processors(request)
+                segments = self._segments(request, admit.cached_tokens)
+                parts.append((admit, hit, chain, segments))
+            except Exception as exc:
+                message = f"preparing the request failed: {type(exc).__name__}: {exc}"
+                out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, message))
+                if hit is not None and self._prefix is not None:
+                    self._prefix.release(hit.nodes)
+                self._on_leave(admit)
+        if not parts:
+            return
+        requests = [admit.request for admit, _, _, _ in parts]
+        try:
+            uids = self._generator.insert_segments(
+                [segments for _, _, _, segments in parts],
+                max_tokens=[r.max_tokens for r in requests],
+                caches=[hit.cache if hit is not None else None for _, hit, _, _ in parts],
+                all_tokens=[a.request.prompt[: a.cached_tokens] for a, _, _, _ in parts],
+                samplers=[sampling.sampler(r.sampling) for r in requests],
+                logits_processors=[chain for _, _, chain, _ in parts],
+                stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
+            )
+        except BaseException:
+            for _, hit, _, _ in parts:
+                if hit is not None and self._prefix is not None:
+                    self._prefix.release(hit.nodes)
+            raise
+        for uid, (admit, hit, chain, _) in zip(uids, parts, strict=True):
             grammar = next((p for p in chain if isinstance(p, GrammarProcessor)), None)
             left = len(admit.request.prompt) - admit.cached_tokens
             blocks = hit.nodes if hit is not None else ()
@@ -289,8 +312,11 @@ class Batch:
 
     def recover(self, exc: Exception, plan: Plan, out: StepOutput) -> None:
         """A failed step fails the requests in the batch; a fresh generator serves the rest."""
-        failed = self.tickets() | {admit.request.ticket for admit in plan.admits}
-        self._errors.report(exc, len(failed))
+        already = {failure.ticket for failure in out.failures}
+        failed = (self.tickets() | {admit.request.ticket for admit in plan.admits}) - already
+        self._errors.error(
+            "step", "engine step failed (%d requests failed)", len(failed), exc_info=exc
+        )
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         # Events already produced this step are void: those requests end with the error.
         out.events[:] = [e for e in out.events if e.ticket not in failed]
@@ -324,26 +350,3 @@ def check_same_prefix(cached: int, expected: int) -> None:
     """A follower's prefix lookup must agree with rank 0's."""
     if cached != expected:
         raise LockstepBroken("the ranks' prefix caches disagree")
-
-
-class ErrorLog:
-    """Logs step failures with a traceback at most once per interval, counting the rest."""
-
-    def __init__(self, interval_s: float = 10.0) -> None:
-        self._interval_s = interval_s
-        self._last = float("-inf")
-        self._suppressed = 0
-
-    def report(self, exc: Exception, failed: int) -> None:
-        now = time.monotonic()
-        if now - self._last < self._interval_s:
-            self._suppressed += 1
-            return
-        log.error(
-            "engine step failed (%d requests failed; %d similar errors since the last report)",
-            failed,
-            self._suppressed,
-            exc_info=exc,
-        )
-        self._last = now
-        self._suppressed = 0

@@ -25,17 +25,24 @@ class Node:
     parent: Node | None
     tokens: tuple[int, ...]
     start: int  # position of its first token
-    snapshot: bool  # the uncuttable state at its end is kept too
     ram: Any = None  # what the RAM tier holds for it
     ram_bytes: int = 0
+    ram_snapshot: bool = False  # the RAM copy holds the uncuttable state at its end
     disk: Any = None  # what the disk tier knows of its file
     disk_bytes: int = 0
+    disk_snapshot: bool = False  # the file holds that state
     pins: int = 0
     children: dict[bytes, Node] = field(default_factory=dict)
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def snapshot(self) -> bool:
+        """The uncuttable state at its end can be had: from RAM when the block is there (a
+        RAM copy is what a hit uses), else from its file."""
+        return self.ram_snapshot if self.ram is not None else self.disk_snapshot
 
     def chain(self) -> list[Node]:
         """This node and its ancestors, root first."""
@@ -153,24 +160,23 @@ class BlockIndex:
 
     # ----- changing -----
 
-    def add(
-        self, parent: Node | None, tokens: tuple[int, ...], snapshot: bool, key: bytes | None = None
-    ) -> Node:
-        """The node for `tokens` under `parent` (made if new; a snapshot only adds)."""
+    def add(self, parent: Node | None, tokens: tuple[int, ...], key: bytes | None = None) -> Node:
+        """The node for `tokens` under `parent` (made if new; it holds nothing until a tier
+        says so)."""
         key = key or block_key(parent.key if parent is not None else ROOT, tokens)
         node = self._nodes.get(key)
         if node is None:
             start = parent.end if parent is not None else 0
-            node = Node(key, parent, tokens, start, snapshot)
+            node = Node(key, parent, tokens, start)
             self._nodes[key] = node
             (parent.children if parent is not None else self._roots)[key] = node
         return node
 
     def set_ram(self, node: Node, payload: Any, nbytes: int, snapshot: bool) -> None:
+        """The RAM tier holds `payload` for `node` (`snapshot`: with the state at its end)."""
         if node.ram is not None:
             self.ram_bytes -= node.ram_bytes
-        node.ram, node.ram_bytes = payload, nbytes
-        node.snapshot = node.snapshot or snapshot
+        node.ram, node.ram_bytes, node.ram_snapshot = payload, nbytes, snapshot
         self.ram_bytes += nbytes
         self._ram[node.key] = node
         self._ram.move_to_end(node.key)
@@ -180,17 +186,18 @@ class BlockIndex:
         if node.ram is None:
             return
         self.ram_bytes -= node.ram_bytes
-        node.ram, node.ram_bytes = None, 0
+        node.ram, node.ram_bytes, node.ram_snapshot = None, 0, False
         self._ram.pop(node.key, None)
         if node.disk is None and not keep:
             self.remove(node)
 
-    def set_disk(self, node: Node, entry: Any, nbytes: int) -> None:
+    def set_disk(self, node: Node, entry: Any, nbytes: int, snapshot: bool) -> None:
+        """The disk tier holds the file `entry` for `node` (`snapshot`: with the state)."""
         if node.disk is not None:
             self.disk_bytes -= node.disk_bytes
         else:
             self.disk_blocks += 1
-        node.disk, node.disk_bytes = entry, nbytes
+        node.disk, node.disk_bytes, node.disk_snapshot = entry, nbytes, snapshot
         self.disk_bytes += nbytes
 
     def drop_disk(self, node: Node) -> Any:
@@ -198,7 +205,7 @@ class BlockIndex:
         if entry is not None:
             self.disk_bytes -= node.disk_bytes
             self.disk_blocks -= 1
-            node.disk, node.disk_bytes = None, 0
+            node.disk, node.disk_bytes, node.disk_snapshot = None, 0, False
             if node.ram is None:
                 self.remove(node)
         return entry

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -30,13 +31,14 @@ from typing import Any
 import numpy as np
 
 from ..faults import FaultPlan
+from ..ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"MLXPBLK1"
 FORMAT = 1
 _SUFFIX = ".blk"
-_DTYPES = {  # MLX dtype name -> (numpy dtype to read the bytes back as, MLX view or None)
+ARRAY_DTYPES = {  # MLX dtype name -> (numpy dtype to read the bytes back as, MLX view or None)
     "float32": ("float32", None),
     "float16": ("float16", None),
     "bfloat16": ("uint16", "bfloat16"),
@@ -73,33 +75,25 @@ class BlockFile:
 
 @dataclass
 class Completion:
+    """What a disk thread finished, for the engine thread to take in (and count)."""
+
     kind: str  # "written", "write_failed", "loaded", "load_failed"
     key: bytes
     path: Path | None = None
     nbytes: int = 0
     block: BlockFile | None = None
     seconds: float = 0.0
+    snapshot: bool = False  # a written file holds the snapshot
+    fault: str | None = None  # the kind of fault, for a failure
+    message: str = ""
 
 
 @dataclass
 class DiskCounters:
+    """Counted on the engine thread only (the disk threads report through completions)."""
+
     dropped_writes: int = 0
     faults: dict[str, int] = field(default_factory=dict)
-
-    def fault(self, kind: str) -> None:
-        self.faults[kind] = self.faults.get(kind, 0) + 1
-
-
-class _RateLimitedLog:
-    def __init__(self, interval_s: float = 30.0) -> None:
-        self._interval_s = interval_s
-        self._last: dict[str, float] = {}
-
-    def warning(self, kind: str, message: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, float("-inf")) >= self._interval_s:
-            self._last[kind] = now
-            log.warning(message, *args)
 
 
 def encode(block: BlockFile, model_id: str, arrays: list[memoryview]) -> list[bytes]:
@@ -122,6 +116,31 @@ def encode(block: BlockFile, model_id: str, arrays: list[memoryview]) -> list[by
     return [*pieces, digest.digest()]
 
 
+def _parse_header(head: bytes, model_id: str) -> dict[str, Any]:
+    header = json.loads(head)
+    if header.get("format") != FORMAT or header.get("model") != model_id:
+        raise ValueError("a block file of another model or format")
+    return header
+
+
+def _block(header: dict[str, Any], arrays: list[np.ndarray] | None = None) -> BlockFile:
+    parent = bytes.fromhex(header["parent"]) if header["parent"] else None
+    return BlockFile(
+        bytes.fromhex(header["key"]),
+        parent,
+        int(header["start"]),
+        tuple(header["tokens"]),
+        bool(header["snapshot"]),
+        header["meta"],
+        arrays or [],
+    )
+
+
+def _file_size(head_length: int, header: dict[str, Any]) -> int:
+    payload = sum(int(a["nbytes"]) for a in header["meta"]["arrays"])
+    return len(MAGIC) + 4 + head_length + payload + 32
+
+
 def read_header(path: Path, model_id: str) -> tuple[BlockFile, int]:
     """A file's header (the size is checked, the contents are not); ValueError when it is
     not a whole block file of this model."""
@@ -129,24 +148,11 @@ def read_header(path: Path, model_id: str) -> tuple[BlockFile, int]:
         if file.read(len(MAGIC)) != MAGIC:
             raise ValueError("not a block file")
         (length,) = struct.unpack("<I", file.read(4))
-        header = json.loads(file.read(length))
-    if header.get("format") != FORMAT or header.get("model") != model_id:
-        raise ValueError("a block file of another model or format")
-    meta = header["meta"]
-    payload = sum(int(a["nbytes"]) for a in meta["arrays"])
-    size = len(MAGIC) + 4 + length + payload + 32
+        header = _parse_header(file.read(length), model_id)
+    size = _file_size(length, header)
     if path.stat().st_size != size:
         raise ValueError(f"truncated: {path.stat().st_size} of {size} bytes")
-    parent = bytes.fromhex(header["parent"]) if header["parent"] else None
-    block = BlockFile(
-        bytes.fromhex(header["key"]),
-        parent,
-        int(header["start"]),
-        tuple(header["tokens"]),
-        bool(header["snapshot"]),
-        meta,
-    )
-    return block, size
+    return _block(header), size
 
 
 def read_block(path: Path, model_id: str) -> BlockFile:
@@ -158,27 +164,18 @@ def read_block(path: Path, model_id: str) -> BlockFile:
         raise ValueError("not a block file")
     (length,) = struct.unpack("<I", data[len(MAGIC) : len(MAGIC) + 4])
     offset = len(MAGIC) + 4
-    header = json.loads(data[offset : offset + length])
-    if header.get("format") != FORMAT or header.get("model") != model_id:
-        raise ValueError("a block file of another model or format")
+    header = _parse_header(data[offset : offset + length], model_id)
+    if len(data) != _file_size(length, header):
+        raise ValueError("its arrays do not fill it")
     offset += length
     arrays = []
     for spec in header["meta"]["arrays"]:
-        numpy_dtype = _DTYPES[spec["dtype"]][0]
+        numpy_dtype = ARRAY_DTYPES[spec["dtype"]][0]
         count = int(spec["nbytes"])
         raw = np.frombuffer(data, dtype=np.uint8, count=count, offset=offset)
         arrays.append(raw.view(numpy_dtype).reshape(spec["shape"]))
         offset += count
-    parent = bytes.fromhex(header["parent"]) if header["parent"] else None
-    return BlockFile(
-        bytes.fromhex(header["key"]),
-        parent,
-        int(header["start"]),
-        tuple(header["tokens"]),
-        bool(header["snapshot"]),
-        header["meta"],
-        arrays,
-    )
+    return _block(header, arrays)
 
 
 class DiskTier:
@@ -197,8 +194,8 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.dir = root / model_id
         self.counters = DiskCounters()
-        self._faults = faults
-        self._log = _RateLimitedLog()
+        self.faults = faults
+        self._log = RateLimitedLog(log, 30.0)
         self._lock_file: Any = None
         self._writes: queue.Queue[Any] = queue.Queue(queue_size)
         self._loads: queue.Queue[Any] = queue.Queue()
@@ -214,8 +211,8 @@ class DiskTier:
         """Create and lock the directory (DiskTierError if another worker holds it); any
         other failure leaves the tier unusable (every lookup on it a miss) and says why."""
         try:
-            if self._faults is not None:
-                self._faults.before_disk_open()
+            if self.faults is not None:
+                self.faults.before_disk_open()
             self.dir.mkdir(parents=True, exist_ok=True)
             lock_path = self.dir / "lock"
             self._lock_file = open(lock_path, "a+")  # noqa: SIM115 (held for the process)
@@ -241,7 +238,7 @@ class DiskTier:
             raise
         except OSError as exc:
             self.reason = f"the prompt cache directory {self.dir} cannot be used: {exc}"
-            self.counters.fault("directory")
+            self._count("directory")
             log.error("%s; the disk tier is off (every lookup there is a miss)", self.reason)
             return
         self.usable = True
@@ -269,8 +266,7 @@ class DiskTier:
             try:
                 block, size = read_header(path, self.model_id)
             except Exception as exc:  # any file that cannot be read whole is a miss
-                self.counters.fault("corrupt")
-                self._log.warning("scan", "ignoring prompt cache file %s: %s", path.name, exc)
+                self.fault("corrupt", f"ignoring prompt cache file {path.name}: {exc}")
                 _unlink(path)
                 continue
             found.append((block, path, size))
@@ -314,10 +310,22 @@ class DiskTier:
         self.on_load()
 
     def completed(self) -> list[Completion]:
+        """What the threads finished since the last call; their faults are counted here."""
         done = []
         while self._done:
-            done.append(self._done.popleft())
+            item = self._done.popleft()
+            if item.fault is not None:
+                self.fault(item.fault, item.message)
+            done.append(item)
         return done
+
+    def fault(self, kind: str, message: str) -> None:
+        """A fault of this tier (engine thread): counted, and logged at most every 30 s."""
+        self._count(kind)
+        self._log.warning(kind, "%s", message)
+
+    def _count(self, kind: str) -> None:
+        self.counters.faults[kind] = self.counters.faults.get(kind, 0) + 1
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish the queued writes (at most `timeout_s`), stop the threads, unlock."""
@@ -345,15 +353,17 @@ class DiskTier:
                 nbytes = self._write_file(path, encode(block, self.model_id, arrays))
             except OSError as exc:
                 kind = "disk_full" if exc.errno == errno.ENOSPC else "write"
-                self.counters.fault(kind)
-                self._log.warning(kind, "prompt cache write failed (%s): %s", kind, exc)
-                self._done.append(Completion("write_failed", block.key))
+                message = f"prompt cache write failed ({kind}): {exc}"
+                self._done.append(
+                    Completion("write_failed", block.key, fault=kind, message=message)
+                )
                 continue
-            self._done.append(Completion("written", block.key, path, nbytes))
+            written = Completion("written", block.key, path, nbytes, snapshot=block.snapshot)
+            self._done.append(written)
 
     def _write_file(self, path: Path, pieces: list[bytes]) -> int:
-        if self._faults is not None:
-            self._faults.before_disk_write()
+        if self.faults is not None:
+            self.faults.before_disk_write()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "wb") as file:
@@ -376,10 +386,10 @@ class DiskTier:
                 if block.key != key:
                     raise ValueError("the file holds another block")
             except Exception as exc:  # any file that cannot be read whole is a miss
-                self.counters.fault("corrupt" if isinstance(exc, ValueError) else "read")
-                self._log.warning("load", "prompt cache file %s unusable: %s", path.name, exc)
+                kind = "corrupt" if isinstance(exc, ValueError) else "read"
+                message = f"prompt cache file {path.name} unusable: {exc}"
                 _unlink(path)
-                self._finished(Completion("load_failed", key, path))
+                self._finished(Completion("load_failed", key, path, fault=kind, message=message))
                 continue
             seconds = time.perf_counter() - started
             self._finished(Completion("loaded", key, path, block=block, seconds=seconds))
@@ -390,11 +400,16 @@ def _unlink(path: Path) -> None:
         path.unlink()
 
 
-def model_identity(model_dir: Path, adapter_path: str | None, block_size: int) -> str:
-    """A digest of what decides a block's contents: config, tokenizer files, the weights
-    (their sizes, safetensors headers and samples of their bytes, not all of them), the
-    adapter, and the block size."""
-    digest = hashlib.sha256(f"format {FORMAT} block {block_size}".encode())
+def model_identity(
+    model_dir: Path, adapter_path: str | None, block_size: int, layers: tuple[str, ...]
+) -> str:
+    """A digest of what decides a block's contents and how it is read back: config, tokenizer
+    files, the weights (their sizes, safetensors headers and samples of their bytes, not all
+    of them), the adapter, the block size, the cache class of each layer (`layers`), and the
+    versions of MLX and mlx-lm (an upgrade may change what a cache's state holds)."""
+    versions = f"mlx {_version('mlx.core')} mlx-lm {_version('mlx_lm')}"
+    digest = hashlib.sha256(f"format {FORMAT} block {block_size} {versions}".encode())
+    digest.update(" ".join(layers).encode())
     dirs = [model_dir] + ([Path(adapter_path)] if adapter_path else [])
     for directory in dirs:
         for path in sorted(directory.iterdir()):
@@ -408,6 +423,10 @@ def model_identity(model_dir: Path, adapter_path: str | None, block_size: int) -
     return digest.hexdigest()[:32]
 
 
+def _version(module: str) -> str:
+    return str(getattr(importlib.import_module(module), "__version__", "unknown"))
+
+
 def _sample(path: Path, digest: Any, piece: int = 1 << 20) -> None:
     size = path.stat().st_size
     digest.update(str(size).encode())
@@ -415,6 +434,3 @@ def _sample(path: Path, digest: Any, piece: int = 1 << 20) -> None:
         for offset in sorted({0, max(0, size // 2 - piece // 2), max(0, size - piece)}):
             file.seek(offset)
             digest.update(file.read(piece))
-
-
-Installer = Callable[[BlockFile], None]

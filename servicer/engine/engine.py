@@ -21,10 +21,12 @@ from ..messages import (
     EngineCapabilities,
     EngineLoad,
     EngineStartupError,
+    FailureKind,
     GenerationRequest,
     ModelInfo,
     PrefixCacheStats,
     RowEvent,
+    RowFailure,
     StepOutput,
 )
 from .batch import Batch, check_same_prefix
@@ -276,33 +278,56 @@ class Engine:
             return plan
         choice = scheduler.schedule(batch.view())
         plan.chunk = choice.chunk
+        for request, reason in choice.failed:
+            self._fail_alone(request.ticket, reason, out)
         for admit in choice.admits:
-            ticket = admit.request.ticket
-            from_disk = store.admitted(ticket) if store is not None else False
-            hit = batch.lookup(admit.request, from_disk)
-            self._fetched[ticket] = hit
-            cached = hit.length if hit is not None else 0
-            plan.admits.append(Admit(admit.request, admit.reserved, cached))
+            plan.admits.append(self._with_prefix(admit, out))
         return plan
 
+    def _with_prefix(self, admit: Admit, out: StepOutput) -> Admit:
+        """`admit` with its cached prefix fetched (kept for `_apply`); the store turns its own
+        faults into a miss."""
+        store = self.prefix_cache
+        ticket = admit.request.ticket
+        hit = None
+        if store is not None:
+            from_disk = store.admitted(ticket)
+            hit = store.fetch(admit.request, from_disk)
+        self._fetched[ticket] = hit
+        return Admit(admit.request, admit.reserved, hit.length if hit is not None else 0)
+
+    def _fail_alone(self, ticket: int, reason: str, out: StepOutput) -> None:
+        out.failures.append(RowFailure(ticket, FailureKind.INTERNAL, reason))
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(ticket)
+
     def _apply(self, plan: Plan, out: StepOutput) -> None:
-        """Remove aborted rows and insert admitted requests: the same on every rank."""
+        """Remove aborted rows and insert admitted requests: the same on every rank. The
+        prefixes fetched for the plan are pinned until their rows own them; whatever goes
+        wrong before that releases them."""
         batch = self._batch
         assert batch is not None
-        batch.set_chunk(plan.chunk)
-        if plan.aborts:
-            batch.remove(plan.aborts, out)
-        if not plan.admits:
-            return
-        hits = []
-        for admit in plan.admits:
-            if self._leads:
-                hit = self._fetched.pop(admit.request.ticket)
-            else:
-                hit = batch.lookup(admit.request)
-                check_same_prefix(hit.length if hit is not None else 0, admit.cached_tokens)
-            hits.append(hit)
-        batch.insert(plan.admits, hits)
+        hits = [self._take_fetched(admit) for admit in plan.admits]
+        try:
+            batch.set_chunk(plan.chunk)
+            if plan.aborts:
+                batch.remove(plan.aborts, out)
+        except BaseException:
+            if self.prefix_cache is not None:
+                for hit in hits:
+                    if hit is not None:
+                        self.prefix_cache.release(hit.nodes)
+            raise
+        if plan.admits:
+            batch.insert(plan.admits, hits, out)  # it owns the pins from here
+
+    def _take_fetched(self, admit: Admit) -> Hit | None:
+        if self._leads:
+            return self._fetched.pop(admit.request.ticket)
+        assert self._batch is not None
+        hit = self._batch.lookup(admit.request)
+        check_same_prefix(hit.length if hit is not None else 0, admit.cached_tokens)
+        return hit
 
     def _end_all(self, out: StepOutput) -> None:
         assert self._batch is not None and self._scheduler is not None

@@ -16,22 +16,24 @@ from ..blocks import ROOT, block_key
 from ..messages import GenerationRequest
 from .block_data import BlockData, arrays_of
 from .block_index import BlockIndex, Match, Node
-from .disk_tier import _DTYPES, BlockFile, Completion, DiskEntry, DiskTier
+from .disk_tier import ARRAY_DTYPES, BlockFile, Completion, DiskEntry, DiskTier
 
 LOAD_TIMEOUT_S = 10.0  # a request waits this long for its blocks from disk, at most
 
 
 class DiskLink:
-    def __init__(self, index: BlockIndex, disk: DiskTier) -> None:
+    def __init__(self, index: BlockIndex, layout: Any, disk: DiskTier) -> None:
         self.index = index
+        self.layout = layout  # the store's CacheLayout: what a loaded block must fit
         self.disk = disk
         self.load_seconds: list[float] = []  # disk loads finished since the last report
         self._loading: dict[int, tuple[tuple[Node, ...], float]] = {}  # ticket -> blocks
 
     def spill(self, node: Node, data: BlockData) -> None:
-        """A block leaving RAM: to disk, unless a copy is there already. The node stays in the
-        index (pinned) until the write is done; a write that cannot start drops it."""
-        if node.disk is not None:
+        """A block leaving RAM: to disk, unless its file holds all that RAM held (a file
+        without the snapshot RAM had is written again). The node stays in the index (pinned)
+        until the write is done; a write that cannot start drops it, unless a file is there."""
+        if node.disk is not None and (node.disk_snapshot or data.states is None):
             return
         if not self.disk.usable:
             self.index.remove(node)
@@ -39,7 +41,8 @@ class DiskLink:
         self.index.pin([node])
         if not self._write(node, data):
             self.index.unpin([node])
-            self.index.remove(node)
+            if node.disk is None:
+                self.index.remove(node)
 
     def index_files(self) -> None:
         """Put the files a previous run left into the index (at startup)."""
@@ -53,8 +56,8 @@ class DiskLink:
             if key != block.key:
                 disk.delete(DiskEntry(path))
                 continue
-            node = self.index.add(parent, block.tokens, block.snapshot, key)
-            self.index.set_disk(node, DiskEntry(path), size)
+            node = self.index.add(parent, block.tokens, key)
+            self.index.set_disk(node, DiskEntry(path), size, block.snapshot)
         self._enforce_disk_budget()
 
     def close(self, flush_s: float = 10.0) -> None:
@@ -86,7 +89,8 @@ class DiskLink:
             for a in arrays
         ]
         parent = node.parent.key if node.parent is not None else None
-        block = BlockFile(node.key, parent, node.start, node.tokens, node.snapshot, meta)
+        snapshot = data.states is not None
+        block = BlockFile(node.key, parent, node.start, node.tokens, snapshot, meta)
         try:
             views = [memoryview(a) for a in arrays]
         except Exception:  # a dtype the buffer protocol cannot show: RAM only
@@ -109,13 +113,28 @@ class DiskLink:
             elif node is not None:
                 self.index.unpin([node])
                 if done.kind == "loaded" and done.block is not None and node.ram is None:
-                    data = _from_file(done.block)
-                    mx.eval(arrays_of(data))
-                    self.index.set_ram(node, data, data.nbytes, node.snapshot)
-                    self.load_seconds.append(done.seconds)
+                    self._install(node, done)
                 elif done.kind == "load_failed":
                     self.index.drop_disk(node)
         self._enforce_disk_budget()
+
+    def _install(self, node: Node, done: Completion) -> None:
+        """A loaded block into RAM, once it is checked against the model's layout; one that
+        does not fit is a fault, and its file goes."""
+        assert done.block is not None
+        try:
+            if self.disk.faults is not None:
+                self.disk.faults.before_call("collect")
+            data = _from_file(done.block, self.layout)
+            mx.eval(arrays_of(data))
+        except Exception as exc:  # any block that cannot be taken in is a miss
+            self.disk.fault("install", f"prompt cache file for block {node.start} unusable: {exc}")
+            entry = self.index.drop_disk(node)
+            if entry is not None:
+                self.disk.delete(entry)
+            return
+        self.index.set_ram(node, data, data.nbytes, data.states is not None)
+        self.load_seconds.append(done.seconds)
 
     def _written(self, node: Node | None, done: Completion) -> None:
         if node is None:
@@ -124,8 +143,8 @@ class DiskLink:
             return
         self.index.unpin([node])
         if done.kind == "written" and done.path is not None:
-            self.index.set_disk(node, DiskEntry(done.path), done.nbytes)
-        elif node.ram is None:
+            self.index.set_disk(node, DiskEntry(done.path), done.nbytes, done.snapshot)
+        elif node.ram is None and node.disk is None:
             self.index.remove(node)
 
     def _enforce_disk_budget(self) -> None:
@@ -194,19 +213,34 @@ def _unflatten(spec: Any, arrays: list[mx.array]) -> Any:
     return spec["value"]
 
 
-def _from_file(block: BlockFile) -> BlockData:
-    """A loaded block file as a RAM block (on the engine thread: it makes MLX arrays)."""
+def _from_file(block: BlockFile, layout: Any) -> BlockData:
+    """A loaded block file as a RAM block (on the engine thread: it makes MLX arrays),
+    checked against the model's cache layout: ValueError when it does not fit."""
     meta = block.meta
     arrays = []
     for spec, raw in zip(meta["arrays"], block.arrays, strict=True):
         array = mx.array(np.ascontiguousarray(raw))
-        view = _DTYPES[spec["dtype"]][1]
+        view = ARRAY_DTYPES[spec["dtype"]][1]
         arrays.append(array.view(getattr(mx, view)) if view else array)
     count = meta["kv_layers"]
+    if count != len(layout.kv):
+        raise ValueError(f"{count} KV layers, the model has {len(layout.kv)}")
     kv = [(arrays[2 * i], arrays[2 * i + 1]) for i in range(count)]
+    for keys, values in kv:
+        if (
+            keys.ndim != 4
+            or keys.shape[2] != len(block.tokens)
+            or values.shape[:3] != keys.shape[:3]
+        ):
+            raise ValueError(f"KV of shape {keys.shape} for {len(block.tokens)} tokens")
     rest = arrays[2 * count :]
     states = {}
     for layer, spec in meta["states"].items():
+        index = int(layer)
+        if index not in layout.state_layers or spec["cls"] != layout.classes[index]:
+            raise ValueError(f"a {spec['cls']} state for layer {index}")
         cls = getattr(mlx_cache, spec["cls"])
-        states[int(layer)] = cls.from_state(_unflatten(spec["state"], rest))
+        states[index] = cls.from_state(_unflatten(spec["state"], rest))
+    if block.snapshot != bool(states) or (states and len(states) != len(layout.state_layers)):
+        raise ValueError("its snapshot does not match its header")
     return BlockData(kv, states or None)

@@ -18,7 +18,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..blocks import ROOT, block_key
+from ..faults import FaultPlan
 from ..messages import GenerationRequest, PrefixCacheStats
+from ..ratelimit import RateLimitedLog
 from .block_data import BlockData, arrays_of
 from .block_index import BlockIndex, Match, Node
 from .disk_tier import DiskTier
@@ -31,20 +33,31 @@ RAM, DISK = "ram", "disk"
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """Which of the model's cache layers hold attention KV (cuttable at any token)."""
+    """The class of each of the model's cache layers, and which of them hold attention KV
+    (cuttable at any token)."""
 
-    layers: int
+    classes: tuple[str, ...]
     kv: tuple[int, ...]
 
     @classmethod
     def of(cls, model: Any) -> CacheLayout:
         caches = make_prompt_cache(model)
         kv = tuple(i for i, c in enumerate(caches) if type(c) is KVCache)
-        return cls(len(caches), kv)
+        return cls(tuple(type(c).__name__ for c in caches), kv)
+
+    @property
+    def layers(self) -> int:
+        return len(self.classes)
 
     @property
     def cuttable(self) -> bool:
         return len(self.kv) == self.layers
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers whose state is kept whole, at snapshots."""
+        kv = set(self.kv)
+        return tuple(i for i in range(self.layers) if i not in kv)
 
 
 @dataclass
@@ -57,9 +70,14 @@ class TierCounts:
 class StoreCounters:
     misses: int = 0
     evictions: int = 0
+    faults: int = 0  # hits that could not be served (a miss instead) and blocks not kept
     by_tier: dict[str, TierCounts] = field(
         default_factory=lambda: {RAM: TierCounts(), DISK: TierCounts()}
     )
+
+
+class UnusableBlock(ValueError):
+    """A block's data cannot serve the match the index promised: the request is a miss."""
 
 
 @dataclass(frozen=True)
@@ -80,16 +98,19 @@ class PrefixStore:
         max_bytes: int,
         max_blocks: int = 1 << 20,
         disk: DiskTier | None = None,
+        faults: FaultPlan | None = None,
     ) -> None:
         """Blocks evicted from RAM go to `disk` when there is one."""
         self.layout = layout
+        self.faults = faults
+        self._log = RateLimitedLog(log, 30.0)
         self.block_size = block_size
         self.snapshot_interval = max(block_size, snapshot_interval // block_size * block_size)
         self.max_bytes = max_bytes
         self.max_blocks = max_blocks
         self.index = BlockIndex(block_size, layout.cuttable)
         self.counters = StoreCounters()
-        self.disk = DiskLink(self.index, disk) if disk is not None else None
+        self.disk = DiskLink(self.index, layout, disk) if disk is not None else None
         if self.disk is not None:
             self.disk.index_files()
 
@@ -99,27 +120,38 @@ class PrefixStore:
         return self.index.match(request.prompt, request.block_keys)
 
     def fetch(self, request: GenerationRequest, from_disk: bool = False) -> Hit | None:
-        """A private cache for the longest reusable prefix in RAM (None: a miss). The blocks
-        are pinned until `release`. `from_disk`: some of them were loaded for it."""
-        match = self.match(request)
-        if match.on_disk:  # they could not be loaded in time: the part in RAM, if any
-            keep = next(i for i, node in enumerate(match.nodes) if node.ram is None)
-            match = self._shorter(match, keep)
+        """A private cache for the longest reusable prefix in RAM (None: a miss, also when
+        anything goes wrong: the request is then served cold). The blocks are pinned until
+        `release`. `from_disk`: some of them were loaded for it."""
+        try:
+            self._inject("fetch")
+            return self._fetch(request, from_disk)
+        except Exception as exc:
+            self.counters.misses += 1
+            self._fault("fetch", "a prompt cache lookup failed, the request is served cold", exc)
+            return None
+
+    def _fetch(self, request: GenerationRequest, from_disk: bool) -> Hit | None:
+        match = self._usable(self.match(request))
         if not match.length:
             self.counters.misses += 1
             return None
+        cache = self._build(match)
         counts = self.counters.by_tier[DISK if from_disk else RAM]
         counts.hits += 1
         counts.tokens += match.length
         self.index.touch(match.nodes)
         self.index.pin(match.nodes)
-        return Hit(self._build(match), match.nodes, match.length)
+        return Hit(cache, match.nodes, match.length)
 
-    def _shorter(self, match: Match, count: int) -> Match:
-        """The longest usable match within the first `count` of its blocks."""
+    def _usable(self, match: Match) -> Match:
+        """The longest part of `match` a hit can be built from now: its blocks in RAM and,
+        for a model whose state cannot be cut, ending where RAM holds that state."""
+        in_ram = next((i for i, node in enumerate(match.nodes) if node.ram is None), None)
+        count = len(match.nodes) if in_ram is None else in_ram
         for depth in range(count, 0, -1):
             node = match.nodes[depth - 1]
-            if self.layout.cuttable or node.snapshot:
+            if self.layout.cuttable or node.ram_snapshot:
                 return Match(match.nodes[:depth], min(node.end, match.length))
         return Match()
 
@@ -127,17 +159,26 @@ class PrefixStore:
         self.index.unpin(nodes)
 
     def _build(self, match: Match) -> list[Any]:
+        """The request's cache from its blocks' RAM copies; `UnusableBlock` when they cannot
+        make one (the request is then served cold)."""
+        self._inject("build")
         length = match.length
         cache: list[Any] = [None] * self.layout.layers
+        for node in match.nodes:
+            if len(node.ram.kv) != len(self.layout.kv):
+                raise UnusableBlock(f"block at {node.start} holds {len(node.ram.kv)} KV layers")
         for j, layer in enumerate(self.layout.kv):
             keys = mx.concatenate([node.ram.kv[j][0] for node in match.nodes], axis=2)
             values = mx.concatenate([node.ram.kv[j][1] for node in match.nodes], axis=2)
+            if keys.shape[2] < length or values.shape[2] < length:
+                raise UnusableBlock(f"the blocks hold {keys.shape[2]} of {length} tokens")
             kv = KVCache()
             kv.state = (keys[..., :length, :], values[..., :length, :], length)
             cache[layer] = kv
         if not self.layout.cuttable:
             states = match.nodes[-1].ram.states
-            assert states is not None, "a non-cuttable match ends at a snapshot"
+            if states is None or set(states) != set(self.layout.state_layers):
+                raise UnusableBlock(f"the block ending at {length} holds no snapshot")
             for layer, state in states.items():
                 cache[layer] = copy.deepcopy(state)
         return cache
@@ -159,18 +200,27 @@ class PrefixStore:
 
     def keep(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
         """Store the blocks of `cache`, which holds exactly `tokens`; with `snapshot`, the
-        uncuttable state at its end too. Blocks already kept are not kept again."""
+        uncuttable state at its end too. Blocks already kept are not kept again. A failure
+        keeps nothing (counted and logged); serving goes on."""
+        try:
+            self._inject("keep")
+            self._keep(tokens, cache, snapshot)
+        except Exception as exc:
+            self._fault("keep", "keeping a prompt's blocks failed; they are not kept", exc)
+
+    def _keep(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
         if not tokens:
             return
         length, size = len(tokens), self.block_size
-        parent: Node | None = None
-        pending: list[tuple[Node, BlockData]] = []
-        for start in range(0, length, size):
+        blocks: list[tuple[tuple[int, ...], bytes, BlockData | None]] = []
+        parent_key = ROOT
+        for start in range(0, length, size):  # everything that can fail, before the index
             end = min(start + size, length)
             piece = tuple(tokens[start:end])
-            key = block_key(parent.key if parent is not None else ROOT, piece)
+            key = block_key(parent_key, piece)
             node = self.index.get(key)
             states = end == length and snapshot and not self.layout.cuttable
+            data = None
             if (
                 node is None
                 or (node.ram is None and node.disk is None)
@@ -178,14 +228,15 @@ class PrefixStore:
             ):
                 data = BlockData(self._kv_slices(cache, start, end))
                 if states:
-                    data.states = {i: copy.deepcopy(cache[i]) for i in self._state_layers()}
-                node = self.index.add(parent, piece, states, key)
-                pending.append((node, data))
-            parent = node
-        if pending:
-            mx.eval([arrays_of(data) for _, data in pending])
-            for node, data in pending:
-                self.index.set_ram(node, data, data.nbytes, data.states is not None)
+                    data.states = {i: copy.deepcopy(cache[i]) for i in self.layout.state_layers}
+            blocks.append((piece, key, data))
+            parent_key = key
+        mx.eval([arrays_of(data) for _, _, data in blocks if data is not None])
+        parent: Node | None = None
+        for piece, key, data in blocks:
+            parent = self.index.add(parent, piece, key)
+            if data is not None:
+                self.index.set_ram(parent, data, data.nbytes, data.states is not None)
         assert parent is not None
         if self.layout.cuttable and len(parent.tokens) < size:
             self._drop_shorter_tails(parent)
@@ -200,10 +251,6 @@ class PrefixStore:
             starts = tail.tokens[: len(node.tokens)] == node.tokens
             if shorter and starts and node.pins == 0 and node.disk is None:
                 self.index.remove(node)
-
-    def _state_layers(self) -> list[int]:
-        kv = set(self.layout.kv)
-        return [i for i in range(self.layout.layers) if i not in kv]
 
     def _kv_slices(self, cache: list[Any], start: int, end: int) -> list[tuple[mx.array, mx.array]]:
         slices = []
@@ -231,6 +278,14 @@ class PrefixStore:
             if self.disk is not None:
                 self.disk.spill(node, data)
             self.counters.evictions += 1
+
+    def _inject(self, kind: str) -> None:
+        if self.faults is not None:
+            self.faults.before_call(kind)
+
+    def _fault(self, kind: str, message: str, exc: Exception) -> None:
+        self.counters.faults += 1
+        self._log.warning(kind, "%s: %s: %s", message, type(exc).__name__, exc, exc_info=exc)
 
     # ----- the disk tier, when there is one -----
 
@@ -279,6 +334,7 @@ class PrefixStore:
             disk_tokens=disk.tokens,
             evictions=counters.evictions,
             pinned_blocks=self.index.pinned_blocks,
+            faults=counters.faults,
             dropped_writes=self.disk.disk.counters.dropped_writes if self.disk else 0,
             disk_faults=sum(self.disk.disk.counters.faults.values()) if self.disk else 0,
         )

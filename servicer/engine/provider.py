@@ -88,7 +88,7 @@ def _prefix_store(
     disk = None
     if config.prompt_cache_dir is not None and not shared:  # ranks cannot share disk timing
         model_dir = Path(info.model_dir)
-        model_id = model_identity(model_dir, config.adapter_path, block)
+        model_id = model_identity(model_dir, config.adapter_path, block, layout.classes)
         disk = DiskTier(
             Path(config.prompt_cache_dir),
             model_id,
@@ -96,7 +96,9 @@ def _prefix_store(
             faults=config.faults,
         )
         disk.open()
-    return PrefixStore(layout, block, interval, max_bytes, config.prompt_cache_size, disk)
+    return PrefixStore(
+        layout, block, interval, max_bytes, config.prompt_cache_size, disk, config.faults
+    )
 
 
 SNAPSHOT_SHARE = 0.25  # snapshots may add at most this share to a long prompt's KV bytes

@@ -63,6 +63,9 @@ class BatchView:
 class StepChoice:
     admits: list[Admit]
     chunk: int
+    # Requests whose own planning failed (a cache or disk fault while looking at them): they
+    # fail alone, with the reason.
+    failed: list[tuple[GenerationRequest, str]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -111,50 +114,49 @@ class Scheduler:
         return found
 
     def schedule(self, batch: BatchView) -> StepChoice:
-        """The waiting requests that join the batch now, with their memory reserved, and the
-        step's prefill chunk."""
+        """The waiting requests that join the batch now, oldest first, with their memory
+        reserved, and the step's prefill chunk. Without a budget, every request that fits
+        memory joins, but none while a first token is due (mlx-lm returns a step's tokens
+        only after that step's prefill, so a new prompt now would hold that token back)."""
         policy = self._policy
-        if not policy.budgeted:
-            return StepChoice(self._admit_all(batch), policy.step_tokens)
+        if not policy.budgeted and batch.first_tokens_due:
+            return StepChoice([], policy.step_tokens)
         context = max((row.context for row in batch.prefilling), default=0)
         capacity = step_capacity(policy, self.cost, batch.decoding, context, batch.decode_step_s)
         rows = [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
+        failed: list[tuple[GenerationRequest, str]] = []
         for request in list(self._waiting):
-            if len(rows) >= policy.max_rows or batch.rows + len(admits) >= self._max_rows:
+            full = len(rows) >= policy.max_rows or batch.rows + len(admits) >= self._max_rows
+            if policy.budgeted and full:
                 break
-            need = self._admission.estimate(request)
-            if (batch.rows or admits) and self._reserved + need > self._admission.limit_bytes:
-                break  # it waits for running requests to finish; so do the ones behind it
-            if not self._ready(request):
+            try:
+                need = self._admission.estimate(request)
+                if (batch.rows or admits) and self._reserved + need > self._admission.limit_bytes:
+                    break  # it waits for running requests to finish; so do the ones behind it
+                if not self._ready(request):
+                    continue
+                remaining = max(1, len(request.prompt) - self._reusable(request)) - 1
+            except Exception as exc:  # planning this one request failed: it fails alone
+                self._waiting.remove(request)
+                failed.append(
+                    (request, f"planning the request failed: {type(exc).__name__}: {exc}")
+                )
                 continue
-            remaining = max(1, len(request.prompt) - self._reusable(request)) - 1
-            if rows and not can_join(rows, remaining, capacity, policy.min_chunk):
+            if (
+                policy.budgeted
+                and rows
+                and not can_join(rows, remaining, capacity, policy.min_chunk)
+            ):
                 continue  # too long to start beside the prompts in prefill now
             self._waiting.remove(request)
             self._reserved += need
             admits.append(Admit(request, need))
             rows.append(remaining)
-        return StepChoice(admits, chunk_for([r for r in rows if r > 0], capacity, policy.min_chunk))
-
-    def _admit_all(self, batch: BatchView) -> list[Admit]:
-        """No prefill budget: every waiting request that fits in memory, oldest first. None
-        while a first token is due: mlx-lm returns a step's tokens only after that step's
-        prefill work, so a new prompt now would hold that token back."""
-        if batch.first_tokens_due:
-            return []
-        admits: list[Admit] = []
-        limit = self._admission.limit_bytes
-        for request in list(self._waiting):
-            if not self._ready(request):
-                continue
-            need = self._admission.estimate(request)
-            if (batch.rows or admits) and self._reserved + need > limit:
-                break  # it waits for running requests to finish
-            self._waiting.remove(request)
-            self._reserved += need
-            admits.append(Admit(request, need))
-        return admits
+        if not policy.budgeted:
+            return StepChoice(admits, policy.step_tokens, failed)
+        chunk = chunk_for([r for r in rows if r > 0], capacity, policy.min_chunk)
+        return StepChoice(admits, chunk, failed)
 
     def observe(self, sample: PrefillSample) -> None:
         """A step's measured prefill: the cost model learns from it."""
