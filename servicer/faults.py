@@ -7,6 +7,7 @@ weights takes 8 s longer), `diskfull` (every prompt-cache file write fails with 
 `diskro` (the prompt-cache directory is read-only: EROFS), `fetch:2` (the second prompt-cache
 lookup raises), `build:N` (the Nth build of a request's cache from blocks raises), `collect:N`
 (taking in the Nth block loaded from disk raises), `keep:N` (the Nth keeping of blocks raises),
+`plan:N` (the Nth look at a waiting request while planning a step raises),
 `reader:N` (the server's reader of the engine process fails on the Nth output frame).
 Steps count from 1, from the first step after warm-up; the other counts from 1 too.
 """
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 ENV_VAR = "MLX_GRPC_WORKER_FAULTS"
-COUNTED = ("fetch", "build", "collect", "keep", "reader")  # faults at the Nth call of a kind
+COUNTED = ("fetch", "build", "collect", "keep", "plan", "reader")  # faults at the Nth call of a kind
 
 
 class InjectedFault(RuntimeError):

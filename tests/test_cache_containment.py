@@ -4,14 +4,18 @@ and every other request go on."""
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import replace
 
 import grpc
+import pytest
 from conftest import Reference, demo_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import ServerThread, generate
+from support import ServerThread, WorkerProcess, generate, wait_until
+from test_prefix_store import text_tokens
 
 from servicer.demo_model import demo_model_path
+from servicer.faults import ENV_VAR, FaultPlan
 
 N = 8
 
@@ -69,3 +73,104 @@ def test_flags_of_the_issue_in_thread_mode_too(tmp_path):
             assert outcome.error is None, outcome.error.details()
             assert outcome.tokens == reference.greedy(prompt, N)
         assert _serving(chan)
+
+
+def _with_faults(config, spec: str):
+    return replace(config, engine=replace(config.engine, faults=FaultPlan.parse(spec)))
+
+
+def _text(reference: Reference, count: int, salt: int) -> list[int]:
+    return text_tokens(reference, count, salt=salt)
+
+
+@pytest.mark.parametrize(
+    ("fault", "fails"), [("fetch:2", False), ("build:1", False), ("plan:2", True)]
+)
+def test_a_planning_fault_serves_one_request_cold_or_fails_it_alone(
+    fault, fails, demo_dir, reference
+):
+    base = _text(reference, 600, salt=40)
+    prompts = [base + _text(reference, 20, salt=41 + i) for i in range(3)]
+    config = _with_faults(demo_config(demo_dir, prompt_cache_block=64), fault)
+    with ServerThread(config) as running, running.channel() as chan:
+        first = generate(chan, prompts[0], temperature=0, max_tokens=N, ignore_eos=True)
+        faulty = generate(chan, prompts[1], temperature=0, max_tokens=N, ignore_eos=True)
+        after = generate(chan, prompts[2], temperature=0, max_tokens=N, ignore_eos=True)
+        assert _serving(chan)
+        stats = running.server.engine.prefix_stats()
+    assert first.tokens == reference.greedy(prompts[0], N)
+    if fails:
+        assert faulty.code == grpc.StatusCode.INTERNAL
+        assert "injected plan fault" in faulty.error.details()
+    else:
+        assert faulty.error is None and faulty.complete.cached_tokens == 0  # served cold
+        assert faulty.tokens == reference.greedy(prompts[1], N)
+        assert stats.faults >= 1
+    assert after.error is None and after.complete.cached_tokens >= 512
+    assert after.tokens == reference.greedy(prompts[2], N)
+
+
+def test_a_fault_taking_in_a_block_from_disk_is_a_miss(demo_dir, reference, tmp_path):
+    prompts = [_text(reference, 600, salt=50 + i) for i in range(4)]
+    config = demo_config(
+        demo_dir,
+        prompt_cache_block=64,
+        prompt_cache_dir=str(tmp_path),
+        prompt_cache_bytes=700_000,  # about one prompt: the others go to disk
+    )
+    with ServerThread(_with_faults(config, "collect:1")) as running, running.channel() as chan:
+        for prompt in prompts[1:]:
+            generate(chan, prompt, temperature=0, max_tokens=2, ignore_eos=True)
+        assert wait_until(lambda: running.server.engine.prefix_stats().disk_blocks > 0, 30)
+        again = [
+            generate(chan, p, temperature=0, max_tokens=N, ignore_eos=True) for p in prompts[1:3]
+        ]
+        assert _serving(chan)
+        stats = running.server.engine.prefix_stats()
+    assert [o.tokens for o in again] == [reference.greedy(p, N) for p in prompts[1:3]]
+    assert stats.disk_faults >= 1
+    assert again[1].complete.cached_tokens >= 512  # the tier goes on serving
+
+
+def test_a_failing_reader_thread_ends_every_stream_and_the_worker(demo_dir, prompts):
+    with WorkerProcess("--model", str(demo_dir), env={ENV_VAR: "reader:6"}) as worker:
+        worker.wait_ready()
+        outcomes: list = []
+        with grpc.insecure_channel(worker.address) as chan:
+            callers = [
+                threading.Thread(
+                    target=lambda i=i: outcomes.append(
+                        generate(chan, prompts[i], max_tokens=500, ignore_eos=True, timeout=30)
+                    )
+                )
+                for i in range(4)
+            ]
+            for caller in callers:
+                caller.start()
+            for caller in callers:
+                caller.join(60)
+        assert worker.wait(60) == 1
+    assert [o.code for o in outcomes] == [grpc.StatusCode.UNAVAILABLE] * 4
+    assert all("reading the engine process's output failed" in o.error.details() for o in outcomes)
+
+
+def test_a_block_file_of_another_mlx_lm_version_is_a_miss(
+    demo_dir, reference, tmp_path, monkeypatch
+):
+    import mlx_lm
+
+    prompt = _text(reference, 600, salt=60)
+    config = replace(
+        demo_config(demo_dir, prompt_cache_block=64, prompt_cache_dir=str(tmp_path)),
+        engine_mode="thread",  # the version below is read in this process
+    )
+    monkeypatch.setattr(mlx_lm, "__version__", "0.0.1-another")
+    with ServerThread(config) as first, first.channel() as chan:
+        generate(chan, prompt, temperature=0, max_tokens=2, ignore_eos=True)
+    assert list(tmp_path.rglob("*.blk"))  # written at shutdown
+    monkeypatch.undo()
+    with ServerThread(config) as second, second.channel() as chan:
+        assert second.server.engine.prefix_stats().disk_blocks == 0
+        again = generate(chan, prompt, temperature=0, max_tokens=N, ignore_eos=True)
+    assert again.complete.cached_tokens == 0
+    assert again.tokens == reference.greedy(prompt, N)

@@ -177,10 +177,17 @@ class Engine:
         self._scheduler = Scheduler(
             parts.admission,
             policy,
-            reusable=(lambda r: store.match(r).length) if store is not None else lambda r: 0,
+            reusable=self._reusable,
             ready=store.ready if store is not None else lambda r: True,
             max_rows=config.completion_batch_size,
         )
+
+    def _reusable(self, request: GenerationRequest) -> int:
+        """How much of its prompt a cached prefix would cover, for planning."""
+        if self.config.faults is not None:
+            self.config.faults.before_call("plan")
+        store = self.prefix_cache
+        return store.match(request).length if store is not None else 0
 
     def _left(self, admit: Admit) -> None:
         assert self._scheduler is not None
