@@ -19,7 +19,14 @@ import time
 from dataclasses import dataclass, field
 
 ENV_VAR = "MLX_GRPC_WORKER_FAULTS"
-COUNTED = ("fetch", "build", "collect", "keep", "plan", "reader")  # faults at the Nth call of a kind
+COUNTED = (
+    "fetch",
+    "build",
+    "collect",
+    "keep",
+    "plan",
+    "reader",
+)  # faults at the Nth call of a kind
 
 
 class InjectedFault(RuntimeError):

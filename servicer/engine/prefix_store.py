@@ -25,6 +25,7 @@ from .block_data import BlockData, arrays_of
 from .block_index import BlockIndex, Match, Node
 from .disk_tier import DiskTier
 from .prefix_disk import DiskLink
+from .snapshot_points import snapshot_points
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +100,12 @@ class PrefixStore:
         max_blocks: int = 1 << 20,
         disk: DiskTier | None = None,
         faults: FaultPlan | None = None,
+        message_markers: frozenset[int] = frozenset(),
     ) -> None:
-        """Blocks evicted from RAM go to `disk` when there is one."""
+        """Blocks evicted from RAM go to `disk` when there is one. `message_markers`: the
+        tokenizer's special tokens, whose runs end chat messages (snapshots go there)."""
         self.layout = layout
+        self.message_markers = message_markers
         self.faults = faults
         self._log = RateLimitedLog(log, 30.0)
         self.block_size = block_size
@@ -186,17 +190,13 @@ class PrefixStore:
     # ----- keeping -----
 
     def snapshot_points(self, request: GenerationRequest, start: int) -> list[int]:
-        """Where a prompt's prefill should stop for a snapshot (positions after `start`): every
-        `snapshot_interval`, and the end of the longest prefix it shares with an earlier
-        prompt (where the next one like it will want to resume)."""
+        """Where a prompt's prefill should stop for a snapshot (positions after `start`)."""
         if self.layout.cuttable:
             return []
-        end = len(request.prompt) - 1
-        points = set(range(self.snapshot_interval, end, self.snapshot_interval))
         shared = self.index.shared_length(request.prompt, request.block_keys)
-        if 0 < shared < end:
-            points.add(shared)
-        return sorted(p for p in points if p > start)
+        return snapshot_points(
+            request.prompt, start, self.snapshot_interval, shared, self.message_markers
+        )
 
     def keep(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
         """Store the blocks of `cache`, which holds exactly `tokens`; with `snapshot`, the

@@ -97,8 +97,21 @@ def _prefix_store(
         )
         disk.open()
     return PrefixStore(
-        layout, block, interval, max_bytes, config.prompt_cache_size, disk, config.faults
+        layout,
+        block,
+        interval,
+        max_bytes,
+        config.prompt_cache_size,
+        disk,
+        config.faults,
+        special_tokens(loaded),
     )
+
+
+def special_tokens(loaded: LoadedModel) -> frozenset[int]:
+    """The tokenizer's special tokens (role markers, end of turn, ...)."""
+    decoder = getattr(loaded.tokenizer._tokenizer, "added_tokens_decoder", {})
+    return frozenset(int(i) for i, token in decoder.items() if getattr(token, "special", False))
 
 
 SNAPSHOT_SHARE = 0.25  # snapshots may add at most this share to a long prompt's KV bytes

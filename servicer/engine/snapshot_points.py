@@ -1,0 +1,56 @@
+"""Where a prompt's prefill stops to snapshot the state that cannot be cut (recurrent layers,
+sliding windows): the positions a later prompt is likely to resume from. Pure (no MLX).
+
+A snapshot costs the model's whole uncuttable state (tens of MiB on a real hybrid), so a
+prompt takes few: every `interval` tokens, where it stops sharing with what is stored (the
+next prompt like it resumes there), and where a chat message ends. A message ends where the
+chat template's special tokens (role markers, end of turn) follow its content; a second
+conversation with the same system message resumes right after that message, whatever the
+interval. Of the message ends, only the first past the cached prefix (a system message, as
+a rule) and the last two (the latest turns) are taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import numpy as np
+
+LAST_MESSAGE_ENDS = 2
+
+
+def snapshot_points(
+    prompt: Sequence[int],
+    start: int,
+    interval: int,
+    shared: int,
+    specials: Collection[int] = (),
+) -> list[int]:
+    """Positions past `start` (tokens already cached) and before the prompt's last token at
+    which to snapshot. `shared`: how many leading tokens it shares with stored prompts."""
+    end = len(prompt) - 1
+    points = set(range(interval, end, interval))
+    if 0 < shared < end:
+        points.add(shared)
+    points.update(message_ends(prompt, start, end, specials))
+    return sorted(p for p in points if start < p < end)
+
+
+def message_ends(
+    prompt: Sequence[int], start: int, end: int, specials: Collection[int]
+) -> list[int]:
+    """The ends of the runs of special tokens that follow content, within (start, end): the
+    first of them and the last LAST_MESSAGE_ENDS."""
+    if not specials or end - start < 2:
+        return []
+    tokens = np.asarray(prompt[start:end])
+    special = np.isin(tokens, np.fromiter(specials, dtype=np.int64))
+    # A run of special tokens ends at i (exclusive) when i-1 is special and i is not, and it
+    # began after some content (a run at the prompt's start is no message end).
+    run_ends = np.flatnonzero(special[:-1] & ~special[1:]) + 1
+    content_seen = np.cumsum(~special)
+    ends = [int(i) + start for i in run_ends if content_seen[i - 1] > 0]
+    if start > 0:
+        ends = [p for p in ends if p > start]
+    chosen = {*ends[:1], *ends[-LAST_MESSAGE_ENDS:]}
+    return sorted(chosen)
