@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 EXTRAS := $(if $(filter Darwin,$(shell uname -s)),dev,cpu,dev)
 ARGS ?=
 
-.PHONY: install serve test lint format proto demo bench bench-genai clean
+.PHONY: install serve test lint format proto demo bench bench-genai fuzz-cache clean
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ bench: $(STAMP)
 # genai-bench through the smg router, offline (installs genai-bench into bench/.venv-genai).
 bench-genai: $(STAMP)
 	$(BIN)/python bench/genai.py $(ARGS)
+
+# Differential fuzz of the prompt cache: SEEDS seeds per demo kind (ARGS="--kinds hybrid").
+SEEDS ?= 50
+fuzz-cache: $(STAMP)
+	$(BIN)/python tests/cache_fuzz.py --seeds $(SEEDS) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

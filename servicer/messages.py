@@ -176,6 +176,7 @@ class PrefixCacheStats:
     evictions: int = 0  # blocks that left RAM
     pinned_blocks: int = 0  # held by running requests
     faults: int = 0  # lookups served cold and blocks not kept because something failed
+    snapshot_hits: int = 0  # hits that resumed from a snapshot (recurrent, sliding window)
     dropped_writes: int = 0  # disk writes dropped because the queue was full
     disk_faults: int = 0  # unreadable, corrupt or foreign files, failed writes, a bad directory
 

@@ -19,6 +19,12 @@ _PREFIX_GAUGES = (
     ("hits", "Requests that reused a kept prefix", "hits"),
     ("misses", "Requests that found no prefix to reuse", "misses"),
     ("evictions", "Prompt blocks that left RAM (to the disk tier when there is one)", "evictions"),
+    ("faults", "Lookups served cold and blocks not kept because something failed", "faults"),
+    (
+        "snapshot_hits",
+        "Hits that resumed from a snapshot of recurrent or sliding-window state",
+        "snapshot_hits",
+    ),
     ("pinned_blocks", "Prompt blocks held by running requests (never evicted)", "pinned_blocks"),
     ("dropped_writes", "Disk writes dropped because the write queue was full", "dropped_writes"),
     (

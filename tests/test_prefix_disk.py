@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import Reference
+from conftest import Reference, demo_config
 from support import ServerThread, WorkerProcess, generate, make_request, wait_until
 from test_prefix_store import BLOCK, store_config, text_tokens
 
@@ -237,3 +237,26 @@ def test_concurrent_ram_hits_disk_hits_misses_and_cancels_on_the_hybrid_model(tm
             assert len(tokens) == N
     assert stats.ram_hits >= 1 and stats.disk_hits >= 1 and stats.misses >= 1
     assert time.monotonic()  # every call returned: nothing hung
+
+
+def test_blocks_loaded_for_a_waiting_request_stay_until_it_joins(demo_dir, reference, tmp_path):
+    # RAM holds about half of the prompt's blocks; the rest come back from disk for the second
+    # run and must not be evicted again before it uses them.
+    prompt = text_tokens(reference, 600, salt=70)
+    config = replace(
+        demo_config(
+            demo_dir,
+            prompt_cache_block=64,
+            prompt_cache_dir=str(tmp_path),
+            prompt_cache_bytes=300_000,
+        ),
+        engine_mode="thread",
+    )
+    with ServerThread(config) as running:
+        _run(running, prompt)
+        assert wait_until(lambda: _stats(running).disk_blocks >= 4, timeout=30)
+        again = _run(running, prompt)
+        stats = _stats(running)
+    assert again.complete.cached_tokens >= 576
+    assert stats.disk_hits == 1
+    assert again.tokens == reference.greedy(prompt, N)

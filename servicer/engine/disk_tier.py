@@ -203,7 +203,7 @@ class DiskTier:
         self._threads: list[threading.Thread] = []
         self.usable = False
         self.reason = ""
-        self.on_load: Callable[[], None] = lambda: None  # wakes the engine
+        self.on_done: Callable[[], None] = lambda: None  # wakes the engine
 
     # ----- startup -----
 
@@ -305,9 +305,10 @@ class DiskTier:
         self._loads.put((key, entry.path))
 
     def _finished(self, done: Completion) -> None:
-        """A load finished: the engine may be idle, waiting for just this."""
+        """A write or load finished: the engine may be idle, waiting for just this (a load),
+        or with figures to publish (a write)."""
         self._done.append(done)
-        self.on_load()
+        self.on_done()
 
     def completed(self) -> list[Completion]:
         """What the threads finished since the last call; their faults are counted here."""
@@ -354,12 +355,10 @@ class DiskTier:
             except OSError as exc:
                 kind = "disk_full" if exc.errno == errno.ENOSPC else "write"
                 message = f"prompt cache write failed ({kind}): {exc}"
-                self._done.append(
-                    Completion("write_failed", block.key, fault=kind, message=message)
-                )
+                self._finished(Completion("write_failed", block.key, fault=kind, message=message))
                 continue
             written = Completion("written", block.key, path, nbytes, snapshot=block.snapshot)
-            self._done.append(written)
+            self._finished(written)
 
     def _write_file(self, path: Path, pieces: list[bytes]) -> int:
         if self.faults is not None:

@@ -173,7 +173,7 @@ class Engine:
         )
         store = parts.prefix
         if store is not None and store.disk is not None:
-            store.disk.disk.on_load = self._inbox.nudge
+            store.disk.disk.on_done = self._inbox.nudge
         self._scheduler = Scheduler(
             parts.admission,
             policy,

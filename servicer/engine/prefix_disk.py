@@ -98,10 +98,10 @@ class DiskLink:
         return self.disk.write(block, views, wait_s)
 
     def load(self, nodes: list[Node]) -> None:
-        """Read these blocks back from disk (off the engine thread); `collect` installs them."""
+        """Read these blocks back from disk (off the engine thread); `collect` installs them.
+        The caller holds them pinned meanwhile, so nothing evicts them on arrival."""
         for node in nodes:
             if node.disk is not None and node.ram is None:
-                self.index.pin([node])  # until it is in RAM or given up
                 self.disk.load(node.key, node.disk)
 
     def collect(self) -> None:
@@ -111,7 +111,6 @@ class DiskLink:
             if done.kind in ("written", "write_failed"):
                 self._written(node, done)
             elif node is not None:
-                self.index.unpin([node])
                 if done.kind == "loaded" and done.block is not None and node.ram is None:
                     self._install(node, done)
                 elif done.kind == "load_failed":
@@ -163,17 +162,19 @@ class DiskLink:
 
     def ready(self, request: GenerationRequest, match: Callable[[], Match]) -> bool:
         """Whether `request` may join the batch: its prefix is in RAM, or there is nothing
-        to load, or the load took too long (then it reuses what is in RAM). Starts the load
-        the first time."""
+        to load, or the load took too long (then it reuses what is in RAM). The first time,
+        it starts the load and pins the whole prefix for the request until it joins."""
         loading = self._loading.get(request.ticket)
         if loading is None:
             if not self.disk.usable:
                 return True
-            on_disk = match().on_disk
+            found = match()
+            on_disk = found.on_disk
             if not on_disk:
                 return True
+            self.index.pin(found.nodes)
+            self._loading[request.ticket] = (found.nodes, time.monotonic())
             self.load(on_disk)
-            self._loading[request.ticket] = (tuple(on_disk), time.monotonic())
             return False
         nodes, started = loading
         waited = time.monotonic() - started
@@ -185,11 +186,15 @@ class DiskLink:
         return bool(self._loading)
 
     def admitted(self, ticket: int) -> bool:
-        """The request joins the batch now; True when blocks were loaded from disk for it."""
-        return self._loading.pop(ticket, None) is not None
+        """The request joins the batch now: its blocks are unpinned (its fetch, right after,
+        pins what it uses); True when blocks were loaded from disk for it."""
+        loading = self._loading.pop(ticket, None)
+        if loading is not None:
+            self.index.unpin(loading[0])
+        return loading is not None
 
     def forget(self, ticket: int) -> None:
-        self._loading.pop(ticket, None)
+        self.admitted(ticket)
 
 
 def _flatten(value: Any, arrays: list[Any]) -> Any:

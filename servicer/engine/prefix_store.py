@@ -72,6 +72,7 @@ class StoreCounters:
     misses: int = 0
     evictions: int = 0
     faults: int = 0  # hits that could not be served (a miss instead) and blocks not kept
+    snapshot_hits: int = 0  # hits that resumed from a snapshot of the uncuttable state
     by_tier: dict[str, TierCounts] = field(
         default_factory=lambda: {RAM: TierCounts(), DISK: TierCounts()}
     )
@@ -144,6 +145,7 @@ class PrefixStore:
         counts = self.counters.by_tier[DISK if from_disk else RAM]
         counts.hits += 1
         counts.tokens += match.length
+        self.counters.snapshot_hits += not self.layout.cuttable
         self.index.touch(match.nodes)
         self.index.pin(match.nodes)
         return Hit(cache, match.nodes, match.length)
@@ -335,6 +337,7 @@ class PrefixStore:
             evictions=counters.evictions,
             pinned_blocks=self.index.pinned_blocks,
             faults=counters.faults,
+            snapshot_hits=counters.snapshot_hits,
             dropped_writes=self.disk.disk.counters.dropped_writes if self.disk else 0,
             disk_faults=sum(self.disk.disk.counters.faults.values()) if self.disk else 0,
         )

@@ -1,0 +1,17 @@
+"""A few seeds of the prompt-cache differential fuzz (tests/cache_fuzz.py) on every demo kind;
+`make fuzz-cache SEEDS=50` runs many more."""
+
+from __future__ import annotations
+
+import pytest
+from cache_fuzz import fuzz
+
+from servicer.demo_model import available_kinds
+
+
+@pytest.mark.parametrize("kind", available_kinds())
+def test_cached_outputs_equal_cache_off_greedy_outputs(kind):
+    cover = fuzz([kind], [0, 1])[kind]
+    assert cover.differing == []
+    assert cover.errors == []
+    assert cover.ram_hits > 0 and cover.evictions > 0 and cover.restarts == 2
