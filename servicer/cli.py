@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .engine_config import EngineConfig
+from .engine_config import DEFAULT_PREFILL_STEP, EngineConfig
 from .faults import ENV_VAR as FAULTS_ENV_VAR
 from .faults import FaultPlan
 from .handlers import HandlerOptions
@@ -83,8 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--prefill-step-size",
         type=_positive,
-        default=2048,
-        help="prompt tokens processed per prefill step (default 2048)",
+        default=DEFAULT_PREFILL_STEP,
+        help=f"prompt tokens processed per prefill step (default {DEFAULT_PREFILL_STEP})",
     )
     parser.add_argument(
         "--max-prefill-stall-ms",

@@ -10,13 +10,15 @@ from .faults import FaultPlan
 if TYPE_CHECKING:
     from .engine.lockstep import Lockstep
 
+DEFAULT_PREFILL_STEP = 2048  # prompt tokens per row a prefill step takes at most (a full chunk)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     adapter_path: str | None = None
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
-    prefill_step_size: int = 2048
+    prefill_step_size: int = DEFAULT_PREFILL_STEP
     # While rows decode, a step prefills only what fits this stall (0: full chunks always).
     max_prefill_stall_ms: float = 50.0
     # A burst that is still arriving while nothing generates is admitted together:

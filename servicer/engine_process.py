@@ -20,20 +20,20 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from .engine_config import EngineConfig
 from .messages import (
     EngineCapabilities,
-    EngineLoad,
     EngineStartupError,
     GenerationRequest,
     ModelInfo,
-    PrefixCacheStats,
     StepOutput,
+    Wire,
 )
+from .outbox import Outbox
 
 log = logging.getLogger(__name__)
 LOG_LEVEL_ENV = "MLX_GRPC_WORKER_ENGINE_LOG_LEVEL"
@@ -41,12 +41,11 @@ LOG_LEVEL_ENV = "MLX_GRPC_WORKER_ENGINE_LOG_LEVEL"
 # Frame kinds, server -> child
 CONFIG, SUBMIT, ABORT, STOP = b"C", b"Q", b"A", b"X"
 # child -> server
-READY, FAILED, STEP, STATS = b"R", b"F", b"S", b"T"
+READY, FAILED, STEP = b"R", b"F", b"S"
 _HEADER = struct.Struct("<Ic")  # payload length, kind
 
 
-@dataclass(frozen=True)
-class Started:
+class Started(Wire, frozen=True):
     """The child's answer once its engine is warm (or could not start)."""
 
     capabilities: EngineCapabilities | None
@@ -95,7 +94,6 @@ class Channel:
 
 DECODE_STEP = msgspec.msgpack.Decoder(StepOutput)
 DECODE_STARTED = msgspec.msgpack.Decoder(Started)
-DECODE_STATS = msgspec.msgpack.Decoder(PrefixCacheStats)
 DECODE_REQUEST = msgspec.msgpack.Decoder(GenerationRequest)
 DECODE_TICKETS = msgspec.msgpack.Decoder(list[int])
 
@@ -104,7 +102,7 @@ class EngineProcess:
     """The handlers' engine handle for an engine in a child process. Construct, `start(info)`,
     then `wait_ready()`; output reaches `sink` (the Outbox) from a reader thread."""
 
-    def __init__(self, config: Any, sink: Any) -> None:
+    def __init__(self, config: EngineConfig, sink: Outbox) -> None:
         self.config = config
         self._sink = sink
         self._proc: subprocess.Popen[bytes] | None = None
@@ -113,9 +111,6 @@ class EngineProcess:
         self._ready = threading.Event()
         self._started: Started | None = None
         self._info: ModelInfo | None = None
-        self._stats: PrefixCacheStats | None = None
-        self._waiting: set[int] = set()  # submitted, no token yet
-        self._running: set[int] = set()  # has tokens, not finished
         self._stopping = False
         self.failure: str | None = None
 
@@ -152,22 +147,15 @@ class EngineProcess:
         assert self._started is not None and self._started.capabilities is not None
         return self._started.capabilities
 
-    def prefix_stats(self) -> PrefixCacheStats | None:
-        return self._stats
-
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and self.failure is None
 
     def submit(self, request: GenerationRequest) -> None:
-        self._waiting.add(request.ticket)
         self._send(SUBMIT, request)
 
     def abort(self, tickets: Iterable[int]) -> None:
         self._send(ABORT, list(tickets))
-
-    def load(self) -> EngineLoad:
-        return EngineLoad(waiting=len(self._waiting), running=len(self._running))
 
     def shutdown(self, timeout: float | None = None) -> None:
         """End every request with `abort` and stop the child (killed if it does not stop)."""
@@ -211,11 +199,7 @@ class EngineProcess:
                 if kind == STEP:
                     if faults is not None:
                         faults.before_call("reader")
-                    out = DECODE_STEP.decode(data)
-                    self._track(out)
-                    self._sink.put(out, due=True)
-                elif kind == STATS:
-                    self._stats = DECODE_STATS.decode(data)
+                    self._sink.put(DECODE_STEP.decode(data), due=True)
                 elif kind in (READY, FAILED):
                     self._started = DECODE_STARTED.decode(data)
                     self._ready.set()
@@ -224,20 +208,6 @@ class EngineProcess:
             log.exception("engine reader failed")
         finally:
             self._ended(broken)
-
-    def _track(self, out: StepOutput) -> None:
-        waiting, running = self._waiting, self._running
-        for event in out.events:
-            ticket = event.ticket
-            if event.finish_reason is not None:
-                waiting.discard(ticket)
-                running.discard(ticket)
-            elif ticket in waiting:
-                waiting.discard(ticket)
-                running.add(ticket)
-        for failure in out.failures:
-            waiting.discard(failure.ticket)
-            running.discard(failure.ticket)
 
     def _ended(self, broken: str | None = None) -> None:
         """The child's socket closed, or reading it failed (`broken`): a clean stop, or a

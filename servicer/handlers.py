@@ -14,14 +14,22 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Protocol
 
 import grpc
 
+from .admission import Admission
 from .codec import TextCodec
+from .engine_handle import EngineHandle
 from .lifecycle import Lifecycle, Phase
-from .messages import Admission, EngineLoad, FailureKind, GenerationRequest, ModelInfo, StepOutput
+from .messages import (
+    EngineFigures,
+    EngineLoad,
+    GenerationRequest,
+    ModelInfo,
+    PrefixCacheStats,
+    StepOutput,
+)
 from .metrics import WorkerMetrics
 from .model_files import ModelFiles
 from .output import OutputProcessor
@@ -39,13 +47,6 @@ SERVER_TYPE = "mlx-grpc-worker"
 METADATA_DEADLINE_MARGIN_S = 0.25
 METADATA_WAIT_S = 8.0
 STARTING_HEALTH_WAIT_S = 3.0  # within the smg router's 5 s health-check timeout
-_FAILURE_METRIC = MappingProxyType(
-    {
-        FailureKind.INTERNAL: "engine_step",
-        FailureKind.UNAVAILABLE: "engine_step",
-        FailureKind.INVALID_ARGUMENT: "grammar",
-    }
-)
 
 
 def _refusal_status(phase: Phase) -> grpc.StatusCode:
@@ -63,16 +64,6 @@ class Codec(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-
-
-class EngineHandle(Protocol):
-    """What the handlers need from the engine (it lives on its own thread)."""
-
-    def submit(self, request: GenerationRequest) -> None: ...
-    def abort(self, tickets: list[int]) -> None: ...
-    def load(self) -> EngineLoad: ...
-    @property
-    def alive(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -100,7 +91,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._lifecycle = lifecycle
         self._on_fatal = on_fatal
         self._options = options or HandlerOptions()
-        self._metrics = metrics or WorkerMetrics(engine.load)
+        self._metrics = metrics or WorkerMetrics(self.load, self.prefix_stats)
         self._info: ModelInfo | None = None
         self._codec: Codec | None = None
         self._admission: Admission | None = None
@@ -110,6 +101,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._archive: asyncio.Task[TokenizerArchive] | None = None
         self._block_size = 0
         self._started = time.monotonic()
+        self._figures = EngineFigures()  # the engine's, as it last published them
 
     # ----- lifecycle, driven by the server -----
 
@@ -140,6 +132,13 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     def active_requests(self) -> int:
         return len(self._streams)
 
+    def load(self) -> EngineLoad:
+        return self._streams.load()
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        """The prefix store's figures as the engine last published them."""
+        return self._figures.prefix
+
     def abort_all(self) -> None:
         self._engine.abort(self._streams.tickets())
 
@@ -149,18 +148,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     def dispatch(self, out: StepOutput) -> None:
         """Route one engine hand-off (called on the loop thread)."""
-        for seconds in out.step_seconds:
-            self._metrics.step_time.observe(seconds)
-        for tokens in out.prefill_tokens:
-            self._metrics.prefill_tokens.observe(tokens)
-        for seconds in out.disk_load_seconds:
-            self._metrics.disk_load.observe(seconds)
-        if out.over_budget:
-            self._metrics.over_budget.inc(out.over_budget)
-        for kind in {failure.kind for failure in out.failures}:  # once per step and kind
-            self._metrics.errors.labels(_FAILURE_METRIC[kind]).inc()
+        if out.figures is not None:
+            self._figures = out.figures
+        self._metrics.observe_output(out)
         if out.fatal is not None:
-            self._metrics.errors.labels("engine_death").inc()
             self._on_fatal(out.fatal)
         self._streams.route(out)
 
@@ -235,7 +226,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             message = f"request_id {job.request_id!r} is already in flight"
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, message)
         self._check_memory(job)
-        waiting = self._engine.load().waiting
+        waiting = self._streams.load().waiting
         if waiting >= self._options.max_queued_requests:
             errors.labels("queue_full").inc()
             message = (
@@ -308,7 +299,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         if not self._lifecycle.serving:
             message = self._lifecycle.refusal
         elif not self._engine.alive:
-            message = "the engine thread is not running"
+            message = "the engine is not running"
         else:
             return mlx_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
         return mlx_engine_pb2.HealthCheckResponse(healthy=False, message=message)

@@ -1,13 +1,23 @@
-"""Typed messages that cross between the gRPC handlers and the engine thread.
+"""Typed messages that cross between the gRPC handlers and the engine (a thread, or a child
+process: then they travel as positional msgpack arrays).
 
 Plain Python only: the handler side never sees an MLX object. Requests go in through
-`Engine.submit`; each engine step hands back one `StepOutput` carrying every row's events.
+`Engine.submit`; each engine hand-off carries every row's events in one `StepOutput`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
+
+import msgspec
+
+from .admission import Admission
+
+
+class Wire(msgspec.Struct, array_like=True, gc=False):
+    """A message that may cross the process boundary: encoded as a positional array (no field
+    names on the wire), and never part of a reference cycle (no GC tracking)."""
 
 
 class EngineStartupError(RuntimeError):
@@ -19,8 +29,7 @@ FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingSpec:
+class SamplingSpec(Wire, frozen=True):
     """Validated sampling settings; equal specs share one sampler in the engine."""
 
     temperature: float = 1.0  # 0 means greedy
@@ -34,8 +43,7 @@ class SamplingSpec:
         return self.temperature == 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class PenaltySpec:
+class PenaltySpec(Wire, frozen=True):
     """Logits processors a request asked for; the neutral values build none."""
 
     repetition_penalty: float = 1.0
@@ -53,25 +61,23 @@ class PenaltySpec:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Constraint:
+class Constraint(Wire, frozen=True):
     """Structured output: an llguidance grammar (already validated) the output must follow."""
 
     kind: str  # "json_schema", "regex" or "lark_grammar"
     grammar: str
 
 
-@dataclass(slots=True)
-class GenerationRequest:
+class GenerationRequest(Wire):
     """One validated request, ready for the engine to admit."""
 
     ticket: int  # engine-side identity, unique for the process lifetime
     request_id: str  # the client's id, for logs only
     prompt: list[int]
     max_tokens: int
-    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
     block_keys: tuple[bytes, ...] = ()  # the names of its prompt's full blocks (prefix reuse)
-    penalties: PenaltySpec = field(default_factory=PenaltySpec)
+    penalties: PenaltySpec = msgspec.field(default_factory=PenaltySpec)
     stop_token_ids: frozenset[int] = frozenset()
     top_logprobs: int | None = None  # None: no logprobs; N >= 0: token logprob + top N
     constraint: Constraint | None = None
@@ -81,8 +87,7 @@ class GenerationRequest:
     tokens_per_handoff: int = 1
 
 
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
+class TokenLogprob(Wire, frozen=True):
     """The sampled token's log-probability and the N most likely alternatives."""
 
     logprob: float
@@ -90,8 +95,7 @@ class TokenLogprob:
     top_logprobs: tuple[float, ...]
 
 
-@dataclass(slots=True)
-class RowEvent:
+class RowEvent(Wire):
     """What one request got from one engine step: a token, a finish, or both."""
 
     ticket: int
@@ -108,8 +112,7 @@ class FailureKind(Enum):
     INVALID_ARGUMENT = "invalid_argument"  # the request's own grammar failed mid-generation
 
 
-@dataclass(frozen=True, slots=True)
-class RowFailure:
+class RowFailure(Wire, frozen=True):
     """A request that ended with an error instead of a finish reason."""
 
     ticket: int
@@ -117,21 +120,26 @@ class RowFailure:
     message: str
 
 
-@dataclass(slots=True)
-class StepOutput:
-    """Everything one engine step produced, handed to the asyncio side in one call."""
+class StepOutput(Wire):
+    """Everything the engine produced since its last hand-off, handed over in one call."""
 
-    events: list[RowEvent] = field(default_factory=list)
-    failures: list[RowFailure] = field(default_factory=list)
-    fatal: str | None = None  # set once, when the engine thread is about to die
-    step_seconds: list[float] = field(default_factory=list)  # each step's duration
-    prefill_tokens: list[int] = field(default_factory=list)  # each prefilling step's prompt tokens
+    events: list[RowEvent] = msgspec.field(default_factory=list)
+    failures: list[RowFailure] = msgspec.field(default_factory=list)
+    fatal: str | None = None  # set once, when the engine is about to die
+    step_seconds: list[float] = msgspec.field(default_factory=list)  # each step's duration
+    prefill_tokens: list[int] = msgspec.field(default_factory=list)  # each prefill's tokens
     over_budget: int = 0  # steps whose prefill held decoding rows up past the budget
-    disk_load_seconds: list[float] = field(default_factory=list)  # prompt-cache disk loads
+    disk_load_seconds: list[float] = msgspec.field(default_factory=list)  # prompt-cache loads
+    figures: EngineFigures | None = None  # the engine's figures, when they changed
 
     def __bool__(self) -> bool:
         return bool(
-            self.events or self.failures or self.fatal or self.step_seconds or self.prefill_tokens
+            self.events
+            or self.failures
+            or self.fatal
+            or self.step_seconds
+            or self.prefill_tokens
+            or self.figures
         )
 
     def merge(self, later: StepOutput) -> None:
@@ -143,6 +151,7 @@ class StepOutput:
         self.prefill_tokens.extend(later.prefill_tokens)
         self.over_budget += later.over_budget
         self.disk_load_seconds.extend(later.disk_load_seconds)
+        self.figures = later.figures or self.figures
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +170,7 @@ class ModelInfo:
     pad_token_id: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixCacheStats:
+class PrefixCacheStats(Wire, frozen=True):
     entries: int = 0  # blocks in RAM
     bytes: int = 0  # their bytes
     hits: int = 0
@@ -181,46 +189,24 @@ class PrefixCacheStats:
     disk_faults: int = 0  # unreadable, corrupt or foreign files, failed writes, a bad directory
 
 
+class EngineFigures(Wire, frozen=True):
+    """The engine's own figures: its thread publishes them with its output when they change;
+    everyone else reads the latest published ones, never the engine's objects."""
+
+    prefix: PrefixCacheStats | None = None  # None: no prefix store
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """A snapshot of the engine's occupancy (for server info, metrics and tests)."""
+    """The requests in flight: waiting for a first token, or decoding (handler side)."""
 
     waiting: int
     running: int
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryModel:
-    """Cache bytes one request needs: per token for attention layers (up to a sliding
-    window), a fixed amount for recurrent state."""
-
-    per_token: tuple[tuple[int, int | None], ...]  # (bytes per token, window or None)
-    fixed_bytes: int
-    allocation_step: int = 256  # full-attention caches grow in steps of this many tokens
-
-    def estimate(self, tokens: int) -> int:
-        step = self.allocation_step
-        total = self.fixed_bytes
-        for per_token, window in self.per_token:
-            total += per_token * (min(tokens, window) if window else -(-tokens // step) * step)
-        return total
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCapabilities:
+class EngineCapabilities(Wire, frozen=True):
     """What a warm engine tells the handlers about itself."""
 
     admission: Admission
     has_thinking: bool  # the tokenizer marks a reasoning section
     block_size: int  # tokens per prefix-store block (0: no prefix reuse)
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """The admission guard's inputs: what requests cost and what may be reserved at once."""
-
-    memory: MemoryModel
-    limit_bytes: int
-
-    def estimate(self, request: GenerationRequest) -> int:
-        return self.memory.estimate(len(request.prompt) + request.max_tokens)

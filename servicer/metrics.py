@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from threading import Thread
+from types import MappingProxyType
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .messages import EngineLoad, PrefixCacheStats
+from .messages import EngineLoad, FailureKind, PrefixCacheStats, StepOutput
 
+_FAILURE_METRIC = MappingProxyType(
+    {
+        FailureKind.INTERNAL: "engine_step",
+        FailureKind.UNAVAILABLE: "engine_step",
+        FailureKind.INVALID_ARGUMENT: "grammar",
+    }
+)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 _PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-_PREFIX_GAUGES = (
-    ("entries", "Prompt blocks kept in RAM", "entries"),
-    ("bytes", "Bytes of the prompt blocks kept in RAM", "bytes"),
+# The prefix store's figures: (name, help, field); counters only ever grow.
+_PREFIX_COUNTERS = (
     ("hits", "Requests that reused a kept prefix", "hits"),
     ("misses", "Requests that found no prefix to reuse", "misses"),
     ("evictions", "Prompt blocks that left RAM (to the disk tier when there is one)", "evictions"),
@@ -25,7 +33,6 @@ _PREFIX_GAUGES = (
         "Hits that resumed from a snapshot of recurrent or sliding-window state",
         "snapshot_hits",
     ),
-    ("pinned_blocks", "Prompt blocks held by running requests (never evicted)", "pinned_blocks"),
     ("dropped_writes", "Disk writes dropped because the write queue was full", "dropped_writes"),
     (
         "disk_faults",
@@ -33,20 +40,50 @@ _PREFIX_GAUGES = (
         "disk_faults",
     ),
 )
-_PREFIX_TIER_GAUGES = (
+_PREFIX_GAUGES = (
+    ("entries", "Prompt blocks kept in RAM", "entries"),
+    ("bytes", "Bytes of the prompt blocks kept in RAM", "bytes"),
+    ("pinned_blocks", "Prompt blocks held by running requests (never evicted)", "pinned_blocks"),
+)
+# By tier: (name, help, (RAM field, disk field), counter?)
+_PREFIX_BY_TIER = (
     (
         "hits_by_tier",
         "Requests that reused a prefix, by where it came from",
         ("ram_hits", "disk_hits"),
+        True,
     ),
     (
         "tokens_reused",
         "Prompt tokens reused, by where they came from",
         ("ram_tokens", "disk_tokens"),
+        True,
     ),
-    ("blocks", "Prompt blocks kept, by tier", ("entries", "disk_blocks")),
-    ("tier_bytes", "Bytes of the prompt blocks kept, by tier", ("bytes", "disk_bytes")),
+    ("blocks", "Prompt blocks kept, by tier", ("entries", "disk_blocks"), False),
+    ("tier_bytes", "Bytes of the prompt blocks kept, by tier", ("bytes", "disk_bytes"), False),
 )
+
+
+class PrefixCacheCollector:
+    """The prefix store's latest published figures as Prometheus families: its monotonic
+    counts as counters (so `rate()` works), its levels as gauges."""
+
+    def __init__(self, stats: Callable[[], PrefixCacheStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats() or PrefixCacheStats()
+        prefix = "mlx_worker_prompt_cache_"
+        for name, doc, field in _PREFIX_COUNTERS:
+            yield CounterMetricFamily(prefix + name, doc, value=getattr(stats, field))
+        for name, doc, field in _PREFIX_GAUGES:
+            yield GaugeMetricFamily(prefix + name, doc, value=getattr(stats, field))
+        for name, doc, (ram, disk), counter in _PREFIX_BY_TIER:
+            family_type = CounterMetricFamily if counter else GaugeMetricFamily
+            family = family_type(prefix + name, doc, labels=["tier"])
+            family.add_metric(["ram"], getattr(stats, ram))
+            family.add_metric(["disk"], getattr(stats, disk))
+            yield family
 
 
 class WorkerMetrics:
@@ -122,22 +159,28 @@ class WorkerMetrics:
         )
 
     def _prefix_cache(self, stats: Callable[[], PrefixCacheStats | None]) -> None:
-        def read(field: str) -> Callable[[], float]:
-            return lambda: getattr(stats() or PrefixCacheStats(), field)
-
-        for name, doc, field in _PREFIX_GAUGES:
-            gauge = Gauge(f"mlx_worker_prompt_cache_{name}", doc, registry=self.registry)
-            gauge.set_function(read(field))
-        for name, doc, (ram, disk) in _PREFIX_TIER_GAUGES:
-            gauge = Gauge(f"mlx_worker_prompt_cache_{name}", doc, ["tier"], registry=self.registry)
-            gauge.labels("ram").set_function(read(ram))
-            gauge.labels("disk").set_function(read(disk))
+        self.registry.register(PrefixCacheCollector(stats))
         self.disk_load = Histogram(
             "mlx_worker_prompt_cache_disk_load_seconds",
             "Reading one prompt block back from the disk tier",
             buckets=_STEP_BUCKETS,
             registry=self.registry,
         )
+
+    def observe_output(self, out: StepOutput) -> None:
+        """What one engine hand-off says about the engine's steps and failures."""
+        for seconds in out.step_seconds:
+            self.step_time.observe(seconds)
+        for tokens in out.prefill_tokens:
+            self.prefill_tokens.observe(tokens)
+        for seconds in out.disk_load_seconds:
+            self.disk_load.observe(seconds)
+        if out.over_budget:
+            self.over_budget.inc(out.over_budget)
+        for kind in {failure.kind for failure in out.failures}:  # once per step and kind
+            self.errors.labels(_FAILURE_METRIC[kind]).inc()
+        if out.fatal is not None:
+            self.errors.labels("engine_death").inc()
 
     def serve(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP; returns the bound port."""

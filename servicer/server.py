@@ -17,22 +17,22 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .engine_config import EngineConfig
+from .engine_handle import EngineHandle
 from .engine_process import EngineProcess
 from .faults import FaultPlan
 from .grammar import GrammarChecker
 from .handlers import HandlerOptions, MlxEngineServicer
-from .handoff import Outbox
 from .lifecycle import Lifecycle, Phase
-from .messages import EngineStartupError, ModelInfo
+from .messages import EngineLoad, EngineStartupError, ModelInfo, PrefixCacheStats
 from .metrics import WorkerMetrics
 from .model_files import ModelFiles, ModelLoadError, ModelSpec, prepare_model_files
+from .outbox import Outbox
 from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def resolve_files(config: ServerConfig) -> ModelFiles:
     return prepare_model_files(config.model)
 
 
-def make_engine(config: ServerConfig, outbox: Outbox) -> Any:
+def make_engine(config: ServerConfig, outbox: Outbox) -> EngineHandle:
     """The engine in a child process, or (thread mode, distributed) in this one."""
     if config.engine_mode == "process" and config.engine.lockstep is None:
         return EngineProcess(config.engine, outbox)
@@ -84,7 +84,7 @@ class WorkerServer:
         self.lifecycle = Lifecycle()
         self.outbox = Outbox(self._wake_loop)
         self.engine = make_engine(config, self.outbox)
-        self.metrics = WorkerMetrics(self.engine.load, self.engine.prefix_stats)
+        self.metrics = WorkerMetrics(self.load, self.prefix_stats)
         self.servicer = MlxEngineServicer(
             self.engine, self.lifecycle, self._on_fatal, config.handlers, self.metrics
         )
@@ -99,6 +99,14 @@ class WorkerServer:
         self._preparing: asyncio.Task[ModelFiles] | None = None
         self._grammar: asyncio.Task[GrammarChecker] | None = None
         self._server: grpc.aio.Server | None = None
+
+    def load(self) -> EngineLoad:
+        """Requests waiting for a first token, and decoding (for metrics and tests)."""
+        return self.servicer.load()
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        """The prefix store's figures as the engine last published them."""
+        return self.servicer.prefix_stats()
 
     # ----- engine -> loop -----
 
@@ -293,6 +301,9 @@ class _Discard:
 
     def put(self, out: object, due: bool) -> None:
         pass
+
+    def delivered(self, timeout: float) -> bool:
+        return True
 
 
 def run_follower(config: ServerConfig, on_ready: Callable[[], None] = lambda: None) -> int:

@@ -13,8 +13,8 @@ from types import MappingProxyType
 
 import grpc
 
-from .handoff import handoff_due
-from .messages import FailureKind, GenerationRequest, RowEvent, StepOutput
+from .messages import EngineLoad, FailureKind, GenerationRequest, RowEvent, StepOutput
+from .outbox import handoff_due
 from .validation import RequestError
 
 FAILURE_STATUS = MappingProxyType(
@@ -33,6 +33,7 @@ class RequestStream:
         "_per_handoff",
         "_waiter",
         "accepted_at",
+        "decoding",
         "events",
         "failure",
         "finish_reason",
@@ -46,6 +47,7 @@ class RequestStream:
         self.finish_reason: str | None = None  # set once the terminal message is built
         self.accepted_at = time.perf_counter()
         self.last_token_at: float | None = None
+        self.decoding = False  # a token has arrived
         self._waiter: asyncio.Future[None] | None = None
         self._per_handoff = request.tokens_per_handoff
         self.ticket = request.ticket
@@ -95,6 +97,7 @@ class Streams:
     def __init__(self) -> None:
         self._by_ticket: dict[int, RequestStream] = {}
         self._by_request_id: dict[str, RequestStream] = {}
+        self._decoding = 0  # streams a token has arrived for
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -103,6 +106,10 @@ class Streams:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_request_id
+
+    def load(self) -> EngineLoad:
+        """Requests waiting for their first token, and requests decoding."""
+        return EngineLoad(len(self._by_ticket) - self._decoding, self._decoding)
 
     def tickets(self, request_ids: list[str] | None = None) -> list[int]:
         """The engine tickets of these request ids (those in flight), or of every stream."""
@@ -120,6 +127,8 @@ class Streams:
 
     def close(self, request: GenerationRequest) -> None:
         stream = self._by_ticket.pop(request.ticket, None)
+        if stream is not None and stream.decoding:
+            self._decoding -= 1
         if self._by_request_id.get(request.request_id) is stream:
             del self._by_request_id[request.request_id]
         if not self._by_ticket:
@@ -140,6 +149,9 @@ class Streams:
         for event in out.events:
             stream = streams.get(event.ticket)
             if stream is not None:
+                if not stream.decoding and event.token is not None:
+                    stream.decoding = True
+                    self._decoding += 1
                 stream.push(event)
         for failure in out.failures:
             stream = streams.get(failure.ticket)

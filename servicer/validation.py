@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from .blocks import block_keys
+from .engine.prefix.keys import block_keys
 from .messages import Constraint, GenerationRequest, ModelInfo, PenaltySpec, SamplingSpec
 from .proto import mlx_engine_pb2 as pb
 
@@ -49,7 +49,7 @@ class Limits:
     eos_token_ids: tuple[int, ...]
     max_prompt_tokens: int | None = None
     has_thinking: bool = False
-    check_grammar: GrammarCheck | None = None  # the engine's, against the model's vocabulary
+    check_grammar: GrammarCheck | None = None  # the server's GrammarChecker, on the vocabulary
 
     @classmethod
     def for_model(

@@ -160,7 +160,7 @@ def fuzz_seed(kind: str, seed: int, workdir: Path, reference: Reference, cover: 
             results = _run_pass(running, prompts, rng)
             if not _serving(running):
                 cover.errors.append(f"{kind} seed {seed}: not SERVING after pass {round_ + 1}")
-            cover.add(running.server.engine.prefix_stats())
+            cover.add(running.server.prefix_stats())
         cover.restarts += round_
         outputs = _check(kind, seed, setup, results, reference, cover)
         if round_ == 0:

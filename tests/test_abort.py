@@ -31,7 +31,7 @@ def channel(server) -> Iterator[grpc.Channel]:
 
 
 def _engine_idle(server) -> bool:
-    load = server.server.engine.load()
+    load = server.server.load()
     return load.running == 0 and load.waiting == 0
 
 

@@ -170,16 +170,16 @@ def test_oversized_messages_are_refused_by_grpc(tight_server, reference):
 def test_too_many_waiting_requests_is_resource_exhausted(tight_server, reference):
     with tight_server.channel() as channel:
         stub = pb_grpc.MlxEngineStub(channel)
-        engine = tight_server.server.engine
+        worker = tight_server.server
 
         def start(i: int):
             request = make_request([5, 6], request_id=f"q{i}", max_tokens=3000, ignore_eos=True)
             return stub.Generate(request, timeout=120)
 
         calls = [start(0)]
-        assert wait_until(lambda: engine.load().running == 1)
+        assert wait_until(lambda: worker.load().running == 1)
         calls += [start(1), start(2)]
-        assert wait_until(lambda: engine.load().waiting == 2)
+        assert wait_until(lambda: worker.load().waiting == 2)
         refused = generate(channel, [5, 6], max_tokens=2)
         assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "2 requests are already waiting for the engine (limit 2)" in refused.error.details()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from servicer.blocks import block_keys
-from servicer.engine.block_index import BlockIndex
+from servicer.engine.prefix.index import BlockIndex
+from servicer.engine.prefix.keys import block_keys
 
 BLOCK = 4
 

@@ -56,7 +56,7 @@ def test_a_snapshot_kept_after_its_block_went_to_disk_is_served_exactly(tmp_path
             assert outcome.error is None, outcome.error.details()
             assert outcome.tokens == reference.greedy(prompt, N)
         assert _serving(chan)
-        stats = running.server.engine.prefix_stats()
+        stats = running.server.prefix_stats()
     assert stats.disk_hits + stats.ram_hits >= 1
 
 
@@ -97,7 +97,7 @@ def test_a_planning_fault_serves_one_request_cold_or_fails_it_alone(
         faulty = generate(chan, prompts[1], temperature=0, max_tokens=N, ignore_eos=True)
         after = generate(chan, prompts[2], temperature=0, max_tokens=N, ignore_eos=True)
         assert _serving(chan)
-        stats = running.server.engine.prefix_stats()
+        stats = running.server.prefix_stats()
     assert first.tokens == reference.greedy(prompts[0], N)
     if fails:
         assert faulty.code == grpc.StatusCode.INTERNAL
@@ -121,12 +121,12 @@ def test_a_fault_taking_in_a_block_from_disk_is_a_miss(demo_dir, reference, tmp_
     with ServerThread(_with_faults(config, "collect:1")) as running, running.channel() as chan:
         for prompt in prompts[1:]:
             generate(chan, prompt, temperature=0, max_tokens=2, ignore_eos=True)
-        assert wait_until(lambda: running.server.engine.prefix_stats().disk_blocks > 0, 30)
+        assert wait_until(lambda: running.server.prefix_stats().disk_blocks > 0, 30)
         again = [
             generate(chan, p, temperature=0, max_tokens=N, ignore_eos=True) for p in prompts[1:3]
         ]
         assert _serving(chan)
-        stats = running.server.engine.prefix_stats()
+        stats = running.server.prefix_stats()
     assert [o.tokens for o in again] == [reference.greedy(p, N) for p in prompts[1:3]]
     assert stats.disk_faults >= 1
     assert again[1].complete.cached_tokens >= 512  # the tier goes on serving
@@ -170,7 +170,7 @@ def test_a_block_file_of_another_mlx_lm_version_is_a_miss(
     assert list(tmp_path.rglob("*.blk"))  # written at shutdown
     monkeypatch.undo()
     with ServerThread(config) as second, second.channel() as chan:
-        assert second.server.engine.prefix_stats().disk_blocks == 0
+        assert second.server.prefix_stats().disk_blocks == 0
         again = generate(chan, prompt, temperature=0, max_tokens=N, ignore_eos=True)
     assert again.complete.cached_tokens == 0
     assert again.tokens == reference.greedy(prompt, N)

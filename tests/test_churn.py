@@ -108,5 +108,5 @@ def test_each_request_keeps_its_own_sampling_under_churn(server, channel, refere
     print(f"churn: {REQUESTS} requests at concurrency {CONCURRENCY}, {len(violations)} violations")
     assert violations == []
     assert wait_until(lambda: server_info(channel).active_requests == 0)
-    load = server.server.engine.load()
+    load = server.server.load()
     assert (load.running, load.waiting) == (0, 0)

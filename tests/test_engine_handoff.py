@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 
 from servicer.engine import Engine, EngineConfig
-from servicer.handoff import Outbox
 from servicer.messages import GenerationRequest, SamplingSpec, StepOutput
 from servicer.model_files import ModelSpec, prepare_model_files
+from servicer.outbox import Outbox
 
 GREEDY = SamplingSpec(temperature=0.0)
 

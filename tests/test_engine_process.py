@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -56,20 +54,11 @@ def test_a_killed_engine_process_ends_streams_with_a_status_and_the_server_exits
             assert all(call.started.wait(60) for call in calls)
             assert _serving(worker.address) is True
             os.kill(engine, signal.SIGKILL)
-            killed = time.monotonic()
-            seen: list[bool | None] = []
-            watcher = threading.Thread(
-                target=lambda: seen.append(
-                    wait_until(lambda: _serving(worker.address) is not True, timeout=5)
-                )
-            )
-            watcher.start()
-            watcher.join(10)
-            elapsed = time.monotonic() - killed  # an upper bound: it includes the last probe
+            # How soon is the bench's business (about 15 ms here); this says only that it is.
+            assert wait_until(lambda: _serving(worker.address) is not True, timeout=30)
             for call in calls:
                 call.join(60)
         assert worker.wait(60) == 1
-    assert seen == [True] and elapsed < 1.0  # not serving within a second
     for call in calls:
         assert call.outcome.code == grpc.StatusCode.UNAVAILABLE
         assert "engine process exited" in call.outcome.error.details()
@@ -84,6 +73,6 @@ def test_no_engine_process_outlives_a_killed_server(demo_dir, prompts):
             assert call.started.wait(60)
             worker.proc.kill()
             worker.proc.wait(10)
-            assert wait_until(lambda: _gone(engine), timeout=2)
+            assert wait_until(lambda: _gone(engine), timeout=30)
             call.join(30)
     assert call.outcome.code == grpc.StatusCode.UNAVAILABLE

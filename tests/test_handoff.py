@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from servicer.engine.inbox import Inbox
-from servicer.handoff import Outbox, handoff_due
 from servicer.messages import GenerationRequest, RowEvent, StepOutput
+from servicer.outbox import Outbox, handoff_due
 from servicer.streams import RequestStream, Streams
 from servicer.validation import RequestError
 
@@ -57,6 +57,32 @@ def test_outbox_merges_until_taken_and_wakes_once_per_take():
     assert outbox.take() is None
     outbox.put(StepOutput(fatal="gone"), due=True)
     assert wakes == [1, 1]
+
+
+def test_outbox_delivered_waits_until_the_reader_took_everything():
+    outbox = Outbox(lambda: None)
+    assert outbox.delivered(0.0)
+    outbox.put(StepOutput(fatal="gone"), due=True)
+    assert not outbox.delivered(0.0)
+    taker = threading.Thread(target=outbox.take)
+    taker.start()
+    assert outbox.delivered(30.0)
+    taker.join()
+
+
+def test_streams_count_requests_waiting_and_decoding():
+    async def scenario() -> None:
+        streams = Streams()
+        streams.open(_request(1, request_id="a"))
+        streams.open(_request(2, request_id="b"))
+        assert (streams.load().waiting, streams.load().running) == (2, 0)
+        streams.route(StepOutput(events=[RowEvent(1, 9)]))
+        assert (streams.load().waiting, streams.load().running) == (1, 1)
+        streams.close(_request(1, request_id="a"))
+        streams.route(StepOutput(events=[RowEvent(2, None, "abort")]))
+        assert (streams.load().waiting, streams.load().running) == (1, 0)
+
+    asyncio.run(scenario())
 
 
 def test_a_stream_wakes_for_the_first_token_then_per_batch_then_the_finish():
@@ -134,11 +160,11 @@ def test_an_idle_inbox_waits_for_work_and_lets_a_burst_finish_arriving():
 
     def arrive() -> None:
         for ticket in range(1, 4):
-            time.sleep(0.02)
             inbox.put(_request(ticket))
 
     threading.Thread(target=arrive).start()
-    taken = inbox.take(idle=True, quiet_s=0.2, max_s=2.0, burst_size=3)
+    # The quiet window is far longer than the arrivals can take: the burst's size ends it.
+    taken = inbox.take(idle=True, quiet_s=30.0, max_s=60.0, burst_size=3)
     assert [r.ticket for r in taken.requests] == [1, 2, 3]  # not just the first
     assert (
         inbox.take(idle=True, quiet_s=0.01, max_s=0.01, burst_size=3, timeout_s=0.05).requests == []

@@ -89,7 +89,7 @@ def test_concurrent_staggered_with_cancels_matches_solo_cold_and_on_hits(kind_se
             hits = [cached for _, _, cached in results if cached]
             assert len(hits) >= 3, f"{kind}: expected prefix hits on the second round"
     assert wait_until(lambda: server_info(running.channel()).active_requests == 0)
-    load = running.server.engine.load()
+    load = running.server.load()
     assert (load.running, load.waiting) == (0, 0)
 
 

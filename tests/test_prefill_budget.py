@@ -100,11 +100,11 @@ def test_the_oldest_of_prompts_arriving_together_gets_its_first_token_first(demo
     prompts = [_long_prompt(reference, 1200, salt=s) for s in range(4)]
     waiting_at_first_token: list[int] = []
     with ServerThread(demo_config(demo_dir, prompt_cache_size=0)) as running:
-        engine = running.server.engine
+        worker = running.server
 
         def first(chunk) -> None:
             if not waiting_at_first_token:
-                waiting_at_first_token.append(engine.load().waiting)
+                waiting_at_first_token.append(worker.load().waiting)
 
         with running.channel() as chan:
             callers = []

@@ -43,7 +43,7 @@ def test_shared_prefix_is_reused_and_output_is_unchanged(fresh, reference):
     assert all(c.cached_tokens == second.complete.cached_tokens for c in second.chunks)
     assert first.tokens == reference.greedy(first_prompt, N)
     assert second.tokens == reference.greedy(second_prompt, N)  # what a cold server gives
-    assert wait_until(lambda: (fresh.server.engine.prefix_stats() or Stats()).hits >= 1)
+    assert wait_until(lambda: (fresh.server.prefix_stats() or Stats()).hits >= 1)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])

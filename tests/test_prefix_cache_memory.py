@@ -12,7 +12,7 @@ import gc
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from servicer.engine.prefix_store import CacheLayout, PrefixStore
+from servicer.engine.prefix.store import CacheLayout, PrefixStore
 
 
 def test_a_stored_finished_cache_does_not_pin_its_batch(reference, prompts):

@@ -41,7 +41,7 @@ def _run(running: ServerThread, prompt: list[int], max_tokens: int = N):
 
 
 def _stats(running: ServerThread):
-    return running.server.engine.prefix_cache.stats()
+    return running.server.prefix_stats()
 
 
 def _block_files(directory: Path) -> list[Path]:

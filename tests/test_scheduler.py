@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from servicer.admission import Admission, MemoryModel
 from servicer.engine.prefill import (
     PrefillCost,
     PrefillPolicy,
@@ -12,7 +13,7 @@ from servicer.engine.prefill import (
     step_capacity,
 )
 from servicer.engine.scheduler import BatchView, Scheduler
-from servicer.messages import Admission, GenerationRequest, MemoryModel
+from servicer.messages import GenerationRequest
 
 # 1 KiB per token, allocated one token at a time: a request costs (prompt + max_tokens) KiB.
 ADMISSION = Admission(MemoryModel(((1024, None),), 0, allocation_step=1), limit_bytes=100 * 1024)

@@ -13,7 +13,6 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 
 from ..faults import FaultPlan
-from ..handoff import handoff_due
 from ..messages import (
     FINISH_ABORT,
     FINISH_STOP,
@@ -23,12 +22,13 @@ from ..messages import (
     RowFailure,
     StepOutput,
 )
+from ..outbox import handoff_due
 from ..ratelimit import RateLimitedLog
-from .block_index import Node
 from .constraints import GrammarProcessor
 from .lockstep import LockstepBroken
 from .prefill import PrefillRow, PrefillSample
-from .prefix_store import Hit, PrefixStore
+from .prefix.index import Node
+from .prefix.store import Hit, PrefixStore
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
 
@@ -119,12 +119,6 @@ class Batch:
 
     def tickets(self) -> set[int]:
         return {row.ticket for row in self.rows.values()}
-
-    def lookup(self, request: GenerationRequest, from_disk: bool = False) -> Hit | None:
-        """A private cache for the longest reusable prefix, or None."""
-        if self._prefix is None:
-            return None
-        return self._prefix.fetch(request, from_disk)
 
     # ----- applying a plan -----
 

@@ -16,7 +16,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 
 from ..engine_process import (
     ABORT,
@@ -26,59 +25,35 @@ from ..engine_process import (
     FAILED,
     LOG_LEVEL_ENV,
     READY,
-    STATS,
     STEP,
     STOP,
     SUBMIT,
     Channel,
     Started,
 )
-from ..messages import EngineStartupError, StepOutput
+from ..messages import EngineStartupError
+from ..outbox import Outbox
 from .engine import Engine
 
 log = logging.getLogger(__name__)
-STATS_INTERVAL_S = 0.5  # prefix-store figures go to the server at most this often
 _PR_SET_PDEATHSIG = 1
 
 
-class PipeSink:
+def pipe_outbox(channel: Channel) -> Outbox:
     """The engine's outbox in the child: output waits (merged) until some handler needs it,
     then goes to the server as one frame."""
 
-    def __init__(self, channel: Channel) -> None:
-        self._channel = channel
-        self._pending: StepOutput | None = None
-
-    def put(self, out: StepOutput, due: bool) -> None:
-        if self._pending is None:
-            self._pending = out
-        else:
-            self._pending.merge(out)
-        if not due:
+    def send() -> None:
+        out = outbox.take()
+        if out is None:
             return
-        pending, self._pending = self._pending, None
         try:
-            self._channel.send(STEP, pending)
+            channel.send(STEP, out)
         except OSError:
             os._exit(0)  # the server is gone: nobody is left to serve
 
-
-def _report_stats(engine: Engine, channel: Channel) -> None:
-    """The prefix store's figures for the server's metrics, whenever they change (its
-    counters are plain integers, read here as they stand)."""
-    last = None
-    while True:
-        time.sleep(STATS_INTERVAL_S)
-        try:
-            stats = engine.prefix_stats()
-        except RuntimeError:  # a dictionary changed under the read: next time
-            continue
-        if stats is not None and stats != last:
-            try:
-                channel.send(STATS, stats)
-            except OSError:
-                return
-            last = stats
+    outbox = Outbox(send)
+    return outbox
 
 
 def _die_with_parent() -> None:
@@ -103,10 +78,9 @@ def main(argv: list[str]) -> int:
         level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
     )
-    engine = Engine(config, PipeSink(channel))
+    engine = Engine(config, pipe_outbox(channel))
     engine.start(info)
-    for target in (_report_ready, _report_stats):
-        threading.Thread(target=target, args=(engine, channel), daemon=True).start()
+    threading.Thread(target=_report_ready, args=(engine, channel), daemon=True).start()
     _serve(engine, channel)
     engine.shutdown(30)
     return 1 if engine.failure else 0
@@ -119,9 +93,6 @@ def _report_ready(engine: Engine, channel: Channel) -> None:
         channel.send(FAILED, Started(None, str(exc)))
         return
     channel.send(READY, Started(engine.capabilities))
-    stats = engine.prefix_stats()
-    if stats is not None:
-        channel.send(STATS, stats)
 
 
 def _serve(engine: Engine, channel: Channel) -> None:

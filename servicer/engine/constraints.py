@@ -75,10 +75,7 @@ class GrammarFactory:
         self._eos = eos
         self._checker = GrammarChecker(hf_tokenizer, vocab_size, eos)
 
-    def check(self, grammar: str) -> str | None:
-        return self._checker.check(grammar)
-
     def processor(self, constraint: Constraint) -> GrammarProcessor:
         tokenizer = self._checker.tokenizer
-        assert tokenizer is not None, "check() refuses every grammar in this case"
+        assert tokenizer is not None, "the server's GrammarChecker refuses every grammar then"
         return GrammarProcessor(tokenizer, constraint, self._vocab_size, self._eos)

@@ -1,8 +1,10 @@
 """The engine: one thread that owns every MLX object and steps a BatchGenerator.
 
-Handlers talk to it only through `submit`, `abort` and its outbox: requests go into the inbox,
-and each step's events go out in one `StepOutput`. The loop reads plan -> apply -> step ->
-send; the scheduler plans, the batch applies and steps, the outbox hands the output over.
+`Engine` is the handle other threads hold: requests and aborts go into its inbox, and each
+hand-off comes back through its sink (the handler side's `Outbox`) as one `StepOutput`. The
+engine thread owns an `EngineLoop`, which reads plan -> apply -> step -> send: the scheduler
+plans, the batch applies and steps, the sink hands the output over. Nothing in the loop is read
+by another thread: it publishes its figures (`EngineFigures`) with its output instead.
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ from ..engine_config import EngineConfig
 from ..messages import (
     FINISH_ABORT,
     EngineCapabilities,
-    EngineLoad,
+    EngineFigures,
     EngineStartupError,
     FailureKind,
     GenerationRequest,
     ModelInfo,
-    PrefixCacheStats,
     RowEvent,
     RowFailure,
     StepOutput,
@@ -32,18 +33,24 @@ from ..messages import (
 from .batch import Batch, check_same_prefix
 from .inbox import Inbox
 from .lockstep import LockstepBroken
+from .parts import build_parts, new_generator, warm_up
 from .prefill import PrefillPolicy
-from .prefix_store import Hit, PrefixStore
-from .provider import EngineParts, build_parts, new_generator, warm_up
+from .prefix.disk_link import NoDisk
+from .prefix.store import Hit, PrefixStore
 from .scheduler import Admit, Plan, Scheduler
 
 log = logging.getLogger(__name__)
+FATAL_DELIVERY_S = 5.0  # how long a dying engine waits for the handlers to take its last words
 
 
 class Sink(Protocol):
     """Where the engine's output goes (the handler side's `Outbox`)."""
 
     def put(self, out: StepOutput, due: bool) -> None: ...
+
+    def delivered(self, timeout: float) -> bool:
+        """Wait until everything put so far has been taken (False: `timeout` passed)."""
+        ...
 
 
 class Engine:
@@ -57,16 +64,9 @@ class Engine:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._info: ModelInfo | None = None
-        self._parts: EngineParts | None = None
-        # Written only by the engine thread; other threads read them for load reports.
-        self._scheduler: Scheduler | None = None
-        self._batch: Batch | None = None
-        self._lockstep = config.lockstep
-        self._leads = self._lockstep is None or self._lockstep.leads
-        self._fetched: dict[int, Hit | None] = {}  # prefixes rank 0 found while planning
+        self._capabilities: EngineCapabilities | None = None  # set once, before ready
+        self._loop: EngineLoop | None = None  # the engine thread's
         self.failure: str | None = None  # why the engine thread ended, when it failed
-
-    # ----- called from any thread -----
 
     def start(self, info: ModelInfo) -> None:
         """Load the model `info` describes and serve it, on the engine thread."""
@@ -89,31 +89,19 @@ class Engine:
     def capabilities(self) -> EngineCapabilities:
         """The admission guard's model and limit, and what the model supports (after
         `wait_ready`)."""
-        parts = self._parts
-        assert parts is not None
-        block = parts.prefix.block_size if parts.prefix is not None else 0
-        return EngineCapabilities(parts.admission, parts.has_thinking, block)
+        assert self._capabilities is not None
+        return self._capabilities
 
     @property
     def prefix_cache(self) -> PrefixStore | None:
-        return self._parts.prefix if self._parts is not None else None
-
-    def prefix_stats(self) -> PrefixCacheStats | None:
-        store = self.prefix_cache
-        return store.stats() if store is not None else None
+        """The engine thread's prefix store, for tests that look inside an idle engine."""
+        return self._loop.store if self._loop is not None else None
 
     def submit(self, request: GenerationRequest) -> None:
         self._inbox.put(request)
 
     def abort(self, tickets: Iterable[int]) -> None:
         self._inbox.abort(tickets)
-
-    def load(self) -> EngineLoad:
-        batch, scheduler = self._batch, self._scheduler
-        rows = list(batch.rows.values()) if batch is not None else []
-        running = sum(1 for row in rows if row.generated)
-        queued = scheduler.waiting if scheduler is not None else 0
-        return EngineLoad(waiting=len(self._inbox) + queued + len(rows) - running, running=running)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """End every request with `abort`, release MLX objects and join the thread."""
@@ -130,32 +118,59 @@ class Engine:
         stream = mx.new_stream(mx.default_device())
         with mx.stream(stream):
             try:
-                self._start_up(stream)
+                assert self._info is not None
+                loop = EngineLoop(self.config, self._info, self._sink, self._inbox, stream)
             except BaseException as exc:
                 log.error("engine startup failed: %s", exc)
                 self._startup_error = exc
                 self._ready.set()
                 return
-            if self._lockstep is not None:
-                self._lockstep.watch(self._on_stall)
+            self._loop, self._capabilities = loop, loop.capabilities
+            if self.config.lockstep is not None:
+                self.config.lockstep.watch(self._on_stall)
             self._ready.set()
             try:
-                self._loop()
+                loop.run()
             except BaseException as exc:
                 log.exception("engine thread died")
                 self.failure = f"engine thread died: {exc}"
-                self._send_fatal(self.failure)
+                _send_fatal(self._sink, self.failure)
             finally:
-                assert self._batch is not None
-                self._batch.close()
-                if self.prefix_cache is not None:
-                    self.prefix_cache.close()
+                loop.close()
 
-    def _start_up(self, stream: mx.Stream) -> None:
-        assert self._info is not None
-        config = self.config
-        parts = build_parts(config, self._info)
-        batch = Batch(
+    def _on_stall(self, reason: str) -> None:
+        """The watchdog's last words (from its thread): tell the handlers, and wait until
+        they have taken it before the process goes."""
+        self.failure = reason
+        _send_fatal(self._sink, reason)
+        self._sink.delivered(FATAL_DELIVERY_S)
+
+
+def _send_fatal(sink: Sink, reason: str) -> None:
+    try:
+        sink.put(StepOutput(fatal=reason), due=True)
+    except Exception:
+        log.exception("could not report the engine's death")
+
+
+class EngineLoop:
+    """Everything the engine thread owns: the model's parts, the batch, the scheduler and the
+    prefix store; one `run` of plan -> apply -> step -> send until told to stop."""
+
+    def __init__(
+        self, config: EngineConfig, info: ModelInfo, sink: Sink, inbox: Inbox, stream: mx.Stream
+    ) -> None:
+        self.config = config
+        self._sink = sink
+        self._inbox = inbox
+        self._lockstep = config.lockstep
+        self._leads = self._lockstep is None or self._lockstep.leads
+        self._fetched: dict[int, Hit | None] = {}  # prefixes rank 0 found while planning
+        self._published: EngineFigures | None = None
+        parts = build_parts(config, info)
+        self.parts = parts
+        self.store = parts.prefix
+        self.batch = Batch(
             lambda: new_generator(config, parts, stream),
             parts.sampling,
             parts.prefix,
@@ -164,38 +179,32 @@ class Engine:
             wants_logprobs=self._leads,
         )
         if config.warmup:
-            warm_up(batch.generator, self._info.bos_token_id or 0)
-        self._parts, self._batch = parts, batch
+            warm_up(self.batch.generator, info.bos_token_id or 0)
+        self.disk = NoDisk() if self.store is None or self.store.disk is None else self.store.disk
+        self.disk.on_done(inbox.nudge)
         policy = PrefillPolicy(
             max_stall_s=config.max_prefill_stall_ms / 1000,
             step_tokens=config.prefill_step_size,
             max_rows=config.prefill_batch_size,
         )
-        store = parts.prefix
-        if store is not None and store.disk is not None:
-            store.disk.disk.on_done = self._inbox.nudge
-        self._scheduler = Scheduler(
+        self.scheduler = Scheduler(
             parts.admission,
             policy,
             reusable=self._reusable,
-            ready=store.ready if store is not None else lambda r: True,
+            ready=self._ready,
             max_rows=config.completion_batch_size,
         )
+        block = self.store.block_size if self.store is not None else 0
+        self.capabilities = EngineCapabilities(parts.admission, parts.has_thinking, block)
 
-    def _reusable(self, request: GenerationRequest) -> int:
-        """How much of its prompt a cached prefix would cover, for planning."""
-        if self.config.faults is not None:
-            self.config.faults.before_call("plan")
-        store = self.prefix_cache
-        return store.match(request).length if store is not None else 0
+    def close(self) -> None:
+        self.batch.close()
+        if self.store is not None:
+            self.store.close()
 
-    def _left(self, admit: Admit) -> None:
-        assert self._scheduler is not None
-        self._scheduler.release(admit.reserved)
-
-    def _loop(self) -> None:
-        batch = self._batch
-        assert batch is not None
+    def run(self) -> None:
+        batch = self.batch
+        self._publish_now()
         while True:
             out = StepOutput()
             plan = self._shared_plan(out)
@@ -208,62 +217,49 @@ class Engine:
             try:
                 self._apply(plan, out)
                 if batch.rows:
-                    due = self._step(batch, out)
+                    due = self._step(out)
                     out.step_seconds.append(time.perf_counter() - started)
             except Exception as exc:
                 if self._lockstep is not None:
                     raise  # the ranks may no longer hold the same batch: nothing to recover
                 batch.recover(exc, plan, out)
-                self._scheduler.forget_reservations()  # type: ignore[union-attr]
+                self.scheduler.forget_reservations()
             if self._lockstep is not None:
                 self._lockstep.progress()
+            self._publish(out)
             self._send(out, due)
 
-    def _step(self, batch: Batch, out: StepOutput) -> bool:
-        """One step; what it prefilled teaches the scheduler's cost model (rank 0 plans)."""
-        decoding = batch.view().decoding
-        report = batch.step(out)
-        if report.prefill_tokens:
-            out.prefill_tokens.append(report.prefill_tokens)
-        sample = report.prefill
-        if sample is not None and self._leads:
-            assert self._scheduler is not None
-            self._scheduler.observe(sample)
-            if decoding and self._scheduler.over_budget(sample):
-                out.over_budget += 1
-        return report.due
+    # ----- planning (rank 0) -----
 
-    def _send(self, out: StepOutput, due: bool) -> None:
-        """Hand the output over; the loop wakes only once some handler needs it (a first
-        token, a full `tokens_per_handoff`, a finish or a failure)."""
-        if not out:
-            return
-        due = due or bool(out.failures) or any(e.finish_reason for e in out.events)
-        if due:
-            assert self._batch is not None
-            self._batch.handed_over()
-        self._sink.put(out, due)
+    def _reusable(self, request: GenerationRequest) -> int:
+        """How much of its prompt a cached prefix would cover, for planning."""
+        if self.config.faults is not None:
+            self.config.faults.before_call("plan")
+        return self.store.match(request).length if self.store is not None else 0
+
+    def _ready(self, request: GenerationRequest) -> bool:
+        store = self.store
+        return store is None or self.disk.ready(request, lambda: store.match(request))
+
+    def _left(self, admit: Admit) -> None:
+        self.scheduler.release(admit.reserved)
 
     def _shared_plan(self, out: StepOutput) -> Plan:
         """Rank 0's plan, the same on every rank."""
         plan = self._plan(out) if self._leads else None
         if self._lockstep is not None:
-            plan = self._lockstep.share(plan)
-            assert self._batch is not None
-            if plan.check != self._batch.check:
+            plan = self._lockstep.share(plan, Plan)
+            if plan.check != self.batch.check:
                 raise LockstepBroken(f"the ranks disagree on the last step ({plan.check})")
         assert plan is not None
         return plan
 
     def _plan(self, out: StepOutput) -> Plan:
         """Rank 0's decisions: aborts, and which waiting requests join the batch now."""
-        scheduler, batch = self._scheduler, self._batch
-        assert scheduler is not None and batch is not None
-        lockstep = self._lockstep
-        store = self.prefix_cache
+        scheduler, batch, lockstep = self.scheduler, self.batch, self._lockstep
         # Requests that only wait for their blocks from disk leave the engine idle: a finished
         # load wakes it (or a timeout, should the wake be lost).
-        loading = store is not None and store.loading and not batch.rows
+        loading = self.disk.loading and not batch.rows
         take = self._inbox.take(
             idle=not batch.rows and (not scheduler.waiting or loading),
             quiet_s=self.config.coalesce_quiet_s,
@@ -272,58 +268,52 @@ class Engine:
             timeout_s=lockstep.heartbeat_s if lockstep is not None else (0.1 if loading else None),
         )
         scheduler.enqueue(take.requests)
-        if store is not None:
-            out.disk_load_seconds.extend(store.collect())
+        if self.store is not None:
+            out.disk_load_seconds.extend(self.store.collect())
         plan = Plan(stop=take.stopping, check=batch.check)
         if take.aborts:  # requests not admitted yet end here; admitted rows end on every rank
             for ticket in scheduler.withdraw(take.aborts):
                 out.events.append(RowEvent(ticket, None, FINISH_ABORT))
-                if store is not None:
-                    store.forget(ticket)
+                self.disk.forget(ticket)
             plan.aborts = sorted(take.aborts & batch.tickets())
         if plan.stop:
             return plan
         choice = scheduler.schedule(batch.view())
         plan.chunk = choice.chunk
         for request, reason in choice.failed:
-            self._fail_alone(request.ticket, reason, out)
-        for admit in choice.admits:
-            plan.admits.append(self._with_prefix(admit, out))
+            out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, reason))
+            self.disk.forget(request.ticket)
+        plan.admits = [self._with_prefix(admit) for admit in choice.admits]
         return plan
 
-    def _with_prefix(self, admit: Admit, out: StepOutput) -> Admit:
+    def _with_prefix(self, admit: Admit) -> Admit:
         """`admit` with its cached prefix fetched (kept for `_apply`); the store turns its own
         faults into a miss."""
-        store = self.prefix_cache
         ticket = admit.request.ticket
         hit = None
-        if store is not None:
-            from_disk = store.admitted(ticket)
-            hit = store.fetch(admit.request, from_disk)
+        if self.store is not None:
+            from_disk = self.disk.admitted(ticket)
+            hit = self.store.fetch(admit.request, from_disk)
         self._fetched[ticket] = hit
         return Admit(admit.request, admit.reserved, hit.length if hit is not None else 0)
 
-    def _fail_alone(self, ticket: int, reason: str, out: StepOutput) -> None:
-        out.failures.append(RowFailure(ticket, FailureKind.INTERNAL, reason))
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget(ticket)
+    # ----- applying, stepping, sending (every rank) -----
 
     def _apply(self, plan: Plan, out: StepOutput) -> None:
         """Remove aborted rows and insert admitted requests: the same on every rank. The
         prefixes fetched for the plan are pinned until their rows own them; whatever goes
         wrong before that releases them."""
-        batch = self._batch
-        assert batch is not None
+        batch = self.batch
         hits = [self._take_fetched(admit) for admit in plan.admits]
         try:
             batch.set_chunk(plan.chunk)
             if plan.aborts:
                 batch.remove(plan.aborts, out)
         except BaseException:
-            if self.prefix_cache is not None:
+            if self.store is not None:
                 for hit in hits:
                     if hit is not None:
-                        self.prefix_cache.release(hit.nodes)
+                        self.store.release(hit.nodes)
             raise
         if plan.admits:
             batch.insert(plan.admits, hits, out)  # it owns the pins from here
@@ -331,25 +321,48 @@ class Engine:
     def _take_fetched(self, admit: Admit) -> Hit | None:
         if self._leads:
             return self._fetched.pop(admit.request.ticket)
-        assert self._batch is not None
-        hit = self._batch.lookup(admit.request)
+        hit = self.store.fetch(admit.request) if self.store is not None else None
         check_same_prefix(hit.length if hit is not None else 0, admit.cached_tokens)
         return hit
 
+    def _step(self, out: StepOutput) -> bool:
+        """One step; what it prefilled teaches the scheduler's cost model (rank 0 plans)."""
+        batch, scheduler = self.batch, self.scheduler
+        decoding = batch.view().decoding
+        report = batch.step(out)
+        if report.prefill_tokens:
+            out.prefill_tokens.append(report.prefill_tokens)
+        sample = report.prefill
+        if sample is not None and self._leads:
+            scheduler.cost.observe(sample)
+            if decoding and scheduler.over_budget(sample):
+                out.over_budget += 1
+        return report.due
+
+    def _publish(self, out: StepOutput) -> None:
+        """The figures go out with this output when they changed."""
+        figures = EngineFigures(self.store.stats() if self.store is not None else None)
+        if figures != self._published:
+            out.figures = self._published = figures
+
+    def _publish_now(self) -> None:
+        out = StepOutput()
+        self._publish(out)
+        self._sink.put(out, due=True)
+
+    def _send(self, out: StepOutput, due: bool) -> None:
+        """Hand the output over; the loop wakes only once some handler needs it (a first
+        token, a full `tokens_per_handoff`, a finish or a failure), or, with nothing
+        running, for new figures (no other hand-off would bring them soon)."""
+        if not out:
+            return
+        finished = any(event.finish_reason for event in out.events)
+        due = due or bool(out.failures) or finished or not self.batch.rows
+        if due:
+            self.batch.handed_over()
+        self._sink.put(out, due)
+
     def _end_all(self, out: StepOutput) -> None:
-        assert self._batch is not None and self._scheduler is not None
-        tickets = self._scheduler.drain()
+        tickets = self.scheduler.drain()
         out.events.extend(RowEvent(ticket, None, FINISH_ABORT) for ticket in tickets)
-        self._batch.end_all(out)
-
-    def _send_fatal(self, reason: str) -> None:
-        try:
-            self._sink.put(StepOutput(fatal=reason), due=True)
-        except Exception:
-            log.exception("could not report the engine's death")
-
-    def _on_stall(self, reason: str) -> None:
-        """The watchdog's last words (from its thread): tell the handlers, give them a moment."""
-        self.failure = reason
-        self._send_fatal(reason)
-        time.sleep(1.0)
+        self.batch.end_all(out)

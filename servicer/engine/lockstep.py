@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import mlx.core as mx
+import msgspec
 import numpy as np
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _MAGIC = 0x4D4C5853
 _CAPACITY = 4096  # bytes shared every step; larger plans take a second all_sum
@@ -31,10 +32,6 @@ _CAPACITY = 4096  # bytes shared every step; larger plans take a second all_sum
 
 class LockstepBroken(RuntimeError):
     """A share came back wrong: a peer is gone or the ranks disagree."""
-
-
-def _put(buffer: np.ndarray, offset: int, data: bytes) -> None:
-    buffer[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
 
 
 def connect(backend: str = "any") -> mx.distributed.Group:
@@ -55,19 +52,21 @@ class Lockstep:
         self._sequence = 0
         self._last_progress = time.monotonic()
         self._watching = False
+        self._encoder = msgspec.msgpack.Encoder()
 
     @property
     def leads(self) -> bool:
         return self.rank == 0
 
-    def share(self, plan: Any) -> Any:
-        """Rank 0's plan, on every rank (the other ranks pass None)."""
+    def share(self, plan: T | None, kind: type[T]) -> T:
+        """Rank 0's plan, on every rank (the other ranks pass None); `kind` is its type, in
+        which it travels (msgpack, positional)."""
         self._sequence += 1
         sequence = self._sequence
         buffer = np.zeros(_CAPACITY, np.uint8)
         payload = b""
         if self.leads:
-            payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = self._encoder.encode(plan)
             buffer[:12] = np.frombuffer(
                 struct.pack("<III", _MAGIC, sequence, len(payload)), np.uint8
             )
@@ -90,7 +89,7 @@ class Lockstep:
             big = np.frombuffer(payload, np.uint8) if self.leads else np.zeros(length, np.uint8)
             data = np.array(mx.distributed.all_sum(mx.array(big), group=self.group)).tobytes()
         self._last_progress = time.monotonic()
-        return pickle.loads(data)
+        return msgspec.msgpack.decode(data, type=kind)
 
     def progress(self) -> None:
         """A step finished: the ranks are still moving together."""

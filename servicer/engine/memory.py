@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
-from ..messages import MemoryModel
+from ..admission import MemoryModel
 
 
 def measure(model: nn.Module) -> MemoryModel:

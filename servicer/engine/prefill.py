@@ -13,10 +13,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
+from ..engine_config import DEFAULT_PREFILL_STEP
+
 _DECAY = 0.97  # weight of older samples per new one: about the last 30 steps count
 # Features are scaled to similar sizes; the ridge term keeps a fit with few or alike samples
 # near the prior instead of letting it run off.
-_SCALE = (1.0, 1e-3, 1e-6)
+_SCALE = np.array([1.0, 1e-3, 1e-6])
 _RIDGE = 1e-4
 
 
@@ -35,59 +39,36 @@ def _features(rows: int, chunk: int, context: int) -> tuple[float, float, float]
     return 1.0, float(tokens), tokens * (context + chunk / 2)
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting for a small dense system."""
-    n = len(b)
-    m = [[*row, b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-18:
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, n):
-            factor = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
-                m[r][c] -= factor * m[col][c]
-    x = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
-    return x
-
-
 class PrefillCost:
     """Seconds a prefill chunk takes, learned online: exponentially weighted least squares,
     pulled gently toward the prior while samples are few."""
 
     def __init__(self, per_token_s: float = 5e-4, fixed_s: float = 1e-3) -> None:
-        self._prior = [fixed_s / _SCALE[0], per_token_s / _SCALE[1], 0.0]
-        self._xx = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
-        self._theta = list(self._prior)
+        self._prior = np.array([fixed_s / _SCALE[0], per_token_s / _SCALE[1], 0.0])
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        self._theta = self._prior.copy()
         self.samples = 0
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
         """(fixed seconds, seconds per token, seconds per token per context token), each >= 0."""
-        k0, k1, k2 = (t * s for t, s in zip(self._theta, _SCALE, strict=True))
+        k0, k1, k2 = (float(t) * s for t, s in zip(self._theta, _SCALE, strict=True))
         return max(k0, 0.0), max(k1, 1e-9), max(k2, 0.0)
 
     def observe(self, sample: PrefillSample) -> None:
         if sample.rows <= 0 or sample.chunk <= 0 or not math.isfinite(sample.seconds):
             return
-        x = [
-            f * s
-            for f, s in zip(
-                _features(sample.rows, sample.chunk, sample.context), _SCALE, strict=True
-            )
-        ]
-        for i in range(3):
-            self._xy[i] = _DECAY * self._xy[i] + x[i] * sample.seconds
-            for j in range(3):
-                self._xx[i][j] = _DECAY * self._xx[i][j] + x[i] * x[j]
-        a = [[self._xx[i][j] + (_RIDGE if i == j else 0.0) for j in range(3)] for i in range(3)]
-        b = [self._xy[i] + _RIDGE * self._prior[i] for i in range(3)]
-        solved = _solve(a, b)
-        if solved is not None and all(math.isfinite(v) for v in solved):
+        x = np.array(_features(sample.rows, sample.chunk, sample.context)) * _SCALE
+        self._xx = _DECAY * self._xx + np.outer(x, x)
+        self._xy = _DECAY * self._xy + x * sample.seconds
+        a = self._xx + _RIDGE * np.eye(3)
+        b = self._xy + _RIDGE * self._prior
+        try:
+            solved = np.linalg.solve(a, b)
+        except np.linalg.LinAlgError:
+            solved = None
+        if solved is not None and np.all(np.isfinite(solved)):
             self._theta = solved
         self.samples += 1
 
@@ -115,7 +96,7 @@ class PrefillPolicy:
     every step prefills up to `step_tokens` per row, as mlx-lm does by default)."""
 
     max_stall_s: float = 0.05
-    step_tokens: int = 2048  # a full chunk
+    step_tokens: int = DEFAULT_PREFILL_STEP  # a full chunk
     max_rows: int = 8  # prompts prefilled together at most
     min_chunk: int = 32  # every prompt in prefill progresses at least this much per step
 

@@ -184,10 +184,6 @@ class SamplingFactory:
         self._samplers: _BoundedCache[SamplingSpec, Sampler] = _BoundedCache(cache_capacity)
         self._stops: _BoundedCache[frozenset[int], StopSequences] = _BoundedCache(cache_capacity)
 
-    @property
-    def supports_thinking(self) -> bool:
-        return self._think is not None
-
     def sampler(self, spec: SamplingSpec) -> Sampler:
         if spec.greedy:
             return greedy_sampler
@@ -196,9 +192,6 @@ class SamplingFactory:
         return self._samplers.get_or_build(
             spec, lambda: _Sampler(spec, self._vocab_size, self._keys)
         )
-
-    def check_grammar(self, grammar: str) -> str | None:
-        return self._grammars.check(grammar)
 
     def processors(self, request: GenerationRequest) -> list[LogitsProcessor]:
         """The request's own processors, in order: penalties, thinking budget, grammar."""

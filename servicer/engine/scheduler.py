@@ -14,7 +14,11 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..messages import Admission, GenerationRequest
+import msgspec
+
+from ..admission import Admission
+from ..engine_config import DEFAULT_PREFILL_STEP
+from ..messages import GenerationRequest, Wire
 from .prefill import (
     PrefillCost,
     PrefillPolicy,
@@ -26,20 +30,18 @@ from .prefill import (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Admit:
+class Admit(Wire, frozen=True):
     request: GenerationRequest
     reserved: int  # bytes of cache state set aside for it
     cached_tokens: int = 0  # prompt tokens covered by a reused prefix (filled in on rank 0)
 
 
-@dataclass(slots=True)
-class Plan:
+class Plan(Wire):
     """The next step's changes to the batch, decided on rank 0 and applied by every rank."""
 
-    aborts: list[int] = field(default_factory=list)  # tickets of admitted rows to remove
-    admits: list[Admit] = field(default_factory=list)
-    chunk: int = 2048  # prompt tokens per row this step prefills (mlx-lm's prefill_step_size)
+    aborts: list[int] = msgspec.field(default_factory=list)  # admitted rows to remove
+    admits: list[Admit] = msgspec.field(default_factory=list)
+    chunk: int = DEFAULT_PREFILL_STEP  # prompt tokens per row this step prefills
     stop: bool = False
     check: int = 0  # what the previous step produced, so the ranks can compare notes
 
@@ -157,10 +159,6 @@ class Scheduler:
             return StepChoice(admits, policy.step_tokens, failed)
         chunk = chunk_for([r for r in rows if r > 0], capacity, policy.min_chunk)
         return StepChoice(admits, chunk, failed)
-
-    def observe(self, sample: PrefillSample) -> None:
-        """A step's measured prefill: the cost model learns from it."""
-        self.cost.observe(sample)
 
     def over_budget(self, sample: PrefillSample) -> bool:
         """Whether a step's prefill took longer than the budget allows (while rows decode)."""

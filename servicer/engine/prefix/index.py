@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..blocks import ROOT, block_key
+from .keys import ROOT, block_key
 
 
 @dataclass(eq=False, slots=True)

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from ..faults import FaultPlan
-from ..ratelimit import RateLimitedLog
+from ...faults import FaultPlan
+from ...ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

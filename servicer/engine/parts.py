@@ -10,13 +10,14 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from ..admission import Admission, MemoryModel
 from ..engine_config import EngineConfig
-from ..messages import Admission, MemoryModel, ModelInfo
+from ..messages import ModelInfo
 from .constraints import GrammarFactory
-from .disk_tier import DiskTier, model_identity
 from .memory import device_memory_bytes, measure, weights_bytes
 from .model import LoadedModel, load_model, log_blas_hint
-from .prefix_store import CacheLayout, PrefixStore
+from .prefix.disk_tier import DiskTier, model_identity
+from .prefix.store import CacheLayout, PrefixStore
 from .sampling import SamplingFactory
 
 

@@ -12,13 +12,31 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from ..blocks import ROOT, block_key
-from ..messages import GenerationRequest
-from .block_data import BlockData, arrays_of
-from .block_index import BlockIndex, Match, Node
+from ...messages import GenerationRequest
+from .data import BlockData, arrays_of
 from .disk_tier import ARRAY_DTYPES, BlockFile, Completion, DiskEntry, DiskTier
+from .index import BlockIndex, Match, Node
+from .keys import ROOT, block_key
 
 LOAD_TIMEOUT_S = 10.0  # a request waits this long for its blocks from disk, at most
+
+
+class NoDisk:
+    """A prefix store without a disk tier: nothing to load, ever."""
+
+    loading = False
+
+    def ready(self, request: GenerationRequest, match: Callable[[], Match]) -> bool:
+        return True
+
+    def admitted(self, ticket: int) -> bool:
+        return False
+
+    def forget(self, ticket: int) -> None:
+        pass
+
+    def on_done(self, wake: Callable[[], None]) -> None:
+        pass
 
 
 class DiskLink:
@@ -195,6 +213,10 @@ class DiskLink:
 
     def forget(self, ticket: int) -> None:
         self.admitted(ticket)
+
+    def on_done(self, wake: Callable[[], None]) -> None:
+        """`wake` is called (from a disk thread) whenever a write or a load finishes."""
+        self.disk.on_done = wake
 
 
 def _flatten(value: Any, arrays: list[Any]) -> Any:

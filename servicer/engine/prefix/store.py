@@ -17,15 +17,15 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from ..blocks import ROOT, block_key
-from ..faults import FaultPlan
-from ..messages import GenerationRequest, PrefixCacheStats
-from ..ratelimit import RateLimitedLog
-from .block_data import BlockData, arrays_of
-from .block_index import BlockIndex, Match, Node
+from ...faults import FaultPlan
+from ...messages import GenerationRequest, PrefixCacheStats
+from ...ratelimit import RateLimitedLog
+from .data import BlockData, arrays_of
+from .disk_link import DiskLink
 from .disk_tier import DiskTier
-from .prefix_disk import DiskLink
-from .snapshot_points import snapshot_points
+from .index import BlockIndex, Match, Node
+from .keys import ROOT, block_key
+from .snapshots import snapshot_points
 
 log = logging.getLogger(__name__)
 
@@ -298,23 +298,6 @@ class PrefixStore:
         self.disk.collect()
         self.enforce_budget()
         return self.disk.take_load_seconds()
-
-    @property
-    def loading(self) -> bool:
-        """Some waiting request waits for blocks from disk."""
-        return self.disk is not None and self.disk.loading
-
-    def ready(self, request: GenerationRequest) -> bool:
-        if self.disk is None:
-            return True
-        return self.disk.ready(request, lambda: self.match(request))
-
-    def admitted(self, ticket: int) -> bool:
-        return self.disk.admitted(ticket) if self.disk is not None else False
-
-    def forget(self, ticket: int) -> None:
-        if self.disk is not None:
-            self.disk.forget(ticket)
 
     def close(self) -> None:
         if self.disk is not None:

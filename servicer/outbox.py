@@ -4,7 +4,8 @@
 time to first token never waits for a batch), for every `tokens_per_handoff` tokens after
 that, and for its finish. The engine applies it to hold a step's output back while no request
 needs it; each stream applies it to decide when its handler wakes. `Outbox` is the one place
-output is merged on its way from the engine thread to the event loop.
+output is merged on its way out of the engine: to the event loop, or, in the engine process,
+to the pipe.
 """
 
 from __future__ import annotations
@@ -22,18 +23,19 @@ def handoff_due(*, started: bool, pending: int, per_handoff: int, finished: bool
 
 
 class Outbox:
-    """Engine output waiting for the event loop: merged until the loop takes it, with one wake
-    of the loop per take, and only once some handler needs what is waiting."""
+    """Engine output waiting for its reader (the event loop, or in the engine process the
+    pipe to the server): merged until the reader takes it, with one wake of the reader per
+    take, and only once some handler needs what is waiting."""
 
     def __init__(self, wake: Callable[[], None]) -> None:
         self._wake = wake
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._pending: StepOutput | None = None
         self._woken = False
 
     def put(self, out: StepOutput, due: bool) -> None:
         """From the engine thread: a step's output, and whether some handler needs it now."""
-        with self._lock:
+        with self._cond:
             if self._pending is None:
                 self._pending = out
             else:
@@ -44,7 +46,13 @@ class Outbox:
             self._wake()
 
     def take(self) -> StepOutput | None:
-        """From the loop, once woken: everything waiting."""
-        with self._lock:
+        """From the reader, once woken: everything waiting."""
+        with self._cond:
             out, self._pending, self._woken = self._pending, None, False
+            self._cond.notify_all()
         return out
+
+    def delivered(self, timeout: float) -> bool:
+        """Wait until the reader has taken everything put so far (False: `timeout` passed)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None, timeout)

@@ -1,0 +1,38 @@
+"""The admission guard's policy: what a request's cache costs, and how much may be reserved at
+once. Measured on the engine side (`engine.memory`), applied on both: the handlers refuse what
+could never fit, the scheduler holds back what cannot fit yet. Pure (no MLX)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from .messages import GenerationRequest
+
+
+class MemoryModel(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Cache bytes one request needs: per token for attention layers (up to a sliding
+    window), a fixed amount for recurrent state."""
+
+    per_token: tuple[tuple[int, int | None], ...]  # (bytes per token, window or None)
+    fixed_bytes: int
+    allocation_step: int = 256  # full-attention caches grow in steps of this many tokens
+
+    def estimate(self, tokens: int) -> int:
+        step = self.allocation_step
+        total = self.fixed_bytes
+        for per_token, window in self.per_token:
+            total += per_token * (min(tokens, window) if window else -(-tokens // step) * step)
+        return total
+
+
+class Admission(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """What requests cost and what may be reserved at once (`limit_bytes`)."""
+
+    memory: MemoryModel
+    limit_bytes: int
+
+    def estimate(self, request: GenerationRequest) -> int:
+        return self.memory.estimate(len(request.prompt) + request.max_tokens)
