@@ -47,16 +47,17 @@ class RawEngine:
     ) -> None:
         import mlx.core as mx
         from mlx_lm import load
-        from mlx_lm.generate import BatchGenerator
+
+        from servicer.engine import EngineConfig
+        from servicer.engine.parts import new_generator
 
         model, _ = load(str(model_dir))
-        self.generator = BatchGenerator(
-            model,
+        config = EngineConfig(
             completion_batch_size=completion_batch_size,
             prefill_batch_size=prefill_batch_size,
             prefill_step_size=prefill_step_size,
-            stream=mx.new_stream(mx.default_device()),
         )
+        self.generator = new_generator(model, config, mx.new_stream(mx.default_device()))
         self.completion_batch_size = completion_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.vocab = model_vocab_size(model_dir)

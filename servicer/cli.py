@@ -248,8 +248,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+# transformers says at import that PyTorch is missing (it is not needed here): nothing a user
+# of the worker can act on, so it stays out of the log, in this process and the engine's.
+QUIET_TRANSFORMERS = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    for name, value in QUIET_TRANSFORMERS.items():
+        os.environ.setdefault(name, value)
     rank = (
         f"[rank {os.environ['MLX_RANK']}] " if args.distributed and "MLX_RANK" in os.environ else ""
     )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .text import IncrementalDecoder, StreamDecoder, WindowDecoder
+
 
 class TextCodec:
     def __init__(self, hf_tokenizer: Any) -> None:
@@ -18,3 +20,8 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decoder(self) -> IncrementalDecoder:
+        """A fresh incremental decoder for one request's output."""
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        return StreamDecoder(backend) if backend is not None else WindowDecoder(self.decode)

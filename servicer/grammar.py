@@ -10,12 +10,13 @@ import logging
 from typing import Any
 
 import llguidance
-import llguidance.hf
 
 log = logging.getLogger(__name__)
 
 
 def llg_tokenizer(hf_tokenizer: Any, vocab_size: int, eos: int) -> llguidance.LLTokenizer:
+    import llguidance.hf  # it imports transformers: only once a tokenizer is at hand
+
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
 
 

@@ -35,7 +35,7 @@ from .model_files import ModelFiles
 from .output import OutputProcessor
 from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
 from .streams import RequestStream, Streams
-from .text import TextTracker
+from .text import IncrementalDecoder, TextTracker
 from .tokenizer_bundle import TokenizerArchive, build_archive
 from .validation import GrammarCheck, Limits, RequestError, TextOptions, build_request
 
@@ -63,7 +63,7 @@ class Codec(Protocol):
     """The model's tokenizer, as the handlers use it."""
 
     def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    def decoder(self) -> IncrementalDecoder: ...
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     def _tracker(self, text: TextOptions | None) -> TextTracker | None:
         if text is None or self._codec is None:
             return None
-        return TextTracker(self._codec.decode, text.stops)
+        return TextTracker(self._codec.decoder(), text.stops)
 
     def _check_memory(self, job: GenerationRequest) -> None:
         """Refuse what could never fit; what fits only later waits in the engine."""

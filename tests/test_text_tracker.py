@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from servicer.text import TextTracker
+from servicer.text import TextTracker, WindowDecoder
 
 # Token i decodes to the bytes VOCAB[i]; a character's bytes may be split over tokens.
 VOCAB = [b"Hel", b"lo", b" w", b"or", b"ld", b".", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"!"]
@@ -26,7 +26,7 @@ def _tokens(text: bytes) -> list[int]:
 
 
 def test_text_arrives_whole_whatever_the_token_boundaries():
-    tracker = TextTracker(decode)
+    tracker = TextTracker(WindowDecoder(decode))
     pieces = []
     for token in _tokens(b"Hello world."):
         tracker.add([token])
@@ -36,7 +36,7 @@ def test_text_arrives_whole_whatever_the_token_boundaries():
 
 
 def test_multi_byte_characters_split_across_tokens_are_never_half_sent():
-    tracker = TextTracker(decode)
+    tracker = TextTracker(WindowDecoder(decode))
     seen = []
     for token in _tokens("é€!".encode()):  # é = c3 a9 over two tokens, € = e2 82 ac over two
         tracker.add([token])
@@ -49,7 +49,7 @@ def test_multi_byte_characters_split_across_tokens_are_never_half_sent():
 
 
 def test_a_stop_string_split_across_tokens_is_found_and_cut():
-    tracker = TextTracker(decode, stops=["lo w"])
+    tracker = TextTracker(WindowDecoder(decode), stops=["lo w"])
     tokens = _tokens(b"Hello world.")  # "lo" and " w" are separate tokens
     taken = tracker.add(tokens)
     assert tracker.matched == "lo w"
@@ -58,7 +58,7 @@ def test_a_stop_string_split_across_tokens_is_found_and_cut():
 
 
 def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
-    tracker = TextTracker(decode, stops=["world!"])
+    tracker = TextTracker(WindowDecoder(decode), stops=["world!"])
     tracker.add(_tokens(b"Hello wor"))
     # The last len("world!") - 1 characters could still be the start of the stop string.
     assert tracker.release() == "Hell"
@@ -68,7 +68,29 @@ def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot():
 
 
 def test_the_earliest_of_several_stop_strings_wins():
-    tracker = TextTracker(decode, stops=["world", "lo"])
+    tracker = TextTracker(WindowDecoder(decode), stops=["world", "lo"])
     tracker.add(_tokens(b"Hello world."))
     assert tracker.matched == "lo"
     assert tracker.text == "Hel"
+
+
+def test_the_rust_stream_decoder_gives_the_same_text_as_the_window_decoder():
+    import random
+
+    from transformers import AutoTokenizer
+
+    from servicer.demo_model import demo_model_path
+    from servicer.text import StreamDecoder
+
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_model_path()))
+    rng = random.Random(3)
+    tokens = [rng.randrange(0, 512) for _ in range(400)]  # byte pieces, specials and all
+    texts = []
+    for decoder in (
+        StreamDecoder(tokenizer.backend_tokenizer),
+        WindowDecoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)),
+    ):
+        tracker = TextTracker(decoder)
+        tracker.add(tokens)
+        texts.append(tracker.text)
+    assert texts[0] == texts[1] and len(texts[0]) > 100

@@ -171,7 +171,7 @@ class EngineLoop:
         self.parts = parts
         self.store = parts.prefix
         self.batch = Batch(
-            lambda: new_generator(config, parts, stream),
+            lambda: new_generator(parts.loaded.model, config, stream),
             parts.sampling,
             parts.prefix,
             self._left,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
 
 from ..admission import Admission, MemoryModel
@@ -130,9 +131,10 @@ def snapshot_interval(memory: MemoryModel, block: int) -> int:
     return max(block, -(-int(tokens) // block) * block)
 
 
-def new_generator(config: EngineConfig, parts: EngineParts, stream: mx.Stream) -> BatchGenerator:
+def new_generator(model: nn.Module, config: EngineConfig, stream: mx.Stream) -> BatchGenerator:
+    """The engine's BatchGenerator (the raw-engine bench builds its reference with this too)."""
     return BatchGenerator(
-        parts.loaded.model,
+        model,
         completion_batch_size=config.completion_batch_size,
         prefill_batch_size=config.prefill_batch_size,
         prefill_step_size=config.prefill_step_size,
