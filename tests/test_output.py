@@ -8,7 +8,7 @@ from test_text_tracker import decode
 
 from servicer.messages import GenerationRequest, RowEvent, TokenLogprob
 from servicer.output import OutputProcessor
-from servicer.text import TextTracker
+from servicer.text import TextTracker, WindowDecoder
 
 PROMPT = [1, 2, 3, 4]
 
@@ -53,7 +53,7 @@ def test_an_abort_with_no_token_ends_the_stream_with_no_chunk():
 
 def test_a_stop_string_cuts_the_output_and_asks_for_the_row_to_be_aborted():
     # Tokens 0, 1, 2 decode to "Hel", "lo", " w": the stop string "lo" completes at token 1.
-    output = OutputProcessor(_request(), True, TextTracker(decode, ["lo"]))
+    output = OutputProcessor(_request(), True, TextTracker(WindowDecoder(decode), ["lo"]))
     done = output.process([RowEvent(1, 0), RowEvent(1, 1), RowEvent(1, 2)])
     assert done.abort and done.finish_reason == "stop" and done.tokens == 2
     chunk, complete = done.responses
