@@ -36,6 +36,13 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _at_least_one(text: str) -> float:
+    value = float(text)
+    if not 1.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text}")
+    return value
+
+
 _UNITS = MappingProxyType({"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40})
 
 
@@ -93,6 +100,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="while requests decode, a step prefills only as much prompt as fits this many "
         "milliseconds, learned as the worker runs (default 50; 0: full --prefill-step-size "
         "chunks, as mlx-lm does)",
+    )
+    parser.add_argument(
+        "--max-prefill-stall-widen",
+        type=_at_least_one,
+        default=4.0,
+        help="while prompts queue up faster than the budget lets them in, the budget widens "
+        "step by step up to this many times --max-prefill-stall-ms, and narrows back once "
+        "the line is empty (default 4; 1: never widen)",
     )
     parser.add_argument(
         "--max-prompt-tokens",
@@ -219,6 +234,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
         max_prefill_stall_ms=args.max_prefill_stall_ms,
+        max_prefill_stall_widen=args.max_prefill_stall_widen,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         prompt_cache_block=args.prompt_cache_block,

@@ -19,8 +19,10 @@ class EngineConfig:
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = DEFAULT_PREFILL_STEP
-    # While rows decode, a step prefills only what fits this stall (0: full chunks always).
+    # While rows decode, a step prefills only what fits this stall (0: full chunks always),
+    # widened up to this factor while prompts queue up (1: never).
     max_prefill_stall_ms: float = 50.0
+    max_prefill_stall_widen: float = 4.0
     # A burst that is still arriving while nothing generates is admitted together:
     # wait while new requests keep coming `coalesce_quiet_s` apart, at most `coalesce_max_s`.
     coalesce_quiet_s: float = 0.002

@@ -91,7 +91,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._lifecycle = lifecycle
         self._on_fatal = on_fatal
         self._options = options or HandlerOptions()
-        self._metrics = metrics or WorkerMetrics(self.load, self.prefix_stats)
+        self._metrics = metrics or WorkerMetrics(self.load, self.figures)
         self._info: ModelInfo | None = None
         self._codec: Codec | None = None
         self._admission: Admission | None = None
@@ -135,8 +135,11 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     def load(self) -> EngineLoad:
         return self._streams.load()
 
+    def figures(self) -> EngineFigures:
+        """The engine's figures as it last published them."""
+        return self._figures
+
     def prefix_stats(self) -> PrefixCacheStats | None:
-        """The prefix store's figures as the engine last published them."""
         return self._figures.prefix
 
     def abort_all(self) -> None:

@@ -129,6 +129,7 @@ class StepOutput(Wire):
     step_seconds: list[float] = msgspec.field(default_factory=list)  # each step's duration
     prefill_tokens: list[int] = msgspec.field(default_factory=list)  # each prefill's tokens
     over_budget: int = 0  # steps whose prefill held decoding rows up past the budget
+    widened_steps: int = 0  # steps whose prefill ran with a budget widened by a queue
     disk_load_seconds: list[float] = msgspec.field(default_factory=list)  # prompt-cache loads
     figures: EngineFigures | None = None  # the engine's figures, when they changed
 
@@ -150,6 +151,7 @@ class StepOutput(Wire):
         self.step_seconds.extend(later.step_seconds)
         self.prefill_tokens.extend(later.prefill_tokens)
         self.over_budget += later.over_budget
+        self.widened_steps += later.widened_steps
         self.disk_load_seconds.extend(later.disk_load_seconds)
         self.figures = later.figures or self.figures
 
@@ -194,6 +196,7 @@ class EngineFigures(Wire, frozen=True):
     everyone else reads the latest published ones, never the engine's objects."""
 
     prefix: PrefixCacheStats | None = None  # None: no prefix store
+    prefill_budget_s: float = 0.0  # the prefill budget in force (0: none)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .messages import EngineLoad, FailureKind, PrefixCacheStats, StepOutput
+from .messages import EngineFigures, EngineLoad, FailureKind, PrefixCacheStats, StepOutput
 
 _FAILURE_METRIC = MappingProxyType(
     {
@@ -90,12 +90,14 @@ class WorkerMetrics:
     def __init__(
         self,
         load: Callable[[], EngineLoad],
-        prefix_cache: Callable[[], PrefixCacheStats | None] = lambda: None,
+        figures: Callable[[], EngineFigures] = EngineFigures,
     ) -> None:
+        """`load` and `figures` are read when metrics are collected (from the HTTP thread):
+        plain counts, and the engine's last published figures."""
         self.registry = CollectorRegistry()
         self._requests()
-        self._engine(load)
-        self._prefix_cache(prefix_cache)
+        self._engine(load, figures)
+        self._prefix_cache(lambda: figures().prefix)
         self._http: Any = None
 
     def _requests(self) -> None:
@@ -132,7 +134,7 @@ class WorkerMetrics:
             registry=reg,
         )
 
-    def _engine(self, load: Callable[[], EngineLoad]) -> None:
+    def _engine(self, load: Callable[[], EngineLoad], figures: Callable[[], EngineFigures]) -> None:
         reg = self.registry
         self.waiting = Gauge(
             "mlx_worker_waiting_requests", "Requests accepted but not yet decoding", registry=reg
@@ -154,7 +156,18 @@ class WorkerMetrics:
         )
         self.over_budget = Counter(
             "mlx_worker_prefill_steps_over_budget",
-            "Steps whose prefill held decoding rows up longer than --max-prefill-stall-ms",
+            "Steps whose prefill held decoding rows up longer than the budget in force",
+            registry=reg,
+        )
+        budget = Gauge(
+            "mlx_worker_prefill_budget_seconds",
+            "The prefill budget in force: --max-prefill-stall-ms, widened while prompts queue",
+            registry=reg,
+        )
+        budget.set_function(lambda: figures().prefill_budget_s)
+        self.widened = Counter(
+            "mlx_worker_prefill_steps_widened",
+            "Steps whose prefill ran with the budget widened because prompts were queueing",
             registry=reg,
         )
 
@@ -177,6 +190,8 @@ class WorkerMetrics:
             self.disk_load.observe(seconds)
         if out.over_budget:
             self.over_budget.inc(out.over_budget)
+        if out.widened_steps:
+            self.widened.inc(out.widened_steps)
         for kind in {failure.kind for failure in out.failures}:  # once per step and kind
             self.errors.labels(_FAILURE_METRIC[kind]).inc()
         if out.fatal is not None:

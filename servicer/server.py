@@ -84,7 +84,7 @@ class WorkerServer:
         self.lifecycle = Lifecycle()
         self.outbox = Outbox(self._wake_loop)
         self.engine = make_engine(config, self.outbox)
-        self.metrics = WorkerMetrics(self.load, self.prefix_stats)
+        self.metrics = WorkerMetrics(self.load, lambda: self.servicer.figures())
         self.servicer = MlxEngineServicer(
             self.engine, self.lifecycle, self._on_fatal, config.handlers, self.metrics
         )

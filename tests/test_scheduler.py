@@ -8,8 +8,10 @@ from servicer.engine.prefill import (
     PrefillPolicy,
     PrefillRow,
     PrefillSample,
+    Widening,
     can_join,
     chunk_for,
+    step_budget,
     step_capacity,
 )
 from servicer.engine.scheduler import BatchView, Scheduler
@@ -99,11 +101,22 @@ def test_the_cost_model_learns_a_linear_and_an_attention_term():
 
 def test_idle_steps_prefill_full_chunks_and_decoding_steps_what_fits_the_budget():
     cost = _linear_cost(5e-4)  # 100 tokens in 50 ms
-    assert step_capacity(POLICY, cost, decoding=False, context=0) == 2048
-    assert 90 <= step_capacity(POLICY, cost, decoding=True, context=0) <= 100
+    budget = step_budget(POLICY, 1.0, 0.0)
+    assert step_capacity(POLICY, cost, False, 0, budget) == 2048
+    assert 90 <= step_capacity(POLICY, cost, True, 0, budget) <= 100
     # a slow model: prefill keeps at least as long as a decode step
-    assert step_capacity(POLICY, cost, True, 0, decode_step_s=0.2) >= 390
-    assert step_capacity(PrefillPolicy(max_stall_s=0), cost, True, 0) == 2048
+    assert step_budget(POLICY, 1.0, decode_step_s=0.2) == 0.2
+    assert step_capacity(POLICY, cost, True, 0, step_budget(POLICY, 1.0, 0.2)) >= 390
+    assert step_capacity(PrefillPolicy(max_stall_s=0), cost, True, 0, 0.0) == 2048
+
+
+def test_first_tokens_due_next_step_take_their_share_of_the_budget():
+    cost = PrefillCost()
+    for n, f in [(64, 0), (128, 2), (256, 0), (32, 4), (512, 1), (0, 3)] * 5:
+        cost.observe(PrefillSample(1 if n else 0, n, 0, 0.001 + 5e-4 * n + 0.004 * f, f))
+    alone = step_capacity(POLICY, cost, True, 0, 0.05)
+    beside = step_capacity(POLICY, cost, True, 0, 0.05, starting=4)
+    assert 85 <= alone <= 100 and beside < alone - 25  # four first tokens cost 16 ms
 
 
 def test_a_long_prompt_is_split_while_rows_decode():
@@ -146,3 +159,49 @@ def test_chunks_and_joining_rules():
     assert can_join([3000], 200, 500, 32) and not can_join([3000], 300, 500, 32)
     assert not can_join([3000, 10], 100, 500, 32)  # the long one would keep a third
     assert can_join([10, 20], 100, 500, 32)  # all finish this step
+
+
+def test_short_prompts_that_fit_start_together_while_rows_decode():
+    scheduler = _budgeted(_linear_cost(1e-4))  # 500 tokens in 50 ms
+    scheduler.enqueue([_prompt(t, 90) for t in range(1, 8)])
+    choice = scheduler.schedule(BatchView(rows=4, first_tokens_due=False))
+    # prompts of 89 tokens to prefill: five or six fit one call of about 500 padded tokens
+    assert [a.request.ticket for a in choice.admits][:5] == [1, 2, 3, 4, 5]
+    assert choice.chunk == 89  # one call: each of them finishes in it
+
+
+def test_the_budget_widens_while_a_line_is_queued_and_narrows_when_it_drains():
+    policy = PrefillPolicy(max_stall_s=0.05, max_widen=4.0)
+    widening = Widening()
+    assert widening.update(policy, waiting=1, oldest_wait_s=0.0) == 1.0  # one arrival
+    factors = [widening.update(policy, waiting=2 + i, oldest_wait_s=0.0) for i in range(10)]
+    assert factors == sorted(factors) and factors[-1] == 4.0  # step by step, up to the cap
+    assert widening.update(policy, waiting=5, oldest_wait_s=0.0) == 4.0  # holds while queued
+    narrowing = [widening.update(policy, waiting=0, oldest_wait_s=0.0) for _ in range(10)]
+    assert narrowing == sorted(narrowing, reverse=True) and narrowing[-1] == 1.0
+    # a prompt waiting several budgets is a queue too, even when the line is not growing
+    assert widening.update(policy, waiting=1, oldest_wait_s=0.5) > 1.0
+    assert Widening().update(PrefillPolicy(max_widen=1.0), 9, 9.0) == 1.0  # switched off
+
+
+def test_a_queue_widens_what_a_step_may_prefill():
+    scheduler = _budgeted(_linear_cost(5e-4))  # 100 tokens in 50 ms
+    decoding = BatchView(rows=4, first_tokens_due=False)
+    scheduler.enqueue([_prompt(1, 90)], now=0.0)
+    first = scheduler.schedule(decoding, now=0.01)
+    scheduler.enqueue([_prompt(t, 90) for t in range(2, 40)], now=0.02)
+    later = [scheduler.schedule(decoding, now=1.0 + i) for i in range(8)]
+    assert len(first.admits) == 1 and not first.widened
+    assert len(later[-1].admits) >= 3 and later[-1].widened
+    assert scheduler.budget_s == 0.2  # 4 x 50 ms
+
+
+def test_planning_and_the_over_budget_count_use_the_same_budget():
+    scheduler = _budgeted(_linear_cost(5e-4))
+    scheduler.enqueue([_prompt(1, 4000)])
+    slow = BatchView(rows=4, first_tokens_due=False, decode_step_s=0.3)  # a slow model
+    choice = scheduler.schedule(slow)
+    planned = scheduler.cost.seconds(1, choice.chunk, 0)
+    assert planned <= scheduler.budget_s == 0.3
+    assert not scheduler.over_budget(PrefillSample(1, choice.chunk, 0, planned))
+    assert scheduler.over_budget(PrefillSample(1, choice.chunk, 0, 0.31))

@@ -111,7 +111,8 @@ class Batch:
         prefilling = tuple(
             PrefillRow(row.prefill_left - 1, row.context) for row in rows if row.prefill_left > 1
         )
-        return BatchView(len(self.rows), due, prefilling, self.decode_step_s)
+        starting = sum(1 for row in rows if row.prefill_left == 1)
+        return BatchView(len(self.rows), due, prefilling, self.decode_step_s, starting)
 
     def set_chunk(self, tokens: int) -> None:
         """Prompt tokens per row the next step prefills (mlx-lm reads it at every step)."""
@@ -188,23 +189,28 @@ class Batch:
     # ----- stepping -----
 
     def step(self, out: StepOutput) -> StepReport:
-        """One generator step; its events go to `out`."""
+        """One generator step; its events go to `out`. A step with prefill work (a chunk, or
+        the first tokens of prompts that are through) reports what that work added to it."""
         self.steps += 1
         if self._faults is not None:
             self._faults.before_step(self.steps)
         rows = self.rows
-        if not any(row.prefill_left > 1 for row in rows.values()):
-            started = time.perf_counter()
+        before = {uid: (row.context, row.prefill_left) for uid, row in rows.items()}
+        work = any(left > 0 for _, left in before.values())
+        decoding = any(left == 0 for _, left in before.values())
+        started = time.perf_counter()
+        if not work:
             prompt_progress, responses = self._generator.next()
             elapsed = time.perf_counter() - started
             self.decode_step_s += _DECODE_EWMA * (elapsed - self.decode_step_s)
             self._track_prefill(prompt_progress)
             return StepReport(self._collect(responses, out), None)
-        before = {uid: (row.context, row.prefill_left) for uid, row in rows.items()}
         with self._generator.stats() as stats:
             prompt_progress, responses = self._generator.next()
+        # What the prefill added: the step less a decode step, or all of it with none.
+        added = time.perf_counter() - started - (self.decode_step_s if decoding else 0.0)
         self._track_prefill(prompt_progress)
-        sample = self._prefill_sample(before, stats.prompt_time)
+        sample = self._prefill_sample(before, max(added, 0.0))
         return StepReport(self._collect(responses, out), sample, stats.prompt_tokens)
 
     def _track_prefill(self, prompt_progress: list[Any]) -> None:
@@ -225,16 +231,19 @@ class Batch:
         self, before: dict[int, tuple[int, int]], seconds: float
     ) -> PrefillSample | None:
         """The step's prefill as a cost sample: every row in prefill is padded to the longest
-        chunk, and the context is the longest one's."""
+        chunk, the context is the longest one's, and rows that were through their prompt ran
+        their first token."""
         chunks = [
             (left - row.prefill_left, context)
             for uid, (context, left) in before.items()
             if (row := self.rows.get(uid)) is not None and left > max(row.prefill_left, 1)
         ]
-        if not chunks:
+        starting = sum(1 for _, left in before.values() if left == 1)
+        if not chunks and not starting:
             return None
-        chunk = max(n for n, _ in chunks)
-        return PrefillSample(len(chunks), chunk, max(c for _, c in chunks), seconds)
+        chunk = max((n for n, _ in chunks), default=0)
+        context = max((c for _, c in chunks), default=0)
+        return PrefillSample(len(chunks), chunk, context, seconds, starting)
 
     def _collect(self, responses: list[Any], out: StepOutput) -> bool:
         """The step's tokens as events in `out`; True when some handler needs them now."""

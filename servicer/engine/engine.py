@@ -167,6 +167,7 @@ class EngineLoop:
         self._leads = self._lockstep is None or self._lockstep.leads
         self._fetched: dict[int, Hit | None] = {}  # prefixes rank 0 found while planning
         self._published: EngineFigures | None = None
+        self._widened = False  # this step was planned with a widened prefill budget
         parts = build_parts(config, info)
         self.parts = parts
         self.store = parts.prefix
@@ -186,6 +187,7 @@ class EngineLoop:
             max_stall_s=config.max_prefill_stall_ms / 1000,
             step_tokens=config.prefill_step_size,
             max_rows=config.prefill_batch_size,
+            max_widen=config.max_prefill_stall_widen,
         )
         self.scheduler = Scheduler(
             parts.admission,
@@ -267,7 +269,8 @@ class EngineLoop:
             burst_size=self.config.prefill_batch_size,
             timeout_s=lockstep.heartbeat_s if lockstep is not None else (0.1 if loading else None),
         )
-        scheduler.enqueue(take.requests)
+        now = time.monotonic()
+        scheduler.enqueue(take.requests, now)
         if self.store is not None:
             out.disk_load_seconds.extend(self.store.collect())
         plan = Plan(stop=take.stopping, check=batch.check)
@@ -278,8 +281,9 @@ class EngineLoop:
             plan.aborts = sorted(take.aborts & batch.tickets())
         if plan.stop:
             return plan
-        choice = scheduler.schedule(batch.view())
+        choice = scheduler.schedule(batch.view(), now)
         plan.chunk = choice.chunk
+        self._widened = choice.widened
         for request, reason in choice.failed:
             out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, reason))
             self.disk.forget(request.ticket)
@@ -337,11 +341,13 @@ class EngineLoop:
             scheduler.cost.observe(sample)
             if decoding and scheduler.over_budget(sample):
                 out.over_budget += 1
+            out.widened_steps += self._widened
         return report.due
 
     def _publish(self, out: StepOutput) -> None:
         """The figures go out with this output when they changed."""
-        figures = EngineFigures(self.store.stats() if self.store is not None else None)
+        budget = self.scheduler.budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
+        figures = EngineFigures(self.store.stats() if self.store is not None else None, budget)
         if figures != self._published:
             out.figures = self._published = figures
 

@@ -1,11 +1,14 @@
 """How much prompt to prefill in one step: a time budget while rows decode, full chunks when
-nothing does, and a cost model of prefill learned as the engine runs. Pure (no MLX).
+nothing does, a cost model of prefill learned as the engine runs, and a budget that widens
+while prompts queue up. Pure (no MLX).
 
-A prefill chunk of `n` tokens for `r` rows (mlx-lm pads the rows to one length) whose caches
-already hold `c` tokens costs about `k0 + k1·r·n + k2·r·n·(c + n/2)` seconds: a fixed part,
-the projections and MLP per token, and attention over the context so far. The three
-coefficients are fitted by least squares over recent steps (older ones fade), so the model
-follows the machine as it warms up, throttles or shares its cores.
+What a step's prefill adds to it costs about `k0 + k1·r·n + k2·r·n·(c + n/2) + k3·f` seconds
+for a chunk of `n` tokens for `r` rows (mlx-lm pads the rows to one length) whose caches hold
+`c` tokens, and `f` rows that start decoding in it: a fixed part per step, the projections
+and MLP per token, attention over the context so far, and for each prompt that finished its
+prefill the forward of its first token and its join to the decoding batch. The coefficients
+are fitted by least squares over recent steps (older ones fade), so the model follows the
+machine as it warms up, throttles or shares its cores.
 """
 
 from __future__ import annotations
@@ -20,67 +23,73 @@ from ..engine_config import DEFAULT_PREFILL_STEP
 _DECAY = 0.97  # weight of older samples per new one: about the last 30 steps count
 # Features are scaled to similar sizes; the ridge term keeps a fit with few or alike samples
 # near the prior instead of letting it run off.
-_SCALE = np.array([1.0, 1e-3, 1e-6])
+_SCALE = np.array([1.0, 1e-3, 1e-6, 1.0])
 _RIDGE = 1e-4
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillSample:
-    """One step's prefill, as measured: rows, tokens per row (padded), their context before."""
+    """One step's prefill, as measured: rows in its prefill call, tokens per row (padded),
+    their longest context before, rows that started decoding, and the seconds it added."""
 
     rows: int
     chunk: int
     context: int
     seconds: float
+    starting: int = 0
+
+    @property
+    def any(self) -> bool:
+        return self.rows * self.chunk > 0 or self.starting > 0
 
 
-def _features(rows: int, chunk: int, context: int) -> tuple[float, float, float]:
+def _features(rows: int, chunk: int, context: int, starting: int) -> np.ndarray:
     tokens = rows * chunk
-    return 1.0, float(tokens), tokens * (context + chunk / 2)
+    return np.array([1.0, tokens, tokens * (context + chunk / 2), starting], dtype=float)
 
 
 class PrefillCost:
-    """Seconds a prefill chunk takes, learned online: exponentially weighted least squares,
+    """Seconds a step's prefill takes, learned online: exponentially weighted least squares,
     pulled gently toward the prior while samples are few."""
 
-    def __init__(self, per_token_s: float = 5e-4, fixed_s: float = 1e-3) -> None:
-        self._prior = np.array([fixed_s / _SCALE[0], per_token_s / _SCALE[1], 0.0])
-        self._xx = np.zeros((3, 3))
-        self._xy = np.zeros(3)
+    def __init__(
+        self, per_token_s: float = 5e-4, fixed_s: float = 1e-3, per_start_s: float = 1e-3
+    ) -> None:
+        self._prior = np.array([fixed_s, per_token_s, 0.0, per_start_s]) / _SCALE
+        self._xx = np.zeros((4, 4))
+        self._xy = np.zeros(4)
         self._theta = self._prior.copy()
         self.samples = 0
 
     @property
-    def coefficients(self) -> tuple[float, float, float]:
-        """(fixed seconds, seconds per token, seconds per token per context token), each >= 0."""
-        k0, k1, k2 = (float(t) * s for t, s in zip(self._theta, _SCALE, strict=True))
-        return max(k0, 0.0), max(k1, 1e-9), max(k2, 0.0)
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """(fixed seconds, per token, per token per context token, per starting row), >= 0."""
+        k0, k1, k2, k3 = (float(v) for v in self._theta * _SCALE)
+        return max(k0, 0.0), max(k1, 1e-9), max(k2, 0.0), max(k3, 0.0)
 
     def observe(self, sample: PrefillSample) -> None:
-        if sample.rows <= 0 or sample.chunk <= 0 or not math.isfinite(sample.seconds):
+        if not sample.any or not math.isfinite(sample.seconds):
             return
-        x = np.array(_features(sample.rows, sample.chunk, sample.context)) * _SCALE
+        x = _features(sample.rows, sample.chunk, sample.context, sample.starting) * _SCALE
         self._xx = _DECAY * self._xx + np.outer(x, x)
         self._xy = _DECAY * self._xy + x * sample.seconds
-        a = self._xx + _RIDGE * np.eye(3)
-        b = self._xy + _RIDGE * self._prior
         try:
-            solved = np.linalg.solve(a, b)
+            solved = np.linalg.solve(self._xx + _RIDGE * np.eye(4), self._xy + _RIDGE * self._prior)
         except np.linalg.LinAlgError:
             solved = None
         if solved is not None and np.all(np.isfinite(solved)):
             self._theta = solved
         self.samples += 1
 
-    def seconds(self, rows: int, chunk: int, context: int) -> float:
-        k0, k1, k2 = self.coefficients
-        _, tokens, attention = _features(rows, chunk, context)
-        return k0 + k1 * tokens + k2 * attention
+    def seconds(self, rows: int, chunk: int, context: int, starting: int = 0) -> float:
+        features = _features(rows, chunk, context, starting)
+        return float(np.dot(self.coefficients, features))
 
-    def tokens_within(self, budget_s: float, context: int) -> int:
-        """The most prompt tokens one row can prefill within `budget_s` at `context`."""
-        k0, k1, k2 = self.coefficients
-        room = budget_s - k0
+    def tokens_within(self, budget_s: float, context: int, starting: int = 0) -> int:
+        """The most prompt tokens one row can prefill within `budget_s` at `context`, beside
+        `starting` rows' first tokens."""
+        k0, k1, k2, k3 = self.coefficients
+        room = budget_s - k0 - k3 * starting
         if room <= 0:
             return 0
         # k2/2·n² + (k1 + k2·c)·n - room = 0
@@ -93,12 +102,14 @@ class PrefillCost:
 @dataclass(frozen=True, slots=True)
 class PrefillPolicy:
     """`max_stall_s`: the most one step's prefill may hold up decoding rows (0: no budget,
-    every step prefills up to `step_tokens` per row, as mlx-lm does by default)."""
+    every step prefills up to `step_tokens` per row, as mlx-lm does by default);
+    `max_widen`: how far the budget may widen while prompts queue up (1: never)."""
 
     max_stall_s: float = 0.05
     step_tokens: int = DEFAULT_PREFILL_STEP  # a full chunk
     max_rows: int = 8  # prompts prefilled together at most
     min_chunk: int = 32  # every prompt in prefill progresses at least this much per step
+    max_widen: float = 4.0
 
     @property
     def budgeted(self) -> bool:
@@ -113,27 +124,35 @@ class PrefillRow:
     context: int
 
 
+def step_budget(policy: PrefillPolicy, widen: float, decode_step_s: float) -> float:
+    """The seconds a step's prefill may add while rows decode: the budget in force (widened
+    by `widen`), and never less than a decode step itself takes (so on a slow model prefill
+    keeps at least half of each step). Planning and the over-budget count both use this."""
+    return max(policy.max_stall_s * widen, decode_step_s)
+
+
 def step_capacity(
     policy: PrefillPolicy,
     cost: PrefillCost,
     decoding: bool,
     context: int,
-    decode_step_s: float = 0.0,
+    budget_s: float,
+    starting: int = 0,
 ) -> int:
-    """Prompt tokens (summed over rows, padding included) the next step may prefill. With
-    rows decoding, what fits the stall budget, never less than the decode step itself takes
-    (so prefill keeps at least half of each step on a slow model); otherwise a full chunk."""
+    """Prompt tokens (summed over rows, padding included) the next step may prefill: what
+    fits `budget_s` beside the first tokens of `starting` rows while rows decode, otherwise
+    a full chunk."""
     if not decoding or not policy.budgeted:
         return policy.step_tokens
-    budget = max(policy.max_stall_s, decode_step_s)
-    tokens = cost.tokens_within(budget, context)
+    tokens = cost.tokens_within(budget_s, context, starting)
     return max(policy.min_chunk, min(policy.step_tokens, tokens))
 
 
 def can_join(rows: list[int], remaining: int, capacity: int, min_chunk: int) -> bool:
     """Whether a prompt needing `remaining` tokens may start its prefill beside `rows` (the
     remaining tokens of those already in prefill) this step: it finishes within its share of
-    the step, and any row that does not keeps at least half of the step."""
+    the step, and any row that does not keeps at least half of the step. Prompts that all
+    fit join together, so they also share the next step's first-token forward."""
     share = max(min_chunk, capacity // (len(rows) + 1))
     if remaining > share:
         return False
@@ -145,3 +164,28 @@ def chunk_for(rows: list[int], capacity: int, min_chunk: int) -> int:
     if not rows:
         return capacity
     return max(min_chunk, min(capacity // len(rows), max(rows)))
+
+
+WIDEN_STEP = 1.25  # how much the budget widens, or narrows, per step
+QUEUE_BUDGETS = 4  # a prompt waiting this many budgets is a sign of queuing
+
+
+@dataclass(slots=True)
+class Widening:
+    """How far the budget is widened now. While prompts queue faster than the budget lets
+    them in (the line grows past one, or its oldest prompt has waited several budgets), it
+    widens a step at a time up to the policy's `max_widen`; once the line is empty it
+    narrows a step at a time back to the base."""
+
+    factor: float = 1.0
+    _last_waiting: int = 0
+
+    def update(self, policy: PrefillPolicy, waiting: int, oldest_wait_s: float) -> float:
+        growing = waiting > max(1, self._last_waiting)
+        stuck = waiting > 0 and oldest_wait_s > QUEUE_BUDGETS * policy.max_stall_s * self.factor
+        if growing or stuck:
+            self.factor = min(policy.max_widen, self.factor * WIDEN_STEP)
+        elif waiting == 0:
+            self.factor = max(1.0, self.factor / WIDEN_STEP)
+        self._last_waiting = waiting
+        return self.factor

@@ -3,9 +3,10 @@ the waiting line, the memory requests reserve, and the prefill budget. Pure poli
 data (no MLX), decided on rank 0 and shared with the other ranks as a `Plan`.
 
 Order: the oldest waiting prompt starts its prefill as soon as no other prompt is in prefill;
-a prompt that can finish within its share of the step (a short one, or a prefix hit) may
-start beside others, as long as a long one keeps at least half of the step. While rows
-decode, a step prefills only what its learned cost says fits `max_stall_s`.
+every prompt that can finish within its share of the step (a short one, or a prefix hit)
+starts beside it, in the same prefill call, as long as a long one keeps at least half of the
+step. While rows decode, a step prefills only what its learned cost says fits the budget in
+force: `max_stall_s`, widened while prompts queue up (see `prefill.Widening`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,18 @@ from .prefill import (
     PrefillPolicy,
     PrefillRow,
     PrefillSample,
+    Widening,
     can_join,
     chunk_for,
+    step_budget,
     step_capacity,
 )
+
+_MEMORY_FULL = object()
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Admit(Wire, frozen=True):
@@ -54,6 +63,7 @@ class BatchView:
     first_tokens_due: bool  # some row finished its prefill; its first token comes next step
     prefilling: tuple[PrefillRow, ...] = ()  # rows with prompt chunks still to process
     decode_step_s: float = 0.0  # how long a step without prefill takes lately
+    starting: int = 0  # rows whose prompt is through: the next step runs their first token
 
     @property
     def decoding(self) -> bool:
@@ -65,6 +75,7 @@ class BatchView:
 class StepChoice:
     admits: list[Admit]
     chunk: int
+    widened: bool = False  # planned with a budget wider than the base
     # Requests whose own planning failed (a cache or disk fault while looking at them): they
     # fail alone, with the reason.
     failed: list[tuple[GenerationRequest, str]] = field(default_factory=list)
@@ -94,8 +105,11 @@ class Scheduler:
         self._ready = ready
         self._max_rows = max_rows
         self._waiting: deque[GenerationRequest] = deque()
+        self._arrived: dict[int, float] = {}  # ticket -> when it joined the line
         self._reserved = 0
         self.cost = PrefillCost()
+        self.widening = Widening()
+        self.budget_s = self._policy.max_stall_s  # the budget the last step was planned with
 
     @property
     def waiting(self) -> int:
@@ -105,17 +119,25 @@ class Scheduler:
     def reserved(self) -> int:
         return self._reserved
 
-    def enqueue(self, requests: Iterable[GenerationRequest]) -> None:
-        self._waiting.extend(requests)
+    def enqueue(self, requests: Iterable[GenerationRequest], now: float = 0.0) -> None:
+        for request in requests:
+            self._waiting.append(request)
+            self._arrived[request.ticket] = now
 
     def withdraw(self, tickets: set[int]) -> list[int]:
         """Take aborted requests out of the waiting line; returns those found there."""
         found = [r.ticket for r in self._waiting if r.ticket in tickets]
         if found:
             self._waiting = deque(r for r in self._waiting if r.ticket not in tickets)
+            for ticket in found:
+                del self._arrived[ticket]
         return found
 
-    def schedule(self, batch: BatchView) -> StepChoice:
+    def _leave_line(self, request: GenerationRequest) -> None:
+        self._waiting.remove(request)
+        del self._arrived[request.ticket]
+
+    def schedule(self, batch: BatchView, now: float = 0.0) -> StepChoice:
         """The waiting requests that join the batch now, oldest first, with their memory
         reserved, and the step's prefill chunk. Without a budget, every request that fits
         memory joins, but none while a first token is due (mlx-lm returns a step's tokens
@@ -123,8 +145,13 @@ class Scheduler:
         policy = self._policy
         if not policy.budgeted and batch.first_tokens_due:
             return StepChoice([], policy.step_tokens)
+        widen = self._widen(now)
+        self.budget_s = step_budget(policy, widen, batch.decode_step_s)
         context = max((row.context for row in batch.prefilling), default=0)
-        capacity = step_capacity(policy, self.cost, batch.decoding, context, batch.decode_step_s)
+        capacity = step_capacity(
+            policy, self.cost, batch.decoding, context, self.budget_s, batch.starting
+        )
+        min_chunk = policy.min_chunk
         rows = [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
         failed: list[tuple[GenerationRequest, str]] = []
@@ -133,37 +160,45 @@ class Scheduler:
             if policy.budgeted and full:
                 break
             try:
-                need = self._admission.estimate(request)
-                if (batch.rows or admits) and self._reserved + need > self._admission.limit_bytes:
-                    break  # it waits for running requests to finish; so do the ones behind it
-                if not self._ready(request):
-                    continue
-                remaining = max(1, len(request.prompt) - self._reusable(request)) - 1
+                looked = self._look(request, occupied=bool(batch.rows or admits))
             except Exception as exc:  # planning this one request failed: it fails alone
-                self._waiting.remove(request)
-                failed.append(
-                    (request, f"planning the request failed: {type(exc).__name__}: {exc}")
-                )
+                self._leave_line(request)
+                failed.append((request, f"planning the request failed: {_describe(exc)}"))
                 continue
-            if (
-                policy.budgeted
-                and rows
-                and not can_join(rows, remaining, capacity, policy.min_chunk)
-            ):
+            if looked is _MEMORY_FULL:
+                break  # it waits for running requests to finish; so do the ones behind it
+            if looked is None:
+                continue  # its prefix is still being read from disk
+            need, remaining = looked
+            if policy.budgeted and rows and not can_join(rows, remaining, capacity, min_chunk):
                 continue  # too long to start beside the prompts in prefill now
-            self._waiting.remove(request)
+            self._leave_line(request)
             self._reserved += need
             admits.append(Admit(request, need))
             rows.append(remaining)
         if not policy.budgeted:
-            return StepChoice(admits, policy.step_tokens, failed)
-        chunk = chunk_for([r for r in rows if r > 0], capacity, policy.min_chunk)
-        return StepChoice(admits, chunk, failed)
+            return StepChoice(admits, policy.step_tokens, False, failed)
+        chunk = chunk_for([r for r in rows if r > 0], capacity, min_chunk)
+        return StepChoice(admits, chunk, widen > 1.0 and batch.decoding, failed)
+
+    def _look(self, request: GenerationRequest, occupied: bool) -> tuple[int, int] | object | None:
+        """(bytes it reserves, prompt tokens it must prefill) for a request that may join;
+        None while its prefix is loading; `_MEMORY_FULL` when it does not fit beside the
+        running requests (`occupied`)."""
+        need = self._admission.estimate(request)
+        if occupied and self._reserved + need > self._admission.limit_bytes:
+            return _MEMORY_FULL
+        if not self._ready(request):
+            return None
+        return need, max(1, len(request.prompt) - self._reusable(request)) - 1
+
+    def _widen(self, now: float) -> float:
+        oldest = min(self._arrived.values(), default=now)
+        return self.widening.update(self._policy, len(self._waiting), now - oldest)
 
     def over_budget(self, sample: PrefillSample) -> bool:
-        """Whether a step's prefill took longer than the budget allows (while rows decode)."""
-        policy = self._policy
-        return policy.budgeted and sample.seconds > policy.max_stall_s
+        """Whether a step's prefill took longer than the budget it was planned with."""
+        return self._policy.budgeted and sample.seconds > self.budget_s
 
     def release(self, reserved: int) -> None:
         """An admitted request left the batch."""
@@ -173,6 +208,7 @@ class Scheduler:
         """Empty the waiting line (shutdown); returns the tickets that were in it."""
         tickets = [r.ticket for r in self._waiting]
         self._waiting.clear()
+        self._arrived.clear()
         return tickets
 
     def forget_reservations(self) -> None:
