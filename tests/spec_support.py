@@ -190,3 +190,58 @@ def two_sample_chi_square(a: Sequence[int], b: Sequence[int], min_expected: floa
             expected = total * n / (na + nb)
             statistic += (observed - expected) ** 2 / expected
     return chi_square_p(statistic, len(pooled) - 1)
+
+
+def goodness_of_fit(
+    sample: Sequence[int], probs: Sequence[float], min_expected: float = 5.0
+) -> float:
+    """p-value that `sample` (category indices) was drawn from `probs`."""
+    from collections import Counter
+
+    counts, n = Counter(sample), len(sample)
+    cells: list[tuple[int, float]] = []
+    rest = [0, 0.0]
+    for category, prob in enumerate(probs):
+        if prob * n >= min_expected:
+            cells.append((counts[category], prob * n))
+        else:
+            rest[0] += counts[category]
+            rest[1] += prob * n
+    assert not any(c not in range(len(probs)) for c in counts), "drew an impossible category"
+    if rest[1] > 0:
+        cells.append((int(rest[0]), rest[1]))
+    statistic = sum((o - e) ** 2 / e for o, e in cells)
+    return chi_square_p(statistic, len(cells) - 1)
+
+
+def replicated_batch(
+    model: Any, prompt: list[int], rows: int, sampler: Any, max_tokens: int
+) -> Any:
+    """A GenerationBatch of `rows` copies of one prefilled prompt, as prefill would hand it
+    to generation (prefilled once, not `rows` times: the sampling tests need thousands)."""
+    from mlx_lm.generate import GenerationBatch, StopSequences
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+    from mlx_lm.sample_utils import greedy_sampler
+
+    single = make_prompt_cache(model)
+    model(mx.array([prompt[:-1]]), cache=single)
+    layers = []
+    for layer in single:
+        batched = BatchKVCache([0] * rows)
+        batched.keys = mx.repeat(layer.keys[..., : layer.offset, :], rows, axis=0)
+        batched.values = mx.repeat(layer.values[..., : layer.offset, :], rows, axis=0)
+        batched.offset = batched.offset + layer.offset
+        batched._idx = layer.offset
+        layers.append(batched)
+    return GenerationBatch(
+        model,
+        list(range(rows)),
+        mx.array([prompt[-1]] * rows, dtype=mx.uint32),
+        layers,
+        [list(prompt[:-1]) for _ in range(rows)],
+        [sampler] * rows,
+        greedy_sampler,
+        [()] * rows,
+        [StopSequences()] * rows,
+        [max_tokens] * rows,
+    )

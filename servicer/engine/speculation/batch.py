@@ -34,6 +34,7 @@ class _Verified:
     chosen: list[list[int]]  # the target's draw at each of the row's positions
     logprobs: mx.array  # (B, S, V), the target's, at every verified position
     width: int  # S
+    used_keys: list[int] = field(default_factory=list)  # draws each row kept
 
 
 class SpeculativeGenerationBatch(GenerationBatch):
@@ -177,8 +178,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             emitted.append(used)
             drafted, accepted = drafted + len(drafts), accepted + n
             self._paces[i].update(len(drafts), n, self.speculator.config)
-            if hasattr(samplers[i], "consume"):
-                samplers[i].consume(n + 1)
+            step.used_keys.append(n + 1)
             next_tokens.append(chosen[n])
             next_logprobs.append(step.logprobs[i, n])
             if finish is None:
@@ -186,6 +186,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             else:
                 row[used - 1].finish_reason = finish
                 finished.append((i, row[used - 1]))
+        _consume(samplers, step.used_keys)
         rollback(self.prompt_cache, drop, self.speculator.config.compact_padding)
         self.speculator.source.accepted(kept_drafts)
         self.speculator.counters.record(drafted, accepted, emitted)
@@ -209,3 +210,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
             if finish is not None:
                 return finish, used
         return None, len(tokens)
+
+
+def _consume(samplers: Sequence[Any], used: Sequence[int]) -> None:
+    """Each sampler moves past the draws its rows kept (a shared one: the most any kept)."""
+    most: dict[int, tuple[Any, int]] = {}
+    for sampler, n in zip(samplers, used, strict=True):
+        if hasattr(sampler, "consume"):
+            most[id(sampler)] = (sampler, max(n, most.get(id(sampler), (None, 0))[1]))
+    for sampler, n in most.values():
+        sampler.consume(n)

@@ -32,25 +32,36 @@ def can_speculate(sampler: Any) -> bool:
 
 
 def choose(logprobs: mx.array, samplers: Sequence[Any], widths: Sequence[int]) -> list[mx.array]:
-    """Row i's draw at each of its first `widths[i]` positions of `logprobs` (B, S, V)."""
-    argmax = None
-    if any(s is greedy_sampler for s in samplers):
-        argmax = mx.argmax(logprobs, axis=-1)
-    chosen = []
-    for i, (sampler, width) in enumerate(zip(samplers, widths, strict=True)):
-        if sampler is greedy_sampler:
-            assert argmax is not None
-            chosen.append(argmax[i, :width])
-        elif can_speculate(sampler):
-            scaled = sampler.log_probs(logprobs[i, :width])
-            keys = sampler.keys_ahead(width)
-            draws = [mx.random.categorical(scaled[j : j + 1], key=keys[j]) for j in range(width)]
-            chosen.append(mx.concatenate(draws))
-        else:
-            if width != 1:
-                raise ValueError("a sampler that cannot speculate verifies no drafts")
-            chosen.append(sampler(logprobs[i, :1]))
-    return chosen
+    """Row i's draw at each of its first `widths[i]` positions of `logprobs` (B, S, V).
+
+    Rows sharing a sampler object draw together, one key per position, as mlx-lm draws a
+    batch that shares one (a seeded sampler belongs to one request, so it draws alone)."""
+    chosen: list[mx.array | None] = [None] * len(samplers)
+    groups: dict[int, list[int]] = {}
+    for i, sampler in enumerate(samplers):
+        groups.setdefault(id(sampler), []).append(i)
+    for rows in groups.values():
+        sampler, width = samplers[rows[0]], max(widths[i] for i in rows)
+        picked = logprobs[mx.array(rows), :width] if len(rows) < len(samplers) else logprobs
+        draws = _draw(sampler, picked[:, :width])
+        for n, i in enumerate(rows):
+            chosen[i] = draws[n, : widths[i]]
+    return [c for c in chosen if c is not None]
+
+
+def _draw(sampler: Any, logprobs: mx.array) -> mx.array:
+    """Draws (rows, width) from `logprobs` (rows, width, V) with one sampler."""
+    if sampler is greedy_sampler:
+        return mx.argmax(logprobs, axis=-1)
+    width = logprobs.shape[1]
+    if can_speculate(sampler):
+        scaled = sampler.log_probs(logprobs)
+        keys = sampler.keys_ahead(width)
+        draws = [mx.random.categorical(scaled[:, j], key=keys[j]) for j in range(width)]
+        return mx.stack(draws, axis=1)
+    if width != 1:
+        raise ValueError("a sampler that cannot speculate verifies no drafts")
+    return sampler(logprobs[:, 0])[:, None]
 
 
 def accepted_prefix(drafts: Sequence[int], chosen: Sequence[int]) -> int:
