@@ -8,7 +8,9 @@ from mlx_lm.generate import BatchGenerator
 
 from .batch import SpeculativeGenerationBatch, Speculator
 from .config import SpeculationConfig, SpeculationStats
+from .draft_model import load_draft
 from .drafts import DraftSource
+from .ngram import PromptLookup
 from .support import speculation_supported
 
 
@@ -47,3 +49,22 @@ class SpeculativeBatchGenerator(BatchGenerator):
     @property
     def speculation_config(self) -> SpeculationConfig:
         return self._speculator.config
+
+
+def make_source(
+    kind: str,
+    *,
+    draft_model: str | None = None,
+    tokenizer: Any = None,
+    ngram_sizes: tuple[int, ...] = (3, 2),
+    prefill_step_size: int = 512,
+) -> DraftSource:
+    """The draft source an engine setting names: "ngram" (prompt lookup) or "draft" (a
+    draft model directory, checked against the target's `tokenizer`)."""
+    if kind == "ngram":
+        return PromptLookup(ngram_sizes)
+    if kind == "draft":
+        if draft_model is None or tokenizer is None:
+            raise ValueError("a draft-model source needs the draft model's path and the tokenizer")
+        return load_draft(draft_model, tokenizer, prefill_step_size)
+    raise ValueError(f"unknown draft source {kind!r} (known: ngram, draft)")
