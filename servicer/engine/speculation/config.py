@@ -14,10 +14,11 @@ class SpeculationConfig:
     k_max: int = 4  # most draft tokens a row verifies in one step
     # Above this many rows drafting in one step the step runs without drafts: verifying
     # K+1 tokens per row stops paying once the forward is compute-bound. bench/spec.py on
-    # the demo llama (MLX on CPU): one draft pays from ~20% acceptance at batch 1, ~50% at
-    # batch 4, ~80-90% at batch 8 and more. A GPU stays memory-bound to larger batches:
-    # measure there and raise it.
-    max_rows: int = 4
+    # the demo llama, MLX on CPU with OpenBLAS: 4 drafts pay from ~12% per-token acceptance
+    # at batch 1, ~35% at 2-4, ~50% at 8, ~65% at 16-32 (with the wheel's reference BLAS,
+    # compute-bound from the start: ~50% at 1, ~75% at 4, ~90% at 8). Measure on the
+    # serving hardware (GPUs stay memory-bound to larger batches) and set it there.
+    max_rows: int = 8
     ewma: float = 0.3  # weight of the newest step in a row's acceptance estimate
     off_below: float = 0.15  # a row whose acceptance falls below this stops drafting...
     probe_every: int = 8  # ...and drafts again every this many steps to re-measure
