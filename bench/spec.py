@@ -86,7 +86,7 @@ def batch1_rows(model: Any, sets: dict, args: argparse.Namespace, draft: Any) ->
     makers = {
         "off": lambda: BatchGenerator(model),
         "ngram": lambda: SpeculativeBatchGenerator(
-            model, source=PromptLookup(), speculation=config
+            model, source=PromptLookup(args.ngram), speculation=config
         ),
     }
     if draft is not None:
@@ -210,25 +210,39 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--k-max", type=int, default=4)
+    parser.add_argument(
+        "--ngram", type=lambda s: tuple(int(x) for x in s.split(",")), default=(3, 2)
+    )
     parser.add_argument("--repeats", type=int, default=20, help="forwards per cell")
     parser.add_argument("--rounds", type=int, default=3, help="decode rounds per mode")
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--only", choices=["decode", "forward"], default=None)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "spec.json")
     args = parser.parse_args()
     args.batches = args.batches or [1, 2, 4, 8, 16, 32]
     model, tokenizer = load(str(args.model or demo_model_path("llama")))
     draft = load(str(args.draft))[0] if args.draft else None
     sets = prompt_sets(tokenizer, args.prompts, 120)
-    decoding = batch1_rows(model, sets, args, draft)
-    print(f"## Decode at batch 1, {args.tokens} tokens, greedy, K max {args.k_max}\n")
-    print(table(decoding))
-    costs = forward_costs(model, args)
-    print("\n## One target forward over a 256-token context, W tokens per row vs 1\n")
-    print("ratio_W: its time over one token's; break_even_kK: the per-token acceptance at")
-    print("which K drafts emit that many tokens per step (- : never)\n")
-    print(table(costs))
+    decoding, costs = [], []
+    if args.only != "forward":
+        decoding = batch1_rows(model, sets, args, draft)
+        print(f"## Decode at batch 1, {args.tokens} tokens, greedy, K max {args.k_max}, ", end="")
+        print(f"n-grams {args.ngram}\n")
+        print(table(decoding))
+    if args.only != "decode":
+        costs = forward_costs(model, args)
+        print("\n## One target forward over a 256-token context, W tokens per row vs 1\n")
+        print("ratio_W: its time over one token's; break_even_kK: the per-token acceptance at")
+        print("which K drafts emit that many tokens per step (- : never)\n")
+        print(table(costs))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"decode": decoding, "forward": costs, "k_max": args.k_max, "tokens": args.tokens}
+    record = {
+        "decode": decoding,
+        "forward": costs,
+        "k_max": args.k_max,
+        "tokens": args.tokens,
+        "ngram": args.ngram,
+    }
     args.out.write_text(json.dumps(record, indent=2))
     print(f"\nwrote {args.out}")
 
