@@ -95,9 +95,21 @@ class _Sampler:
         self._keys = keys
 
     def __call__(self, logprobs: mx.array) -> mx.array:
+        return mx.random.categorical(self.log_probs(logprobs), key=self._keys.next())
+
+    # Speculation draws each position itself: the distribution and the keys, apart.
+    def log_probs(self, logprobs: mx.array) -> mx.array:
+        """The filtered, temperature-scaled log-probabilities a draw samples from."""
         for apply in self._filters:
             logprobs = apply(logprobs)
-        return mx.random.categorical(logprobs * self._scale, key=self._keys.next())
+        return logprobs * self._scale
+
+    def keys_ahead(self, n: int) -> list[mx.array]:
+        """Keys for the next `n` draws (unseeded: fresh keys; unused ones are dropped)."""
+        return [self._keys.next() for _ in range(n)]
+
+    def consume(self, n: int) -> None:
+        """`n` of the keys from `keys_ahead` were used (nothing to do without a seed)."""
 
 
 class SeededSampler:
@@ -116,9 +128,28 @@ class SeededSampler:
     def __call__(self, logprobs: mx.array) -> mx.array:
         keys = mx.random.split(self._key)
         self._key = keys[0]
+        return mx.random.categorical(self.log_probs(logprobs), key=keys[1])
+
+    def log_probs(self, logprobs: mx.array) -> mx.array:
+        """The filtered, temperature-scaled log-probabilities a draw samples from."""
         for apply in self._filters:
             logprobs = apply(logprobs)
-        return mx.random.categorical(logprobs * self._scale, key=keys[1])
+        return logprobs * self._scale
+
+    def keys_ahead(self, n: int) -> list[mx.array]:
+        """The keys of the next `n` draws, as `__call__` would use them, without using them:
+        speculation peeks, then `consume`s only the draws it kept, so a seeded row draws
+        exactly what it would without speculation."""
+        keys, key = [], self._key
+        for _ in range(n):
+            pair = mx.random.split(key)
+            key = pair[0]
+            keys.append(pair[1])
+        return keys
+
+    def consume(self, n: int) -> None:
+        for _ in range(n):
+            self._key = mx.random.split(self._key)[0]
 
 
 class ThinkingBudget:

@@ -1,0 +1,222 @@
+"""A GenerationBatch that drafts, verifies every row's drafts in one target forward, and
+rolls each row back to what it accepted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+
+from .config import RowPace, SpeculationConfig, SpeculationCounters
+from .drafts import DraftSource
+from .rollback import rollback
+from .verify import accepted_prefix, can_speculate, choose
+
+
+@dataclass(slots=True)
+class Speculator:
+    """What a speculating batch drafts with, how, and what it counted."""
+
+    source: DraftSource
+    config: SpeculationConfig = field(default_factory=SpeculationConfig)
+    counters: SpeculationCounters = field(default_factory=SpeculationCounters)
+
+
+@dataclass(slots=True)
+class _Verified:
+    """One step's verification, still to be turned into responses."""
+
+    pending: list[int]  # each row's pending token, emitted first
+    drafts: list[list[int]]
+    chosen: list[list[int]]  # the target's draw at each of the row's positions
+    logprobs: mx.array  # (B, S, V), the target's, at every verified position
+    width: int  # S
+    used_keys: list[int] = field(default_factory=list)  # draws each row kept
+
+
+class SpeculativeGenerationBatch(GenerationBatch):
+    """mlx-lm's GenerationBatch with drafts.
+
+    Each step, for every row: the pending token (sampled last step, not yet run) plus up to
+    K drafts go through ONE target forward for all rows at once, rows with fewer drafts
+    right-padded. The row emits its pending token and the drafts the target agrees with;
+    the target's draw at the first disagreement (or after the last draft) becomes its
+    pending token; its cache is rolled back to exactly the emitted tokens. A step with no
+    drafts at all is mlx-lm's own (pipelined) step. Rows join through `extend` from the
+    plain batches prefill builds, and leave through `filter`, as in mlx-lm.
+    """
+
+    def __init__(self, *args: Any, speculator: Speculator, **kwargs: Any) -> None:
+        self.speculator = speculator
+        self._paces: list[RowPace] = []
+        super().__init__(*args, **kwargs)
+        if self.uids:
+            speculator.source.extend(self.tokens)
+            self._paces = [RowPace() for _ in self.uids]
+
+    @classmethod
+    def start(
+        cls, model: Any, fallback_sampler: Any, speculator: Speculator
+    ) -> SpeculativeGenerationBatch:
+        """An empty batch, as BatchGenerator starts with."""
+        return cls(
+            model=model,
+            uids=[],
+            inputs=mx.array([], dtype=mx.uint32),
+            prompt_cache=[],
+            tokens=[],
+            samplers=[],
+            fallback_sampler=fallback_sampler,
+            logits_processors=[],
+            stop_sequences=[],
+            max_tokens=[],
+            speculator=speculator,
+        )
+
+    def extend(self, batch: GenerationBatch) -> None:
+        self.speculator.source.extend(batch.tokens)
+        self._paces.extend(RowPace() for _ in batch.uids)
+        super().extend(batch)
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        self.speculator.source.filter(keep)
+        self._paces = [self._paces[i] for i in keep]
+
+    def _sampler(self, i: int) -> Any:
+        sampler = self.samplers[i] if self.samplers else None
+        return self.fallback_sampler if sampler is None else sampler
+
+    # ----- one step -----
+
+    def next(self) -> list[GenerationBatch.Response]:
+        if not self.uids:
+            return []
+        ks = self._plan()
+        if any(ks):
+            pending = self._next_tokens.tolist()
+            source = self.speculator.source
+            drafts = source.draft(self.tokens, pending, ks)
+            if any(drafts):
+                return self._speculate(pending, drafts)
+            source.accepted([0] * len(drafts))
+        responses = super().next()
+        self.speculator.counters.record(0, 0, [1] * len(responses))
+        return responses
+
+    def _plan(self) -> list[int]:
+        """Each row's draft length this step: its pace, within its max_tokens; nothing for
+        rows with logits processors, or for anyone when too many rows would draft."""
+        config = self.speculator.config
+        ks = []
+        for i in range(len(self.uids)):
+            budget = self.max_tokens[i] - self._num_tokens[i] - 1
+            if budget <= 0 or self.logits_processors[i] or not can_speculate(self._sampler(i)):
+                ks.append(0)
+            else:
+                ks.append(min(self._paces[i].k(config), budget))
+        if sum(k > 0 for k in ks) > config.max_rows:
+            self.speculator.counters.cutoff_steps += 1
+            return [0] * len(ks)
+        return ks
+
+    def _speculate(self, pending: list[int], drafts: list[list[int]]) -> list[Any]:
+        width = 1 + max(len(d) for d in drafts)
+        rows = [[y, *d] + [y] * (width - 1 - len(d)) for y, d in zip(pending, drafts, strict=True)]
+        inputs = mx.array(rows, dtype=mx.uint32)
+        logits = self.model(inputs, cache=self.prompt_cache)
+        logits, contexts = self._process(logits, inputs)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        samplers = [self._sampler(i) for i in range(len(self.uids))]
+        chosen = choose(logprobs, samplers, [1 + len(d) for d in drafts])
+        mx.eval(chosen, logprobs, contexts)
+        step = _Verified(pending, drafts, [c.tolist() for c in chosen], logprobs, width)
+        return self._settle(step, samplers)
+
+    def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """Logits processors on the first position of the rows that have them (such rows
+        draft nothing, so that is their only position), as mlx-lm's step runs them."""
+        if not any(self.logits_processors):
+            return logits, []
+        rows, contexts = [], []
+        for e, processors in enumerate(self.logits_processors):
+            row = logits[e]
+            if processors:
+                context = self._token_context[e].update_and_fetch(inputs[e, :1])
+                contexts.append(context)
+                first = row[:1]
+                for processor in processors:
+                    first = processor(context, first)
+                row = mx.concatenate([first, row[1:]], axis=0)
+            rows.append(row)
+        return mx.stack(rows), contexts
+
+    def _settle(self, step: _Verified, samplers: Sequence[Any]) -> list[Any]:
+        """Accept, emit through the stop and length checks, roll back what was not kept."""
+        responses: list[Any] = []
+        finished: list[tuple[int, Any]] = []
+        keep, drop, kept_drafts, emitted = [], [], [], []
+        next_tokens, next_logprobs = [], []
+        drafted = accepted = 0
+        for i, uid in enumerate(self.uids):
+            drafts, chosen = step.drafts[i], step.chosen[i]
+            n = accepted_prefix(drafts, chosen)
+            tokens = [step.pending[i], *drafts[:n]]
+            logprobs = [self._next_logprobs[i], *(step.logprobs[i, j] for j in range(n))]
+            finish, used = self._count(i, tokens)
+            row = [
+                self.Response(uid, t, lp, None, None, None)
+                for t, lp in zip(tokens, logprobs, strict=True)
+            ]
+            responses.extend(row[:used])
+            self.tokens[i].extend(tokens[:used])
+            kept_drafts.append(used - 1)
+            drop.append(step.width - used)
+            emitted.append(used)
+            drafted, accepted = drafted + len(drafts), accepted + n
+            self._paces[i].update(len(drafts), n, self.speculator.config)
+            step.used_keys.append(n + 1)
+            next_tokens.append(chosen[n])
+            next_logprobs.append(step.logprobs[i, n])
+            if finish is None:
+                keep.append(i)
+            else:
+                row[used - 1].finish_reason = finish
+                finished.append((i, row[used - 1]))
+        _consume(samplers, step.used_keys)
+        rollback(self.prompt_cache, drop, self.speculator.config.compact_padding)
+        self.speculator.source.accepted(kept_drafts)
+        self.speculator.counters.record(drafted, accepted, emitted)
+        self._next_tokens = mx.array(next_tokens, dtype=mx.uint32)
+        self._next_logprobs = next_logprobs
+        for i, response in finished:
+            response.prompt_cache = self.extract_cache(i)
+            response.all_tokens = self.tokens[i]
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+    def _count(self, i: int, tokens: list[int]) -> tuple[str | None, int]:
+        """Emit `tokens` in order through row i's length and stop checks: the finish reason
+        (or None) and how many are emitted."""
+        for used, token in enumerate(tokens, start=1):
+            self._num_tokens[i] += 1
+            finish = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+            if self._matchers[i].advance(token):
+                finish = "stop"
+            if finish is not None:
+                return finish, used
+        return None, len(tokens)
+
+
+def _consume(samplers: Sequence[Any], used: Sequence[int]) -> None:
+    """Each sampler moves past the draws its rows kept (a shared one: the most any kept)."""
+    most: dict[int, tuple[Any, int]] = {}
+    for sampler, n in zip(samplers, used, strict=True):
+        if hasattr(sampler, "consume"):
+            most[id(sampler)] = (sampler, max(n, most.get(id(sampler), (None, 0))[1]))
+    for sampler, n in most.values():
+        sampler.consume(n)

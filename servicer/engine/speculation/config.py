@@ -1,0 +1,117 @@
+"""Speculation settings, the per-row pace (adaptive K) and the counters the engine exports."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationConfig:
+    """How a speculating generation batch drafts and verifies."""
+
+    k_max: int = 4  # most draft tokens a row verifies in one step
+    # Above this many rows drafting in one step the step runs without drafts: verifying
+    # K+1 tokens per row stops paying once the forward is compute-bound. bench/spec.py on
+    # the demo llama, MLX on CPU with OpenBLAS: 4 drafts pay from ~12% per-token acceptance
+    # at batch 1, ~35% at 2-4, ~50% at 8, ~65% at 16-32 (with the wheel's reference BLAS,
+    # compute-bound from the start: ~50% at 1, ~75% at 4, ~90% at 8). Measure on the
+    # serving hardware (GPUs stay memory-bound to larger batches) and set it there.
+    max_rows: int = 8
+    ewma: float = 0.3  # weight of the newest step in a row's acceptance estimate
+    off_below: float = 0.15  # a row whose acceptance falls below this stops drafting...
+    probe_every: int = 8  # ...and drafts again every this many steps to re-measure
+    probe_k: int = 2  # draft tokens of such a probe
+    compact_padding: int = 64  # drop left padding shared by every row once it is this long
+
+    def __post_init__(self) -> None:
+        if self.k_max < 0 or self.max_rows < 0 or self.probe_every < 1:
+            raise ValueError("k_max and max_rows must be >= 0, probe_every >= 1")
+        if not 0.0 < self.ewma <= 1.0:
+            raise ValueError("ewma must be in (0, 1]")
+
+
+@dataclass(slots=True)
+class RowPace:
+    """A row's recent acceptance, and the draft length it earns.
+
+    The estimate is per draft token: accepted / (accepted + rejected), each an EWMA. A step
+    stops at its first rejection, so accepted/drafted would undercount every draft after
+    it and make K oscillate; this is the geometric model's estimate instead.
+    """
+
+    accepted: float = 1.0
+    rejected: float = 0.5
+    idle: int = 0  # steps since the row last drafted while switched off
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / max(self.accepted + self.rejected, 1e-9)
+
+    def k(self, config: SpeculationConfig) -> int:
+        rate = self.rate
+        if rate < config.off_below:
+            self.idle += 1
+            return min(config.probe_k, config.k_max) if self.idle % config.probe_every == 0 else 0
+        # Expected run of accepted tokens is r / (1 - r): draft about that many.
+        run = min(rate, 0.95) / (1.0 - min(rate, 0.95))
+        return max(1, min(config.k_max, math.floor(run + 0.5)))
+
+    def update(self, drafted: int, accepted: int, config: SpeculationConfig) -> None:
+        if drafted == 0:
+            return
+        w = config.ewma
+        self.accepted += w * (accepted - self.accepted)
+        self.rejected += w * (float(accepted < drafted) - self.rejected)
+        if self.rate >= config.off_below:
+            self.idle = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationStats:
+    """A snapshot of the counters."""
+
+    steps: int
+    speculative_steps: int  # steps that verified at least one draft token
+    cutoff_steps: int  # steps run without drafts because too many rows wanted them
+    drafted: int  # draft tokens verified
+    accepted: int  # draft tokens accepted (before any stop or max_tokens cut)
+    emitted: int  # tokens handed out
+    emitted_per_row_step: dict[int, int]  # tokens one row emitted in one step -> times seen
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass(slots=True)
+class SpeculationCounters:
+    """Running totals, updated by the generation batch at every step (engine thread)."""
+
+    steps: int = 0
+    speculative_steps: int = 0
+    cutoff_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    per_row_step: Counter[int] = field(default_factory=Counter)
+
+    def record(self, drafted: int, accepted: int, emitted: list[int]) -> None:
+        self.steps += 1
+        self.speculative_steps += drafted > 0
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += sum(emitted)
+        self.per_row_step.update(emitted)
+
+    def snapshot(self) -> SpeculationStats:
+        return SpeculationStats(
+            self.steps,
+            self.speculative_steps,
+            self.cutoff_steps,
+            self.drafted,
+            self.accepted,
+            self.emitted,
+            dict(self.per_row_step),
+        )
