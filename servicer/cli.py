@@ -170,6 +170,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "it is sampled); more sends fewer messages and leaves more CPU to the engine",
     )
     parser.add_argument(
+        "--speculate",
+        choices=["ngram", "draft"],
+        help="speculative decoding: ngram drafts from n-gram matches in the request's own "
+        "prompt and output (no extra model); draft drafts with --draft-model (default: off; "
+        "models with recurrent or sliding-window layers keep it off)",
+    )
+    parser.add_argument(
+        "--draft-model",
+        help="a smaller model sharing the target's tokenizer that drafts for speculative "
+        "decoding: a directory, hub id or demo:KIND (implies --speculate draft)",
+    )
+    parser.add_argument(
+        "--speculate-k",
+        type=_positive,
+        default=4,
+        help="most draft tokens a request verifies in one step (default 4; adapts per "
+        "request to its acceptance)",
+    )
+    parser.add_argument(
+        "--speculate-max-batch",
+        type=int,
+        default=8,
+        help="a step where more requests would draft than this runs without drafts, since "
+        "verifying then costs more than it saves (default 8, measured on a CPU; GPUs pay "
+        "to larger batches)",
+    )
+    parser.add_argument(
         "--max-message-bytes",
         type=_positive,
         default=16 * 1024 * 1024,
@@ -224,6 +251,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
+    if args.draft_model is not None and args.speculate in (None, "draft"):
+        args.speculate = "draft"
+    elif args.draft_model is not None:
+        parser.error("--draft-model drafts for --speculate draft, not --speculate ngram")
+    if args.speculate == "draft" and args.draft_model is None:
+        parser.error("--speculate draft needs --draft-model PATH|demo:KIND")
+    if args.speculate is not None and args.distributed:
+        parser.error("--speculate is not supported with --distributed (yet): leave it off")
     return args
 
 
@@ -242,6 +277,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         max_kv_memory=args.max_kv_memory,
+        speculate=args.speculate,
+        draft_model=args.draft_model,
+        speculate_k=args.speculate_k,
+        speculate_max_batch=args.speculate_max_batch,
         faults=FaultPlan.parse(faults) if (faults := os.environ.get(FAULTS_ENV_VAR)) else None,
     )
     handlers = HandlerOptions(

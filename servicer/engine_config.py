@@ -42,6 +42,13 @@ class EngineConfig:
     # memory less the weights). A request that cannot fit alone is refused; one that cannot
     # fit beside the others waits.
     max_kv_memory: int | None = None
+    # Speculative decoding: "ngram" (prompt lookup), "draft" (with `draft_model`, a path or
+    # demo:KIND), or None (off); drafts of up to `speculate_k` tokens a row, and none in a
+    # step where more than `speculate_max_batch` rows would draft.
+    speculate: str | None = None
+    draft_model: str | None = None
+    speculate_k: int = 4
+    speculate_max_batch: int = 8
     # The engine's own random stream for unseeded sampling (None: a fresh random seed).
     sampling_seed: int | None = None
     # One model over several processes: rank 0 plans every step and shares the plan.

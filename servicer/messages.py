@@ -191,12 +191,25 @@ class PrefixCacheStats(Wire, frozen=True):
     disk_faults: int = 0  # unreadable, corrupt or foreign files, failed writes, a bad directory
 
 
+class SpeculationFigures(Wire, frozen=True):
+    """Speculative decoding so far: steps, drafts and what they gave."""
+
+    steps: int = 0
+    speculative_steps: int = 0  # steps that verified at least one draft token
+    cutoff_steps: int = 0  # steps run without drafts: too many rows would have drafted
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of them, accepted
+    emitted: int = 0  # tokens handed out
+    per_row_step: dict[int, int] = msgspec.field(default_factory=dict)  # tokens -> times
+
+
 class EngineFigures(Wire, frozen=True):
     """The engine's own figures: its thread publishes them with its output when they change;
     everyone else reads the latest published ones, never the engine's objects."""
 
     prefix: PrefixCacheStats | None = None  # None: no prefix store
     prefill_budget_s: float = 0.0  # the prefill budget in force (0: none)
+    speculation: SpeculationFigures | None = None  # None: no speculation
 
 
 @dataclass(frozen=True, slots=True)

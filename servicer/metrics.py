@@ -8,9 +8,21 @@ from types import MappingProxyType
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
-from .messages import EngineFigures, EngineLoad, FailureKind, PrefixCacheStats, StepOutput
+from .messages import (
+    EngineFigures,
+    EngineLoad,
+    FailureKind,
+    PrefixCacheStats,
+    SpeculationFigures,
+    StepOutput,
+)
 
 _FAILURE_METRIC = MappingProxyType(
     {
@@ -86,6 +98,48 @@ class PrefixCacheCollector:
             yield family
 
 
+class SpeculationCollector:
+    """Speculative decoding's published figures: drafts, acceptance, tokens a row gets per
+    step, and steps that ran without drafts because too many rows would have drafted."""
+
+    def __init__(self, figures: Callable[[], SpeculationFigures | None]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        spec = self._figures()
+        if spec is None:
+            return
+        prefix = "mlx_worker_speculation_"
+        yield CounterMetricFamily(
+            prefix + "drafted_tokens", "Draft tokens verified by the target", value=spec.drafted
+        )
+        yield CounterMetricFamily(
+            prefix + "accepted_tokens", "Draft tokens the target accepted", value=spec.accepted
+        )
+        rate = spec.accepted / spec.drafted if spec.drafted else 0.0
+        yield GaugeMetricFamily(
+            prefix + "acceptance_rate", "Accepted ÷ drafted tokens, since start", value=rate
+        )
+        yield CounterMetricFamily(
+            prefix + "steps_off",
+            "Decode steps run without drafts because more rows would draft than pays",
+            value=spec.cutoff_steps,
+        )
+        yield _tokens_per_row_step(prefix + "tokens_per_row_step", spec.per_row_step)
+
+
+def _tokens_per_row_step(name: str, counts: dict[int, int]) -> HistogramMetricFamily:
+    """How many tokens one row got from one decode step, as a histogram."""
+    bounds = range(1, max(counts, default=1) + 1)
+    buckets = [(str(float(b)), sum(n for k, n in counts.items() if k <= b)) for b in bounds]
+    total = sum(counts.values())
+    family = HistogramMetricFamily(name, "Tokens one row got from one decode step")
+    family.add_metric(
+        [], [*buckets, ("+Inf", total)], sum_value=sum(k * n for k, n in counts.items())
+    )
+    return family
+
+
 class WorkerMetrics:
     def __init__(
         self,
@@ -98,6 +152,7 @@ class WorkerMetrics:
         self._requests()
         self._engine(load, figures)
         self._prefix_cache(lambda: figures().prefix)
+        self.registry.register(SpeculationCollector(lambda: figures().speculation))
         self._http: Any = None
 
     def _requests(self) -> None:

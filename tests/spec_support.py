@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import BatchGenerator
 
+from servicer.engine.parts import generator_settings
 from servicer.engine_config import EngineConfig
 
 CORPUS = Path(__file__).resolve().parent.parent / "servicer" / "demo_corpus.txt"
@@ -30,14 +31,8 @@ def repeat_prompt(tokenizer: Any, text: str, limit: int = 120) -> list[int]:
 
 
 def generator_kwargs(config: EngineConfig | None = None) -> dict[str, Any]:
-    """The arguments provider.new_generator builds a BatchGenerator with."""
-    config = config or EngineConfig()
-    return {
-        "completion_batch_size": config.completion_batch_size,
-        "prefill_batch_size": config.prefill_batch_size,
-        "prefill_step_size": config.prefill_step_size,
-        "stream": mx.new_stream(mx.default_device()),
-    }
+    """The arguments the engine builds its BatchGenerator with."""
+    return generator_settings(config or EngineConfig(), mx.new_stream(mx.default_device()))
 
 
 def plain_generator(model: Any, **overrides: Any) -> BatchGenerator:

@@ -28,6 +28,7 @@ from ..messages import (
     ModelInfo,
     RowEvent,
     RowFailure,
+    SpeculationFigures,
     StepOutput,
 )
 from .batch import Batch, check_same_prefix
@@ -38,6 +39,7 @@ from .prefill import PrefillPolicy
 from .prefix.disk_link import NoDisk
 from .prefix.store import Hit, PrefixStore
 from .scheduler import Admit, Plan, Scheduler
+from .speculation import SpeculationCounters
 
 log = logging.getLogger(__name__)
 FATAL_DELIVERY_S = 5.0  # how long a dying engine waits for the handlers to take its last words
@@ -171,8 +173,11 @@ class EngineLoop:
         parts = build_parts(config, info)
         self.parts = parts
         self.store = parts.prefix
+        self.speculation = SpeculationCounters()  # across generators, should one be replaced
         self.batch = Batch(
-            lambda: new_generator(parts.loaded.model, config, stream),
+            lambda: new_generator(
+                parts.loaded.model, config, stream, parts.speculation, self.speculation
+            ),
             parts.sampling,
             parts.prefix,
             self._left,
@@ -347,9 +352,27 @@ class EngineLoop:
     def _publish(self, out: StepOutput) -> None:
         """The figures go out with this output when they changed."""
         budget = self.scheduler.budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
-        figures = EngineFigures(self.store.stats() if self.store is not None else None, budget)
+        figures = EngineFigures(
+            self.store.stats() if self.store is not None else None,
+            budget,
+            self._speculation_figures(),
+        )
         if figures != self._published:
             out.figures = self._published = figures
+
+    def _speculation_figures(self) -> SpeculationFigures | None:
+        if self.parts.speculation is None:
+            return None
+        counts = self.speculation
+        return SpeculationFigures(
+            counts.steps,
+            counts.speculative_steps,
+            counts.cutoff_steps,
+            counts.drafted,
+            counts.accepted,
+            counts.emitted,
+            dict(counts.per_row_step),
+        )
 
     def _publish_now(self) -> None:
         out = StepOutput()

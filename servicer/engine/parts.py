@@ -3,9 +3,11 @@ the admission guard's limits, the prefix cache and the BatchGenerator (engine th
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,12 +16,46 @@ from mlx_lm.generate import BatchGenerator
 from ..admission import Admission, MemoryModel
 from ..engine_config import EngineConfig
 from ..messages import ModelInfo
+from ..model_files import ModelLoadError, ModelSpec, resolve_model_dir
 from .constraints import GrammarFactory
 from .memory import device_memory_bytes, measure, weights_bytes
 from .model import LoadedModel, load_model, log_blas_hint
 from .prefix.disk_tier import DiskTier, model_identity
 from .prefix.store import CacheLayout, PrefixStore
 from .sampling import SamplingFactory
+from .speculation import (
+    DraftModel,
+    DraftSource,
+    PromptLookup,
+    SpeculationConfig,
+    SpeculationCounters,
+    SpeculativeBatchGenerator,
+    check_draft_compatible,
+    speculation_supported,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How the engine speculates: "ngram" (prompt lookup) or "draft" (with `draft`, a
+    second model sharing the target's tokenizer)."""
+
+    kind: str
+    draft: nn.Module | None = None
+    k_max: int = 4
+    max_rows: int = 8
+
+    def source(self) -> DraftSource:
+        """A fresh draft source (it keeps per-row state: one per generator)."""
+        if self.kind == "draft":
+            assert self.draft is not None
+            return DraftModel(self.draft)
+        return PromptLookup()
+
+    def settings(self) -> SpeculationConfig:
+        return SpeculationConfig(k_max=self.k_max, max_rows=self.max_rows)
 
 
 @dataclass
@@ -31,6 +67,7 @@ class EngineParts:
     admission: Admission
     prefix: PrefixStore | None
     has_thinking: bool
+    speculation: Speculation | None = None  # None: off (not asked for, or not possible)
 
 
 def build_parts(config: EngineConfig, info: ModelInfo) -> EngineParts:
@@ -55,21 +92,64 @@ def build_parts(config: EngineConfig, info: ModelInfo) -> EngineParts:
         think_start=tokenizer.think_start_tokens,
         think_end=tokenizer.think_end_tokens,
     )
-    admission = _admission(config, loaded)
+    speculation = _speculation(config, loaded)
+    admission = _admission(config, loaded, speculation)
     return EngineParts(
         loaded,
         sampling,
         admission,
         _prefix_store(config, admission, loaded, info),
         bool(tokenizer.think_start_tokens and tokenizer.think_end_tokens),
+        speculation,
     )
 
 
-def _admission(config: EngineConfig, loaded: LoadedModel) -> Admission:
+def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | None:
+    """What `--speculate` asks for, when this model can do it (else off, and the log says
+    why); a draft model that does not share the target's tokenizer fails startup."""
+    if config.speculate is None:
+        return None
+    supported, reason = speculation_supported(loaded.model)
+    if not supported:
+        log.warning("speculative decoding stays off: %s", reason)
+        return None
+    draft = None
+    if config.speculate == "draft":
+        assert config.draft_model is not None
+        draft_dir = resolve_model_dir(ModelSpec(config.draft_model))
+        drafter = load_model(draft_dir, None)
+        check_draft_compatible(loaded.tokenizer, drafter.tokenizer)
+        draft = drafter.model
+        supported, reason = speculation_supported(draft)
+        if not supported:
+            raise ModelLoadError(f"the draft model {config.draft_model} cannot draft: {reason}")
+    log.info(
+        "speculative decoding: %s, up to %d draft tokens a row, off above %d drafting rows",
+        config.speculate if draft is None else f"draft model {config.draft_model}",
+        config.speculate_k,
+        config.speculate_max_batch,
+    )
+    return Speculation(config.speculate, draft, config.speculate_k, config.speculate_max_batch)
+
+
+def _admission(
+    config: EngineConfig, loaded: LoadedModel, speculation: Speculation | None
+) -> Admission:
+    """What requests cost (a draft model's cache counts beside the target's) and the limit."""
+    memory = measure(loaded.model)
+    weights = weights_bytes(loaded.model)
+    if speculation is not None and speculation.draft is not None:
+        draft = measure(speculation.draft)
+        memory = MemoryModel(
+            memory.per_token + draft.per_token,
+            memory.fixed_bytes + draft.fixed_bytes,
+            memory.allocation_step,
+        )
+        weights += weights_bytes(speculation.draft)
     limit = config.max_kv_memory
     if limit is None:
-        limit = max(device_memory_bytes() // 2 - weights_bytes(loaded.model), 64 << 20)
-    return Admission(measure(loaded.model), limit)
+        limit = max(device_memory_bytes() // 2 - weights, 64 << 20)
+    return Admission(memory, limit)
 
 
 def _prefix_store(
@@ -131,14 +211,34 @@ def snapshot_interval(memory: MemoryModel, block: int) -> int:
     return max(block, -(-int(tokens) // block) * block)
 
 
-def new_generator(model: nn.Module, config: EngineConfig, stream: mx.Stream) -> BatchGenerator:
-    """The engine's BatchGenerator (the raw-engine bench builds its reference with this too)."""
-    return BatchGenerator(
+def generator_settings(config: EngineConfig, stream: mx.Stream) -> dict[str, Any]:
+    """The BatchGenerator arguments an engine setting gives."""
+    return {
+        "completion_batch_size": config.completion_batch_size,
+        "prefill_batch_size": config.prefill_batch_size,
+        "prefill_step_size": config.prefill_step_size,
+        "stream": stream,
+    }
+
+
+def new_generator(
+    model: nn.Module,
+    config: EngineConfig,
+    stream: mx.Stream,
+    speculation: Speculation | None = None,
+    counters: SpeculationCounters | None = None,
+) -> BatchGenerator:
+    """The engine's BatchGenerator (the raw-engine bench builds its reference with this too),
+    speculating when `speculation` says so (its `counters` go on across generators)."""
+    kwargs = generator_settings(config, stream)
+    if speculation is None:
+        return BatchGenerator(model, **kwargs)
+    return SpeculativeBatchGenerator(
         model,
-        completion_batch_size=config.completion_batch_size,
-        prefill_batch_size=config.prefill_batch_size,
-        prefill_step_size=config.prefill_step_size,
-        stream=stream,
+        source=speculation.source(),
+        speculation=speculation.settings(),
+        counters=counters,
+        **kwargs,
     )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 
 from .batch import SpeculativeGenerationBatch, Speculator
-from .config import SpeculationConfig, SpeculationStats
+from .config import SpeculationConfig, SpeculationCounters, SpeculationStats
 from .draft_model import load_draft
 from .drafts import DraftSource
 from .ngram import PromptLookup
@@ -29,14 +29,19 @@ class SpeculativeBatchGenerator(BatchGenerator):
         *,
         source: DraftSource,
         speculation: SpeculationConfig | None = None,
+        counters: SpeculationCounters | None = None,
         **kwargs: Any,
     ) -> None:
+        """`counters`: where to count (a generator built to replace another goes on with its
+        counts); fresh ones by default."""
         super().__init__(model, **kwargs)
         supported, reason = speculation_supported(model, self.max_kv_size)
         if not supported:
             self.close()
             raise ValueError(f"speculative decoding is not supported: {reason}")
-        self._speculator = Speculator(source, speculation or SpeculationConfig())
+        self._speculator = Speculator(
+            source, speculation or SpeculationConfig(), counters or SpeculationCounters()
+        )
         self._generation_batch = SpeculativeGenerationBatch.start(
             self.model, self.sampler, self._speculator
         )
