@@ -133,18 +133,35 @@ def test_layer_kinds_stay_as_the_model_makes_them() -> None:
     assert [type(c).__name__ for c in merged] == ["ArraysCache", "BatchQuantizedKVCache"]
 
 
-def test_rows_join_leave_and_resume_from_an_extracted_cache() -> None:
-    model, _ = demo("llama")
-    prompts = [encode("llama", t) for t in TEXTS]
-    refs = [solo(model, p, STEPS, 8) for p in prompts]
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_rows_join_and_leave_mid_generation(kind: str) -> None:
+    model, _ = demo(kind)
+    prompts = [encode(kind, t) for t in TEXTS]
     run = Run(model)
-    uids = run.insert(prompts[:3], [make_row_cache(model, 8, GROUP) for _ in range(3)])
+    uids = run.insert(prompts[:2], [make_row_cache(model, 8, GROUP) for _ in range(2)])
     for _ in range(5):
         run.step()
-    uids += run.insert(prompts[3:], [make_row_cache(model, 8, GROUP)])  # joins: extend
+    uids += run.insert(prompts[2:3], [make_row_cache(model, 8, GROUP)])  # joins: extend
     for _ in range(5):
         run.step()
     run.gen.remove([uids[0]])  # leaves: filter
+    for _ in range(3):
+        run.step()
+    uids += run.insert(prompts[3:], [make_row_cache(model, 8, GROUP)])  # joins the rest
+    run.finish()
+    assert len(run.tokens[uids[0]]) < STEPS
+    assert all(len(run.tokens[uid]) == STEPS for uid in uids[1:])
+    for uid, prompt in zip(uids, prompts, strict=True):
+        assert_matches(run, uid, solo(model, prompt, STEPS, 8))
+
+
+def test_resume_from_an_extracted_cache() -> None:
+    model, _ = demo("llama")
+    prompts = [encode("llama", t) for t in TEXTS[:3]]
+    run = Run(model)
+    uids = run.insert(prompts, [make_row_cache(model, 8, GROUP) for _ in prompts])
+    for _ in range(10):
+        run.step()
     (caches, tokens) = run.gen.remove([uids[1]], return_prompt_caches=True)[uids[1]]
     assert all(isinstance(c, QuantizedRowCache) for c in caches)
     done = len(run.tokens[uids[1]])
@@ -155,11 +172,12 @@ def test_rows_join_leave_and_resume_from_an_extracted_cache() -> None:
         [tokens[-1:]], [stored], all_tokens=[tokens[:-1]], max_tokens=[STEPS - done]
     )[0]
     run.finish()
-    for uid, ref in zip(uids, refs, strict=True):
-        assert_matches(run, uid, ref)
-    assert len(run.tokens[uids[0]]) < STEPS
-    assert_matches(run, resumed, refs[1], start=done)
     assert done + len(run.tokens[resumed]) == STEPS
+    ref = solo(model, prompts[1], STEPS, 8)
+    assert_matches(run, uids[1], ref)
+    assert_matches(run, resumed, ref, start=done)
+    for uid in (uids[0], uids[2]):
+        assert len(run.tokens[uid]) == STEPS
 
 
 def test_prefix_hits_give_the_cold_output() -> None:
@@ -287,6 +305,8 @@ def test_merge_refuses_mixed_quantization() -> None:
     with pytest.raises(ValueError, match="bits"):
         BatchQuantizedKVCache.merge([KVCache()])
     assert QuantizedRowCache().nbytes == 0  # mlx-lm's own raises on an empty cache
+    with pytest.raises(ValueError, match="head_dim 32"):
+        make_row_cache(demo("llama")[0], 8, 64)
 
 
 # ---------------------------------------------------------------- memory on a real-shaped model
