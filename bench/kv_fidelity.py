@@ -1,6 +1,6 @@
 """What a quantized KV cache costs: fidelity and decode speed on the demo models.
 
-    python bench/kv_fidelity.py [--out bench/kv_fidelity.json] [--repeats 3]
+    python bench/kv_fidelity.py [--out bench/results/kv_fidelity.json] [--repeats 5]
 
 For the demo llama and the hybrid demo (group size 32 = their head_dim), 8 and 4 bits against
 the full-precision cache, all through this project's BatchQuantizedKVCache (batch caches built
@@ -48,6 +48,7 @@ BITS: tuple[int | None, ...] = (None, 8, 4)  # None: full precision
 HELD_OUT = 8
 NEW_TOKENS = 64
 BATCHES = (1, 8, 32)
+SPEED_TOKENS = 128  # decode steps per speed run
 UNSEEN_TEXT = (
     "The lighthouse keeper kept a notebook of every ship that passed, with the weather, the "
     "hour, and a guess at where it was going. After forty years the notebooks filled a shelf, "
@@ -174,16 +175,20 @@ def speed(model: Any, corpus: list[int], repeats: int, prompt_len: int) -> dict[
         rates: dict[str, list[float]] = {label(b): [] for b in BITS}
         for _ in range(repeats):
             for bits in BITS:
-                rates[label(bits)].append(decode_rate(model, prompts, bits, NEW_TOKENS))
+                rates[label(bits)].append(decode_rate(model, prompts, bits, SPEED_TOKENS))
         plain = rates["fp"]
         out[str(batch)] = {
             name: {
                 "tok_s": statistics.median(r),
                 "ratio": statistics.median(q / p for q, p in zip(r, plain, strict=True)),
+                # Others' load only slows a run down: the best runs are the cleanest.
+                "best_tok_s": max(r),
+                "best_ratio": max(r) / max(plain),
+                "runs": r,
             }
             for name, r in rates.items()
         }
-    return out
+    return {"steps": SPEED_TOKENS, "batches": out}
 
 
 def fidelity(kind: str) -> dict[str, Any]:
@@ -226,18 +231,24 @@ def print_tables(results: dict[str, Any]) -> None:
             shown = "-" if margin is None else f"{margin:.3f}"
             print(f"{kind:7} {name:5} {g['diverged']}/{len(TEST_PROMPTS)}  {shown}")
     print(f"\nDecode tok/s, demo llama, prompts of {results['prompt_len']} tokens (median)")
-    print("batch   fp tok/s   q8 tok/s (ratio)    q4 tok/s (ratio)")
-    for batch, r in results["speed"].items():
+    print("median of runs (median of paired ratios) | best run (best / best fp)")
+    print(
+        "batch   fp tok/s   q8 tok/s (ratio)   q4 tok/s (ratio) |   fp best  q8 best       q4 best"
+    )
+    for batch, r in results["speed"].get("batches", {}).items():
+        fp, q8, q4 = r["fp"], r["q8"], r["q4"]
         print(
-            f"{batch:>5}  {r['fp']['tok_s']:9.0f}  {r['q8']['tok_s']:9.0f} ({r['q8']['ratio']:.2f})"
-            f"    {r['q4']['tok_s']:9.0f} ({r['q4']['ratio']:.2f})"
+            f"{batch:>5}  {fp['tok_s']:9.0f}  {q8['tok_s']:9.0f} ({q8['ratio']:.2f})"
+            f"  {q4['tok_s']:9.0f} ({q4['ratio']:.2f}) | {fp['best_tok_s']:9.0f}"
+            f"  {q8['best_tok_s']:7.0f} ({q8['best_ratio']:.2f})"
+            f"  {q4['best_tok_s']:7.0f} ({q4['best_ratio']:.2f})"
         )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "kv_fidelity.json")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv_fidelity.json")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--no-speed", action="store_true")
     args = parser.parse_args()
@@ -248,6 +259,7 @@ def main() -> None:
         text = (ROOT / "servicer" / "demo_corpus.txt").read_text(encoding="utf-8")
         corpus = list(tokenizer.encode(text, add_special_tokens=False))
         results["speed"] = speed(model, corpus, args.repeats, args.prompt_len)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     if "speed" not in results:
         results["speed"] = {}
