@@ -1,0 +1,360 @@
+"""A quantized KV cache that batches: mlx-lm's BatchGenerator with keys and values kept as
+MLX quantized tuples ``(packed uint32, scales, biases)``.
+
+mlx-lm 0.32 has ``QuantizedKVCache`` (one sequence) and ``BatchKVCache`` (a left-padded batch in
+full precision), but no batched quantized cache, so its server stops batching when ``kv_bits``
+is set. ``BatchQuantizedKVCache`` is ``BatchKVCache`` with each of keys and values held as three
+arrays that share the (batch, heads, time) axes; every batch operation (grow, roll, pad, filter,
+concatenate) applies to the three alike. Quantizing is along the last axis, so each token's
+vector quantizes on its own and rows, chunks and padding never change a token's blocks.
+
+Attention runs on the quantized data: mlx-lm's ``scaled_dot_product_attention`` switches to
+quantized matmuls when the cache has a ``bits`` attribute.
+
+Use: ``BatchGenerator.insert(prompts, caches=[make_row_cache(model, bits, group_size) ...])``.
+The per-row ``QuantizedRowCache.merge`` builds the batch cache, so the batch is quantized
+wherever the rows are; other layer kinds (recurrent, sliding window) stay full precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import (
+    KVCache,
+    QuantizedKVCache,
+    _BaseCache,
+    dynamic_roll,
+    make_prompt_cache,
+)
+
+Quantized = tuple[mx.array, mx.array, mx.array]
+KV = tuple[Quantized, Quantized]
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+
+def _quantize(x: mx.array, group_size: int, bits: int) -> Quantized:
+    packed, scales, biases = mx.quantize(x, group_size=group_size, bits=bits)
+    return packed, scales, biases
+
+
+def _time_slice(kv: KV, start: int, stop: int) -> KV:
+    return tree_map(lambda x: x[..., start:stop, :], kv)
+
+
+def _kv_nbytes(*kv: Any) -> int:
+    return sum(x.nbytes for part in kv if part is not None for x in part)
+
+
+class QuantizedRowCache(QuantizedKVCache):
+    """One sequence's quantized KV: mlx-lm's ``QuantizedKVCache`` plus what batching needs
+    (``size``, a ``merge`` that builds the batch cache, a state holding only the filled part)."""
+
+    def size(self) -> int:
+        return self.offset
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> BatchQuantizedKVCache:
+        return BatchQuantizedKVCache.merge(caches)
+
+    @property
+    def state(self) -> tuple:
+        # The buffer past `offset` is spare room: a stored state need not carry it.
+        if self.keys is None:
+            return None, None, self.offset, self.group_size, self.bits
+        keys, values = _time_slice((self.keys, self.values), 0, self.offset)
+        return keys, values, self.offset, self.group_size, self.bits
+
+    @state.setter
+    def state(self, v: tuple) -> None:
+        keys, values, self.offset, self.group_size, self.bits = v
+        self.keys = None if keys is None else tuple(keys)
+        self.values = None if values is None else tuple(values)
+
+    @property
+    def nbytes(self) -> int:
+        # mlx-lm's QuantizedKVCache.nbytes raises on an empty cache.
+        return _kv_nbytes(self.keys, self.values)
+
+
+def _quant_params(caches: Sequence[Any], bits: int | None, group_size: int | None):
+    """Bits and group size for a merge: given, or read from the first quantized row."""
+    quantized = [c for c in caches if hasattr(c, "bits")]
+    if bits is None or group_size is None:
+        if not quantized:
+            raise ValueError("merging full-precision rows needs bits and group_size")
+        bits = quantized[0].bits if bits is None else bits
+        group_size = quantized[0].group_size if group_size is None else group_size
+    for c in quantized:
+        if (c.bits, c.group_size) != (bits, group_size):
+            raise ValueError(
+                f"cannot batch a {c.bits}-bit group-{c.group_size} row into a "
+                f"{bits}-bit group-{group_size} cache"
+            )
+    return bits, group_size
+
+
+def _row_kv(cache: Any, group_size: int, bits: int) -> KV | None:
+    """A single-sequence cache's filled KV as quantized tuples; None when it holds nothing."""
+    if cache.keys is None or cache.offset == 0:
+        return None
+    if hasattr(cache, "bits"):
+        return _time_slice((cache.keys, cache.values), 0, cache.offset)
+    if isinstance(cache, KVCache):
+        keys = cache.keys[..., : cache.offset, :]
+        values = cache.values[..., : cache.offset, :]
+        return _quantize(keys, group_size, bits), _quantize(values, group_size, bits)
+    raise TypeError(f"cannot batch a {type(cache).__name__} into a quantized KV cache")
+
+
+class BatchQuantizedKVCache(_BaseCache):
+    """``BatchKVCache`` (left-padded rows, one write index, per-row ``offset``) whose keys and
+    values are quantized tuples. Same operations and semantics, so ``BatchGenerator`` drives it
+    as it drives ``BatchKVCache``; ``bits``/``group_size`` make mlx-lm's attention quantized."""
+
+    step = 256
+
+    def __init__(self, bits: int = 8, group_size: int = 64, left_padding: Sequence[int] = ()):
+        self.bits = bits
+        self.group_size = group_size
+        self.keys: Quantized | None = None
+        self.values: Quantized | None = None
+        self.left_padding = mx.array(list(left_padding), dtype=mx.int32)
+        self.offset = -self.left_padding
+        self._idx = 0
+        self._right_padding: mx.array | None = None
+
+    # ------------------------------------------------------------------ writing
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> KV:
+        q_keys = _quantize(keys, self.group_size, self.bits)
+        q_values = _quantize(values, self.group_size, self.bits)
+        prev, n = self._idx, keys.shape[2]
+        if self.keys is None or prev + n > self.keys[0].shape[2]:
+            self._grow((q_keys, q_values), n)
+        self._idx += n
+        self.offset = self.offset + n
+        for buffer, new in zip((*self.keys, *self.values), (*q_keys, *q_values), strict=True):
+            buffer[..., prev : self._idx, :] = new
+        return self.keys_and_values()
+
+    def _grow(self, new: KV, n: int) -> None:
+        """Room for `n` more tokens, in whole steps (no reallocation per token)."""
+        room = (self.step + n - 1) // self.step * self.step
+        blank = tree_map(lambda x: mx.zeros((*x.shape[:2], room, x.shape[3]), x.dtype), new)
+        if self.keys is None:
+            self.keys, self.values = blank
+            return
+        old = _time_slice((self.keys, self.values), 0, self._idx)
+        grown = tree_map(lambda a, b: mx.concatenate([a, b], axis=2), old, blank)
+        self.keys, self.values = grown
+
+    def keys_and_values(self) -> KV:
+        return _time_slice((self.keys, self.values), 0, self._idx)
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        if left_padding is not None:
+            if self.keys is not None:
+                raise ValueError("left padding can only be added to an empty cache")
+            left_padding = mx.array(left_padding, dtype=mx.int32)
+            self.left_padding = self.left_padding + left_padding
+            self.offset = self.offset - left_padding
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = mx.array(right_padding, dtype=mx.int32)
+
+    def finalize(self) -> None:
+        """Right padding (from a prefill of uneven rows) becomes left padding: roll each row."""
+        if self._right_padding is None:
+            return
+        padding = self._right_padding
+        if self.keys is not None:
+            rolled = tree_map(
+                lambda x: dynamic_roll(x, padding[:, None], axis=2), (self.keys, self.values)
+            )
+            self.keys, self.values = rolled
+        self.offset = self.offset - padding
+        self.left_padding = self.left_padding + padding
+        self._right_padding = None
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        # Causal plus each row's left padding, as BatchKVCache.
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+
+    # ------------------------------------------------------------------ rows in, rows out
+
+    def filter(self, batch_indices: Sequence[int]) -> None:
+        """Keep only these rows (in place), then drop padding every row shares."""
+        index = mx.array(list(batch_indices), dtype=mx.int32)
+        if self.keys is not None:
+            self.keys, self.values = tree_map(lambda x: x[index], (self.keys, self.values))
+        self.offset = self.offset[index]
+        self.left_padding = self.left_padding[index]
+        shared = min(self.left_padding.tolist(), default=0)
+        if shared > 0:
+            if self.keys is not None:
+                self.keys, self.values = _time_slice((self.keys, self.values), shared, None)
+            self._idx -= shared
+            self.left_padding = self.left_padding - shared
+
+    def extend(self, other: BatchQuantizedKVCache) -> None:
+        """Append `other`'s rows (in place), right-justifying both at the longer write index."""
+        if (other.bits, other.group_size) != (self.bits, self.group_size):
+            raise ValueError("cannot extend a quantized cache with different bits or group size")
+        parts = [(c.offset, c.left_padding) for c in (self, other)]
+        if self.keys is None and other.keys is None:
+            self.offset, self.left_padding = (mx.concatenate(x) for x in zip(*parts, strict=True))
+            return
+        like = (self.keys, self.values) if self.keys is not None else (other.keys, other.values)
+        idx = max(self._idx, other._idx)
+        size = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
+        mine, theirs = (c._aligned(idx, size, like) for c in (self, other))
+        joined = tree_map(lambda a, b: mx.concatenate([a, b]), mine, theirs)
+        self.keys, self.values = joined
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self.left_padding = mx.concatenate([c.left_padding + (idx - c._idx) for c in (self, other)])
+        self._idx = idx
+
+    def _aligned(self, idx: int, size: int, like: KV) -> KV:
+        """This cache's KV moved so its write index is `idx`, in a buffer of `size` steps."""
+        if self.keys is None:
+            rows = self.offset.shape[0]
+            kv = tree_map(lambda x: mx.zeros((rows, x.shape[1], 0, x.shape[3]), x.dtype), like)
+        else:
+            kv = (self.keys, self.values)
+        left = idx - self._idx
+        kv = _time_slice(kv, 0, size - left)  # spare room that would overflow the buffer
+        right = size - left - kv[0][0].shape[2]
+        if left or right:
+            widths = [(0, 0), (0, 0), (left, right), (0, 0)]
+            kv = tree_map(lambda x: mx.pad(x, widths), kv)
+        return kv
+
+    def extract(self, idx: int) -> QuantizedRowCache:
+        """Row `idx` as a single-sequence cache holding only its own tokens."""
+        row = QuantizedRowCache(group_size=self.group_size, bits=self.bits)
+        if self.keys is None:
+            return row
+        padding = int(self.left_padding[idx].item())
+        kv = tree_map(
+            lambda x: mx.contiguous(x[idx : idx + 1, :, padding : self._idx]),
+            (self.keys, self.values),
+        )
+        row.keys, row.values = kv
+        row.offset = self._idx - padding
+        return row
+
+    @classmethod
+    def merge(
+        cls, caches: Sequence[Any], bits: int | None = None, group_size: int | None = None
+    ) -> BatchQuantizedKVCache:
+        """A batch of single-sequence caches, left-padded to the longest. Quantized rows must
+        share bits and group size; full-precision ``KVCache`` rows are quantized here."""
+        bits, group_size = _quant_params(caches, bits, group_size)
+        rows = [_row_kv(c, group_size, bits) for c in caches]
+        lengths = [0 if r is None else r[0][0].shape[2] for r in rows]
+        longest = max(lengths, default=0)
+        batch = cls(bits, group_size, [longest - n for n in lengths])
+        if longest == 0:
+            return batch
+        like = next(r for r in rows if r is not None)
+
+        def padded(row: KV | None, n: int) -> KV:
+            if row is None:
+                return tree_map(
+                    lambda x: mx.zeros((1, x.shape[1], longest, x.shape[3]), x.dtype), like
+                )
+            widths = [(0, 0), (0, 0), (longest - n, 0), (0, 0)]
+            return tree_map(lambda x: mx.pad(x, widths), row)
+
+        parts = [padded(r, n) for r, n in zip(rows, lengths, strict=True)]
+        batch.keys, batch.values = tree_map(lambda *xs: mx.concatenate(xs), *parts)
+        batch.offset = batch.offset + longest
+        batch._idx = longest
+        return batch
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def state(self) -> tuple:
+        return (
+            self.keys,
+            self.values,
+            self.offset,
+            self.left_padding,
+            self._idx,
+            self.group_size,
+            self.bits,
+        )
+
+    @state.setter
+    def state(self, v: tuple) -> None:
+        keys, values, self.offset, self.left_padding, self._idx, self.group_size, self.bits = v
+        self.keys = None if keys is None else tuple(keys)
+        self.values = None if values is None else tuple(values)
+        self._right_padding = None
+
+    @property
+    def nbytes(self) -> int:
+        return _kv_nbytes(self.keys, self.values)
+
+
+def make_row_cache(model: nn.Module, bits: int = 8, group_size: int = 64) -> list[Any]:
+    """One request's per-layer caches for ``BatchGenerator.insert(caches=...)``: a quantized
+    row for each plain full-attention layer (``KVCache``); every other layer kind (recurrent
+    ``ArraysCache``, sliding-window ``RotatingKVCache``, ...) as ``make_prompt_cache`` makes it."""
+    check_quantization(model, bits, group_size)
+    return [
+        QuantizedRowCache(group_size=group_size, bits=bits) if type(c) is KVCache else c
+        for c in make_prompt_cache(model)
+    ]
+
+
+def check_quantization(model: nn.Module, bits: int, group_size: int) -> None:
+    """Refuse settings MLX cannot quantize with before a prefill fails on them mid-batch."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"KV bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"KV group size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+    head_dim = getattr(getattr(model, "args", None), "head_dim", None)
+    if isinstance(head_dim, int) and head_dim % group_size:
+        raise ValueError(f"head_dim {head_dim} is not a multiple of KV group size {group_size}")
+
+
+def quantize_rows(caches: Sequence[Any], bits: int = 8, group_size: int = 64) -> list[Any]:
+    """Per-layer caches of one sequence with each full-precision ``KVCache`` (e.g. a prefix hit
+    kept in full precision) turned into a ``QuantizedRowCache``; other layers as they are.
+    ``BatchGenerator`` merges with the first row's class, so rows should all be quantized."""
+    rows = []
+    for cache in caches:
+        if type(cache) is not KVCache:
+            rows.append(cache)
+            continue
+        row = QuantizedRowCache(group_size=group_size, bits=bits)
+        kv = _row_kv(cache, group_size, bits)
+        if kv is not None:
+            row.keys, row.values = kv
+            row.offset = cache.offset
+        rows.append(row)
+    return rows
