@@ -170,6 +170,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "it is sampled); more sends fewer messages and leaves more CPU to the engine",
     )
     parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=[8, 4],
+        help="keep the attention layers' KV cache quantized to this many bits, about 0.53x "
+        "(8) or 0.28x (4) of float16's bytes, so --max-kv-memory admits about 1.9x or 3.5x "
+        "the requests (default: the model's dtype; recurrent state stays as it is)",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=[32, 64, 128],
+        default=64,
+        help="values that share one scale and bias in the quantized KV cache (default 64; "
+        "must divide the model's head_dim)",
+    )
+    parser.add_argument(
         "--speculate",
         choices=["ngram", "draft"],
         help="speculative decoding: ngram drafts from n-gram matches in the request's own "
@@ -277,6 +293,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         max_kv_memory=args.max_kv_memory,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
         speculate=args.speculate,
         draft_model=args.draft_model,
         speculate_k=args.speculate_k,

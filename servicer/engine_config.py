@@ -42,6 +42,10 @@ class EngineConfig:
     # memory less the weights). A request that cannot fit alone is refused; one that cannot
     # fit beside the others waits.
     max_kv_memory: int | None = None
+    # The attention layers' KV cache quantized to this many bits (None: the model's dtype), in
+    # groups of `kv_group_size` values along each token's vector.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
     # Speculative decoding: "ngram" (prompt lookup), "draft" (with `draft_model`, a path or
     # demo:KIND), or None (off); drafts of up to `speculate_k` tokens a row, and none in a
     # step where more than `speculate_max_batch` rows would draft.

@@ -87,7 +87,11 @@ class Batch:
         on_leave: Callable[[Admit], None],
         faults: FaultPlan | None = None,
         wants_logprobs: bool = True,
+        new_row: Callable[[], list[Any]] | None = None,
     ) -> None:
+        """`new_row`: a request's empty caches (quantized ones with --kv-bits); None: the
+        generator makes mlx-lm's."""
+        self._new_row = new_row
         self._new_generator = new_generator
         self._generator = new_generator()
         self._sampling = sampling
@@ -155,7 +159,7 @@ class Batch:
             uids = self._generator.insert_segments(
                 [segments for _, _, _, segments in parts],
                 max_tokens=[r.max_tokens for r in requests],
-                caches=[hit.cache if hit is not None else None for _, hit, _, _ in parts],
+                caches=[self._cache_for(hit) for _, hit, _, _ in parts],
                 all_tokens=[a.request.prompt[: a.cached_tokens] for a, _, _, _ in parts],
                 samplers=[sampling.sampler(r.sampling) for r in requests],
                 logits_processors=[chain for _, _, chain, _ in parts],
@@ -172,6 +176,11 @@ class Batch:
             blocks = hit.nodes if hit is not None else ()
             row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, blocks=blocks)
             self.rows[uid] = row
+
+    def _cache_for(self, hit: Hit | None) -> list[Any] | None:
+        if hit is not None:
+            return hit.cache
+        return self._new_row() if self._new_row is not None else None
 
     def _segments(self, request: GenerationRequest, cached: int) -> list[list[int]]:
         """The prompt past its reused prefix, cut where the prefix store wants a snapshot."""

@@ -183,9 +183,10 @@ class EngineLoop:
             self._left,
             config.faults,
             wants_logprobs=self._leads,
+            new_row=parts.new_row,
         )
         if config.warmup:
-            warm_up(self.batch.generator, info.bos_token_id or 0)
+            warm_up(self.batch.generator, info.bos_token_id or 0, parts.new_row)
         self.disk = NoDisk() if self.store is None or self.store.disk is None else self.store.disk
         self.disk.on_done(inbox.nudge)
         policy = PrefillPolicy(

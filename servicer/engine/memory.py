@@ -12,18 +12,30 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from ..admission import MemoryModel
 
 
-def measure(model: nn.Module) -> MemoryModel:
-    cache = make_prompt_cache(model)
+def measure(model: nn.Module, cache: list[Any] | None = None) -> MemoryModel:
+    """What one request's `cache` (by default `make_prompt_cache`'s) holds after a token."""
+    cache = make_prompt_cache(model) if cache is None else cache
     model(mx.array([[0]]), cache=cache)
     per_token: list[tuple[int, int | None]] = []
     fixed = 0
     for layer in _flatten(cache):
-        if isinstance(layer, KVCache | RotatingKVCache) and layer.keys is not None:
+        if isinstance(layer, QuantizedKVCache) and layer.keys is not None:
+            parts = [*layer.keys, *layer.values]  # (batch, heads, tokens, packed) each
+            mx.eval(parts)
+            per_token.append((sum(p.shape[1] * p.shape[3] * p.dtype.size for p in parts), None))
+        elif isinstance(layer, KVCache | RotatingKVCache) and layer.keys is not None:
             mx.eval(layer.keys, layer.values)
             row = layer.keys.shape[1] * (
                 layer.keys.shape[3] * layer.keys.dtype.size

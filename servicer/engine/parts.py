@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..admission import Admission, MemoryModel
 from ..engine_config import EngineConfig
@@ -22,6 +24,7 @@ from .memory import device_memory_bytes, measure, weights_bytes
 from .model import LoadedModel, load_model, log_blas_hint
 from .prefix.disk_tier import DiskTier, model_identity
 from .prefix.store import CacheLayout, PrefixStore
+from .quantized_kv import check_quantization, make_row_cache
 from .sampling import SamplingFactory
 from .speculation import (
     DraftModel,
@@ -68,6 +71,11 @@ class EngineParts:
     prefix: PrefixStore | None
     has_thinking: bool
     speculation: Speculation | None = None  # None: off (not asked for, or not possible)
+    # One request's empty caches: quantized attention layers with --kv-bits (None: mlx-lm's)
+    new_row: Callable[[], list[Any]] | None = None
+
+    def row_caches(self) -> list[Any]:
+        return self.new_row() if self.new_row is not None else make_prompt_cache(self.loaded.model)
 
 
 def build_parts(config: EngineConfig, info: ModelInfo) -> EngineParts:
@@ -93,15 +101,32 @@ def build_parts(config: EngineConfig, info: ModelInfo) -> EngineParts:
         think_end=tokenizer.think_end_tokens,
     )
     speculation = _speculation(config, loaded)
-    admission = _admission(config, loaded, speculation)
+    new_row = _quantized_rows(config, loaded)
+    row = new_row() if new_row is not None else make_prompt_cache(loaded.model)
+    admission = _admission(config, loaded, speculation, row)
     return EngineParts(
         loaded,
         sampling,
         admission,
-        _prefix_store(config, admission, loaded, info),
+        _prefix_store(config, admission, loaded, info, CacheLayout.of(row)),
         bool(tokenizer.think_start_tokens and tokenizer.think_end_tokens),
         speculation,
+        new_row,
     )
+
+
+def _quantized_rows(config: EngineConfig, loaded: LoadedModel) -> Callable[[], list[Any]] | None:
+    """With --kv-bits, one request's caches with its attention layers quantized."""
+    bits, group_size = config.kv_bits, config.kv_group_size
+    if bits is None:
+        return None
+    model = loaded.model
+    try:
+        check_quantization(model, bits, group_size)
+    except ValueError as exc:
+        raise ModelLoadError(f"--kv-bits {bits} --kv-group-size {group_size}: {exc}") from exc
+    log.info("KV cache quantized: %d bits, groups of %d", bits, group_size)
+    return lambda: make_row_cache(model, bits, group_size)
 
 
 def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | None:
@@ -133,10 +158,11 @@ def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | Non
 
 
 def _admission(
-    config: EngineConfig, loaded: LoadedModel, speculation: Speculation | None
+    config: EngineConfig, loaded: LoadedModel, speculation: Speculation | None, row: list[Any]
 ) -> Admission:
-    """What requests cost (a draft model's cache counts beside the target's) and the limit."""
-    memory = measure(loaded.model)
+    """What requests cost (what one request's caches `row` hold: quantized bytes with
+    --kv-bits; a draft model's cache counts beside the target's) and the limit."""
+    memory = measure(loaded.model, row)
     weights = weights_bytes(loaded.model)
     if speculation is not None and speculation.draft is not None:
         draft = measure(speculation.draft)
@@ -153,7 +179,11 @@ def _admission(
 
 
 def _prefix_store(
-    config: EngineConfig, admission: Admission, loaded: LoadedModel, info: ModelInfo
+    config: EngineConfig,
+    admission: Admission,
+    loaded: LoadedModel,
+    info: ModelInfo,
+    layout: CacheLayout,
 ) -> PrefixStore | None:
     if config.prompt_cache_size <= 0:
         return None
@@ -162,7 +192,6 @@ def _prefix_store(
     if max_bytes is None:
         # Ranks must evict alike, so a distributed engine does not size it per machine.
         max_bytes = 1 << 30 if shared else min(admission.limit_bytes // 4, 1 << 30)
-    layout = CacheLayout.of(loaded.model)
     block = config.prompt_cache_block
     interval = config.prompt_cache_snapshot_interval
     if interval is None:
@@ -170,7 +199,7 @@ def _prefix_store(
     disk = None
     if config.prompt_cache_dir is not None and not shared:  # ranks cannot share disk timing
         model_dir = Path(info.model_dir)
-        model_id = model_identity(model_dir, config.adapter_path, block, layout.classes)
+        model_id = model_identity(model_dir, config.adapter_path, block, layout.describe())
         disk = DiskTier(
             Path(config.prompt_cache_dir),
             model_id,
@@ -242,9 +271,12 @@ def new_generator(
     )
 
 
-def warm_up(generator: BatchGenerator, token: int) -> None:
+def warm_up(
+    generator: BatchGenerator, token: int, new_row: Callable[[], list[Any]] | None = None
+) -> None:
     """One short request through the whole path, so the first real one pays no JIT."""
-    (uid,) = generator.insert([[token] * 4], max_tokens=[2])
+    caches = [new_row()] if new_row is not None else None
+    (uid,) = generator.insert([[token] * 4], max_tokens=[2], caches=caches)
     for _ in range(16):
         _, responses = generator.next()
         if any(r.uid == uid and r.finish_reason for r in responses):

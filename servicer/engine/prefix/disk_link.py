@@ -13,7 +13,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from ...messages import GenerationRequest
-from .data import BlockData, arrays_of
+from .data import BlockData, Part, arrays_of
 from .disk_tier import ARRAY_DTYPES, BlockFile, Completion, DiskEntry, DiskTier
 from .index import BlockIndex, Match, Node
 from .keys import ROOT, block_key
@@ -96,12 +96,13 @@ class DiskLink:
         arrays: list[Any] = []
         meta = {
             "kv_layers": len(data.kv),
+            "kv_parts": _parts(self.layout),
             "states": {
                 str(layer): {"cls": type(state).__name__, "state": _flatten(state.state, arrays)}
                 for layer, state in (data.states or {}).items()
             },
         }
-        arrays = [a for pair in data.kv for a in pair] + arrays
+        arrays = arrays_of(data.kv) + arrays
         meta["arrays"] = [
             {"dtype": str(a.dtype).split(".")[-1], "shape": list(a.shape), "nbytes": a.nbytes}
             for a in arrays
@@ -240,6 +241,17 @@ def _unflatten(spec: Any, arrays: list[mx.array]) -> Any:
     return spec["value"]
 
 
+def _parts(layout: Any) -> int:
+    """Arrays in a layer's keys (or values): a quantized triple, or one array."""
+    return 3 if layout.quantized is not None else 1
+
+
+def _pair(arrays: list[mx.array], parts: int) -> tuple[Part, Part]:
+    if parts == 1:
+        return arrays[0], arrays[1]
+    return tuple(arrays[:parts]), tuple(arrays[parts:])
+
+
 def _from_file(block: BlockFile, layout: Any) -> BlockData:
     """A loaded block file as a RAM block (on the engine thread: it makes MLX arrays),
     checked against the model's cache layout: ValueError when it does not fit."""
@@ -249,18 +261,14 @@ def _from_file(block: BlockFile, layout: Any) -> BlockData:
         array = mx.array(np.ascontiguousarray(raw))
         view = ARRAY_DTYPES[spec["dtype"]][1]
         arrays.append(array.view(getattr(mx, view)) if view else array)
-    count = meta["kv_layers"]
-    if count != len(layout.kv):
-        raise ValueError(f"{count} KV layers, the model has {len(layout.kv)}")
-    kv = [(arrays[2 * i], arrays[2 * i + 1]) for i in range(count)]
-    for keys, values in kv:
-        if (
-            keys.ndim != 4
-            or keys.shape[2] != len(block.tokens)
-            or values.shape[:3] != keys.shape[:3]
-        ):
-            raise ValueError(f"KV of shape {keys.shape} for {len(block.tokens)} tokens")
-    rest = arrays[2 * count :]
+    count, parts = meta["kv_layers"], meta["kv_parts"]
+    if count != len(layout.kv) or parts != _parts(layout):
+        raise ValueError(f"{count} KV layers in {parts} parts, the model has another layout")
+    kv_arrays, rest = arrays[: 2 * parts * count], arrays[2 * parts * count :]
+    for array in kv_arrays:
+        if array.ndim != 4 or array.shape[2] != len(block.tokens):
+            raise ValueError(f"KV of shape {array.shape} for {len(block.tokens)} tokens")
+    kv = [_pair(kv_arrays[2 * parts * i : 2 * parts * (i + 1)], parts) for i in range(count)]
     states = {}
     for layer, spec in meta["states"].items():
         index = int(layer)

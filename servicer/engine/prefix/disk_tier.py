@@ -36,7 +36,7 @@ from ...ratelimit import RateLimitedLog
 log = logging.getLogger(__name__)
 
 MAGIC = b"MLXPBLK1"
-FORMAT = 1
+FORMAT = 2
 _SUFFIX = ".blk"
 ARRAY_DTYPES = {  # MLX dtype name -> (numpy dtype to read the bytes back as, MLX view or None)
     "float32": ("float32", None),

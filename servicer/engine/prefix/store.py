@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from ...faults import FaultPlan
 from ...messages import GenerationRequest, PrefixCacheStats
 from ...ratelimit import RateLimitedLog
-from .data import BlockData, arrays_of
+from ..quantized_kv import QuantizedRowCache
+from .data import BlockData, Part, arrays_of, concat, time_slice, tokens_in
 from .disk_link import DiskLink
 from .disk_tier import DiskTier
 from .index import BlockIndex, Match, Node
@@ -34,17 +35,19 @@ RAM, DISK = "ram", "disk"
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """The class of each of the model's cache layers, and which of them hold attention KV
-    (cuttable at any token)."""
+    """The class of each of the model's cache layers, which of them hold attention KV
+    (cuttable at any token), and how that KV is quantized ((bits, group size), or None)."""
 
     classes: tuple[str, ...]
     kv: tuple[int, ...]
+    quantized: tuple[int, int] | None = None
 
     @classmethod
-    def of(cls, model: Any) -> CacheLayout:
-        caches = make_prompt_cache(model)
-        kv = tuple(i for i, c in enumerate(caches) if type(c) is KVCache)
-        return cls(tuple(type(c).__name__ for c in caches), kv)
+    def of(cls, caches: list[Any]) -> CacheLayout:
+        """The layout of one request's caches, as the engine makes them."""
+        kv = tuple(i for i, c in enumerate(caches) if type(c) in (KVCache, QuantizedRowCache))
+        quantized = next(((c.bits, c.group_size) for c in caches if hasattr(c, "bits")), None)
+        return cls(tuple(type(c).__name__ for c in caches), kv, quantized)
 
     @property
     def layers(self) -> int:
@@ -59,6 +62,24 @@ class CacheLayout:
         """The layers whose state is kept whole, at snapshots."""
         kv = set(self.kv)
         return tuple(i for i in range(self.layers) if i not in kv)
+
+    def describe(self) -> tuple[str, ...]:
+        """What decides how a block's KV is laid out: each layer's class, the quantization."""
+        if self.quantized is None:
+            return self.classes
+        bits, group_size = self.quantized
+        return (*self.classes, f"kv {bits} bits, groups of {group_size}")
+
+    def kv_cache(self, keys: Part, values: Part, length: int) -> Any:
+        """An attention layer's cache for one request holding `length` tokens."""
+        if self.quantized is None:
+            cache = KVCache()
+            cache.state = (keys, values, length)
+            return cache
+        bits, group_size = self.quantized
+        quantized = QuantizedRowCache(group_size=group_size, bits=bits)
+        quantized.state = (keys, values, length, group_size, bits)
+        return quantized
 
 
 @dataclass
@@ -174,13 +195,13 @@ class PrefixStore:
             if len(node.ram.kv) != len(self.layout.kv):
                 raise UnusableBlock(f"block at {node.start} holds {len(node.ram.kv)} KV layers")
         for j, layer in enumerate(self.layout.kv):
-            keys = mx.concatenate([node.ram.kv[j][0] for node in match.nodes], axis=2)
-            values = mx.concatenate([node.ram.kv[j][1] for node in match.nodes], axis=2)
-            if keys.shape[2] < length or values.shape[2] < length:
-                raise UnusableBlock(f"the blocks hold {keys.shape[2]} of {length} tokens")
-            kv = KVCache()
-            kv.state = (keys[..., :length, :], values[..., :length, :], length)
-            cache[layer] = kv
+            keys = concat([node.ram.kv[j][0] for node in match.nodes])
+            values = concat([node.ram.kv[j][1] for node in match.nodes])
+            if min(tokens_in(keys), tokens_in(values)) < length:
+                raise UnusableBlock(f"the blocks hold {tokens_in(keys)} of {length} tokens")
+            cache[layer] = self.layout.kv_cache(
+                time_slice(keys, 0, length), time_slice(values, 0, length), length
+            )
         if not self.layout.cuttable:
             states = match.nodes[-1].ram.states
             if states is None or set(states) != set(self.layout.state_layers):
@@ -254,17 +275,11 @@ class PrefixStore:
             if shorter and starts and node.pins == 0 and node.disk is None:
                 self.index.remove(node)
 
-    def _kv_slices(self, cache: list[Any], start: int, end: int) -> list[tuple[mx.array, mx.array]]:
+    def _kv_slices(self, cache: list[Any], start: int, end: int) -> list[tuple[Part, Part]]:
         slices = []
         for layer in self.layout.kv:
-            keys, values, _ = cache[layer].state
-            # A copy of its own: a slice would keep the whole source buffer alive.
-            slices.append(
-                (
-                    mx.contiguous(keys[..., start:end, :]),
-                    mx.contiguous(values[..., start:end, :]),
-                )
-            )
+            keys, values = cache[layer].state[:2]
+            slices.append((time_slice(keys, start, end), time_slice(values, start, end)))
         return slices
 
     def enforce_budget(self) -> None:

@@ -6,7 +6,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache
+
+from ..quantized_kv import BatchQuantizedKVCache
 
 
 def rollback(layers: Sequence[Any], drop: Sequence[int], compact_at: int = 64) -> None:
@@ -23,7 +26,7 @@ def rollback(layers: Sequence[Any], drop: Sequence[int], compact_at: int = 64) -
     low = min(drop)
     extra = [d - low for d in drop]
     for layer in layers:
-        if not isinstance(layer, BatchKVCache):
+        if not isinstance(layer, BatchKVCache | BatchQuantizedKVCache):
             raise TypeError(f"cannot roll back {type(layer).__name__} per row")
         if low:
             layer.trim(low)
@@ -40,8 +43,9 @@ def _compact(layers: Sequence[Any], at: int) -> None:
         return
     for layer in layers:
         if layer.keys is not None:
-            layer.keys = layer.keys[..., shared:, :]
-            layer.values = layer.values[..., shared:, :]
+            layer.keys, layer.values = tree_map(
+                lambda x: x[..., shared:, :], (layer.keys, layer.values)
+            )
         layer._idx -= shared
         layer.left_padding = layer.left_padding - shared
 
