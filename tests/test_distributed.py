@@ -157,3 +157,32 @@ def test_a_lost_rank_ends_open_requests_and_rank_0_exits_non_zero(group, prompts
     if how == "frozen":
         os.kill(follower.pid, signal.SIGCONT)
     assert call.outcome.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_sharded_quantized_cache_gives_the_single_process_quantized_output(
+    demo_dir, tmp_path, reference, prompts
+):
+    from test_kv_quant_server import BITS, GROUP, QuantizedReference
+
+    quantized = QuantizedReference(reference)
+    flags = ("--kv-bits", str(BITS), "--kv-group-size", str(GROUP))
+    group = Group(demo_dir, tmp_path, *flags).start()
+    try:
+        with grpc.insecure_channel(group.leader.address) as chan:
+            outcomes = [
+                generate(chan, p, temperature=0, max_tokens=16, ignore_eos=True)
+                for p in prompts[:3]
+            ]
+            again = generate(chan, prompts[0], temperature=0, max_tokens=16, ignore_eos=True)
+    finally:
+        group.stop()
+    assert [o.tokens for o in outcomes] == [quantized.greedy(p, 16) for p in prompts[:3]]
+    assert again.complete.cached_tokens > 0 and again.tokens == quantized.greedy(prompts[0], 16)
+
+
+def test_speculation_is_refused_with_distributed_serving_and_says_so(capsys):
+    from servicer.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--distributed", "--speculate", "ngram"])
+    assert "--speculate is not supported with --distributed" in capsys.readouterr().err
