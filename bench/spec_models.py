@@ -150,18 +150,6 @@ def _final_rms_max(model: Any, base: Path) -> float:
     return largest
 
 
-def _fine_tune(model: Any, config: dict[str, Any], data: np.ndarray, recipe: Any, rng) -> None:
-    """Train `model` in place with the demo builder's deterministic sharded loop."""
-    import mlx.core as mx
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs.from_dict(config)
-    replicas = [llama.Model(args) for _ in range(recipe.shards)]
-    model.set_dtype(getattr(mx, recipe.dtype))
-    mx.eval(model.parameters())
-    demo_model._train(model, replicas, data, recipe, rng)
-
-
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False).ids
 
@@ -189,8 +177,70 @@ def _build_copier(out: Path, base: Path, seed: int) -> None:
     _save(out, base, built, spec_copier.copier_config(config, dim), "copier", seed)
 
 
+# --------------------------------------------------------------------------- the target
+
+TARGET_LAYERS = 24  # the llama's 2 plus 22 new ones: the decode step is mostly per-layer work
+TARGET_MLP = 1024  # the llama's is 256
+TARGET_NOISE = 0.6  # new layers' residual outputs at this fraction of a fresh layer's
+
+
+def _build_target(out: Path, base: Path, seed: int) -> None:
+    """Bench fixture: a target ~10x costlier per decode step, whose natural draft is the llama.
+
+    Training a large model on this CPU is out of reach, so it is built from the demo llama:
+    its two trained layers stay first and last (MLPs widened from 256 to 1024 units whose new
+    output weights are zero, so they change nothing), and 22 freshly initialised llama layers
+    (mlx-lm's default init, seeded) go between them with their attention and MLP output
+    projections scaled by TARGET_NOISE. Those layers are untrained: they perturb the llama's
+    hidden state rather than improve it, so where the target disagrees with its draft it is
+    not "right" in any sense, it is just different, about as often as a real draft/target
+    pair (K=4 greedy drafts from the llama are ~75 % accepted on corpus prompts, measured by
+    bench/spec_fixtures.py). Its decode step costs ~11x the llama's on CPU (24 layers instead
+    of 2, ~30x the weights). No fine-tune: one step of it takes ~5-10 s here, and a few
+    dozen at a rate that moves it at all pulled acceptance down to ~0.26 (tried). A bench
+    fixture only: no test uses it.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    _, weights, config = _base_weights(base)
+    config = {k: v for k, v in config.items() if k != "demo_build"}
+    config.update(num_hidden_layers=TARGET_LAYERS, intermediate_size=TARGET_MLP)
+    mx.random.seed(seed)  # the new layers' init uses MLX's global generator, as the demo's does
+    fresh_model = llama.Model(llama.ModelArgs.from_dict(config))
+    fresh = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(fresh_model.parameters())}
+    built = _deepened(weights, fresh, int(weights["model.layers.0.mlp.down_proj.weight"].shape[1]))
+    _save(out, base, built, config, "target", seed)
+
+
+def _deepened(
+    base: dict[str, np.ndarray], fresh: dict[str, np.ndarray], base_mlp: int
+) -> dict[str, np.ndarray]:
+    """`fresh` (the target's shape) with the llama's layers first and last, the rest damped."""
+    weights = dict(fresh)
+    weights["model.embed_tokens.weight"] = base["model.embed_tokens.weight"]
+    weights["model.norm.weight"] = base["model.norm.weight"]
+    placed = {0: 0, 1: TARGET_LAYERS - 1}  # llama layer -> target layer
+    for old, new in placed.items():
+        src, dst = f"model.layers.{old}.", f"model.layers.{new}."
+        for name in base:
+            if name.startswith(src) and ".mlp." not in name:
+                weights[dst + name[len(src) :]] = base[name]
+        for part in ("gate_proj", "up_proj"):  # the first units are the llama's
+            weights[f"{dst}mlp.{part}.weight"][:base_mlp] = base[f"{src}mlp.{part}.weight"]
+        down = np.zeros_like(weights[f"{dst}mlp.down_proj.weight"])
+        down[:, :base_mlp] = base[f"{src}mlp.down_proj.weight"]  # the new units write nothing
+        weights[f"{dst}mlp.down_proj.weight"] = down
+    for layer in set(range(TARGET_LAYERS)) - set(placed.values()):
+        for part in ("self_attn.o_proj", "mlp.down_proj"):
+            weights[f"model.layers.{layer}.{part}.weight"] *= TARGET_NOISE
+    return weights
+
+
 _BUILDERS: dict[str, Callable[[Path, Path, int], None]] = {
     "copier": _build_copier,
+    "target": _build_target,
 }
 
 
