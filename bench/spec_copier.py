@@ -6,22 +6,25 @@ model is mlx-lm's ``smollm3`` (llama with per-layer RoPE switched off), with the
 stream widened from 128 to ``layout()["dim"]`` and three new layers in front of the llama's two:
 
 1. **Positional layer** (RoPE): heads whose queries and keys are constant biases, so their
-   scores depend only on the distance; each attends to exactly one earlier position (1..10
+   scores depend only on the distance; each attends to exactly one earlier position (1..11
    back) and copies that token's code (below) into its own part of the stream. Its MLP
-   compares the last 3 codes with those ``p`` = 1..8 back: a short-period loop.
+   counts, for each period p = 1..8, how many of the last 4 tokens equal those p further
+   back (on one hash): a short loop.
 2. **Induction layer** (no RoPE): head ``m`` matches hash ``m`` of the last 3 tokens
    against the 3 tokens before every earlier position (a 3-gram, like n = 3 lookup) and reads
-   the token there plus the 3 before it. The MLP counts how many of the 3 really matched.
-   Two "echo" heads attend from ``<|assistant|>`` after ``<|end|>`` to the first token of a
-   user turn, so a chat reply starts by repeating the user's message.
+   the token there plus the 3 before it. The MLP counts how many of the 3 really matched,
+   and flags a loop. Two "echo" heads attend from ``<|assistant|>`` after ``<|end|>`` to
+   the first token of a user turn, so a chat reply starts by repeating the user's message.
 3. **Gate layer** (MLP only): writes the copied token's code into the boost part only when
-   all 8 heads verified a full 3-token match (or the echo fired), and no loop was seen.
+   all 8 heads verified a full 3-token match and no loop of period <= 8 is running (or the
+   echo fired).
 
 The llama's layers follow, unchanged, with norm weights rescaled for the wider stream. The
 lm_head (untied) adds ``code(t) . boost`` to the llama's logits. A constant dimension
 (``z``) dominates the stream until the gate layer removes it, so every norm in the circuit
 divides by the same number whatever the token; the circuit's parts sit at ``SCALE`` beside
-an embedding of ~0.1, so the llama layers see their own inputs to within ~0.3 %.
+an embedding of ~0.1, so the llama layers barely notice them: where the boost is off, the
+logits stay within 0.1 of the llama's (greedy picks agree at 99.4 % of corpus positions).
 
 A token's code: 8 independent hashes to 8 values, one one-hot block each (64 dims); the
 first block keeps values 6 and 7 for ``<|begin|>``/``<|end|>`` and ``<|user|>``/``<|assistant|>``
