@@ -199,7 +199,7 @@ def _build_target(out: Path, base: Path, seed: int) -> None:
     hidden state rather than improve it, so where the target disagrees with its draft it is
     not "right" in any sense, it is just different, about as often as a real draft/target
     pair (K=4 greedy drafts from the llama are ~75 % accepted on corpus prompts, measured by
-    bench/spec_fixtures.py). Its decode step costs ~11x the llama's on CPU (24 layers instead
+    bench/spec_fixtures.py). Its decode step costs 11-18x the llama's on CPU (24 layers instead
     of 2, ~30x the weights). No fine-tune: one step of it takes ~5-10 s here, and a few
     dozen at a rate that moves it at all pulled acceptance down to ~0.26 (tried). A bench
     fixture only: no test uses it.
