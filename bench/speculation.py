@@ -1,0 +1,360 @@
+"""`make bench` part "speculation": speculative decoding on models that show what it does.
+
+The demo llama copies poorly, so the part runs on two fixtures built by bench/spec_models.py
+(cached under ~/.cache/mlx-grpc-worker): a model that copies spans of its prompt as real LLMs
+do ("copier", with prompt lookup), and a target that costs ~10-20x the demo llama per decode
+step with the demo llama as its draft ("target"). Both are constructions, not trained models
+(see their docstrings); the demo llama itself runs too, as the plain case.
+
+Each setup, workload and concurrency measures in one run, interleaved: the raw BatchGenerator
+without speculation (in this process), our worker without and with speculation, and with
+--side-by-side smg-grpc-servicer; the worker's own metrics give the tokens per target step
+and the acceptance. `python bench/speculation.py [--quick]` runs the part alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from load import Client, Sampling
+from spec_fixtures import copy_prompts, corpus_prompts, step_times
+from spec_models import spec_model_path
+from workers import BatchConfig, Worker, log, our_worker, smg_worker
+from workload import LevelStats, RequestRecord, percentile
+
+from servicer.demo_model import demo_model_path
+from servicer.sysinfo import free_port
+
+LEVELS = (1, 2, 4, 8, 16)
+MAX_TOKENS = 64
+ROUNDS = 2
+K = 4  # --speculate-k
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    model: Path
+    flags: tuple[str, ...]
+    draft: Path | None = None  # the draft model, whose step the ideal speed-up counts
+
+
+def setups() -> list[Setup]:
+    llama = demo_model_path()
+    return [
+        Setup("copier, prompt lookup", spec_model_path("copier"), ("--speculate", "ngram")),
+        Setup(
+            "target, demo llama drafting",
+            spec_model_path("target"),
+            ("--speculate", "draft", "--draft-model", str(llama)),
+            llama,
+        ),
+        Setup("demo llama, prompt lookup", llama, ("--speculate", "ngram")),
+    ]
+
+
+def workloads(model: Path) -> dict[str, list[list[int]]]:
+    """Copy-heavy (the answer repeats spans of the prompt) and genai-style text."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    copy = [p for prompts in copy_prompts(tokenizer).values() for p in prompts]
+    return {"copy-heavy": copy, "genai-style": corpus_prompts(tokenizer)}
+
+
+# --------------------------------------------------------------------------- one run
+
+
+class RawLoop:
+    """The raw BatchGenerator on given prompts, closed loop (the reference, no speculation)."""
+
+    def __init__(self, model: Path, batch: BatchConfig) -> None:
+        import mlx.core as mx
+        from mlx_lm import load
+
+        from servicer.engine import EngineConfig
+        from servicer.engine.parts import new_generator
+
+        self.model, _ = load(str(model))
+        config = EngineConfig(
+            completion_batch_size=batch.completion_batch_size,
+            prefill_batch_size=batch.prefill_batch_size,
+        )
+        self._generator = new_generator(self.model, config, mx.new_stream(mx.default_device()))
+
+    def run(self, prompts: list[list[int]], concurrency: int, requests: int) -> LevelStats:
+        generator, records, done = self._generator, {}, []
+        queue = iter(range(requests))
+
+        def insert() -> None:
+            index = next(queue, None)
+            if index is not None:
+                (uid,) = generator.insert([prompts[index % len(prompts)]], max_tokens=[MAX_TOKENS])
+                records[uid] = RequestRecord(start=time.perf_counter())
+
+        for _ in range(concurrency):
+            insert()
+        while records:
+            _, responses = generator.next()
+            now = time.perf_counter()
+            for response in responses:
+                record = records.get(response.uid)
+                if record is None:
+                    continue
+                if record.ttft is None:
+                    record.ttft = now - record.start
+                else:
+                    record.itl.append(now - record.end)
+                record.end, record.tokens = now, record.tokens + 1
+                if response.finish_reason is not None:
+                    done.append(records.pop(response.uid))
+                    insert()
+        return LevelStats.from_records(concurrency, done, expected_tokens=MAX_TOKENS)
+
+
+async def served(address: str, prompts: list[list[int]], concurrency: int, requests: int):
+    client = Client(address, 512, Sampling("router"))
+    queue = iter(range(requests))
+    records: list[RequestRecord] = []
+
+    async def one_client() -> None:
+        for index in queue:
+            records.append(await client.generate(prompts[index % len(prompts)], MAX_TOKENS))
+
+    try:
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    finally:
+        await client.close()
+    return LevelStats.from_records(concurrency, records, expected_tokens=MAX_TOKENS)
+
+
+def speculation_metrics(port: int) -> dict[str, float]:
+    """The worker's speculation counters, from its /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    names = {
+        "drafted": "mlx_worker_speculation_drafted_tokens_total",
+        "accepted": "mlx_worker_speculation_accepted_tokens_total",
+        "row_steps": "mlx_worker_speculation_tokens_per_row_step_count",
+        "tokens": "mlx_worker_speculation_tokens_per_row_step_sum",
+        "steps_off": "mlx_worker_speculation_steps_off_total",
+    }
+    found = {}
+    for key, name in names.items():
+        match = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+        found[key] = float(match.group(1)) if match else 0.0
+    return found
+
+
+@dataclass
+class Cell:
+    """One setup, workload and concurrency: every run of each worker, and the counters."""
+
+    runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, stats: LevelStats, raw: LevelStats | None) -> None:
+        ratio = stats.tokens_per_s / raw.tokens_per_s if raw and raw.tokens_per_s else None
+        self.runs.setdefault(name, []).append(
+            {
+                "tokens_per_s": stats.tokens_per_s,
+                "ratio_to_raw": ratio,
+                "ttft_p50_ms": stats.ttft_p50_ms,
+                "itl_p50_ms": stats.itl_p50_ms,
+                "itl_p99_ms": stats.itl_p99_ms,
+                "errors": stats.errors,
+            }
+        )
+
+    def median(self, name: str, key: str) -> float | None:
+        return percentile([r[key] for r in self.runs.get(name, []) if r[key] is not None], 50)
+
+    def summary(self, draft_ratio: float) -> dict[str, Any]:
+        """Ratios to raw, the speed-up over speculation off, and how close it comes to the
+        ideal: tokens per target step / (1 + K * draft step / target step)."""
+        on, off = self.median("on", "tokens_per_s"), self.median("off", "tokens_per_s")
+        speedup = on / off if on and off else None
+        counters = self.counters
+        per_step = counters["tokens"] / counters["row_steps"] if counters.get("row_steps") else None
+        drafted_per_step = counters["drafted"] / counters["row_steps"] if per_step else 0.0
+        ideal = per_step / (1 + drafted_per_step * draft_ratio) if per_step else None
+        return {
+            "on_to_raw": self.median("on", "ratio_to_raw"),
+            "off_to_raw": self.median("off", "ratio_to_raw"),
+            "smg_to_raw": self.median("smg", "ratio_to_raw"),
+            "speedup": speedup,
+            "tokens_per_step": per_step,
+            "acceptance": counters["accepted"] / counters["drafted"]
+            if counters.get("drafted")
+            else None,
+            "ideal": ideal,
+            "efficiency": speedup / ideal if speedup and ideal else None,
+            "steps_off": counters.get("steps_off", 0.0),
+            "ttft_on_ms": self.median("on", "ttft_p50_ms"),
+            "ttft_off_ms": self.median("off", "ttft_p50_ms"),
+            "itl_p50_on_ms": self.median("on", "itl_p50_ms"),
+            "itl_p99_on_ms": self.median("on", "itl_p99_ms"),
+            "errors": sum(r["errors"] for runs in self.runs.values() for r in runs),
+        }
+
+
+# --------------------------------------------------------------------------- the part
+
+
+def draft_step_ratio(setup: Setup, prompt: list[int]) -> float:
+    """A draft decode step ÷ a target decode step at batch 1 (0 for prompt lookup)."""
+    if setup.draft is None:
+        return 0.0
+    from mlx_lm import load
+
+    steps = {}
+    for name, path in (("draft", setup.draft), ("target", setup.model)):
+        model, _ = load(str(path))
+        steps[name] = percentile(step_times(model, prompt, steps=40), 50) or 0.0
+    return steps["draft"] / steps["target"] if steps["target"] else 0.0
+
+
+def measure_setup(
+    setup: Setup, levels: tuple[int, ...], rounds: int, smg_python: Path | None, log_dir: Path
+) -> dict[str, Any]:
+    batch = BatchConfig(completion_batch_size=32, prefill_batch_size=8)
+    prompts = workloads(setup.model)
+    ratio = draft_step_ratio(setup, prompts["genai-style"][0])
+    raw = RawLoop(setup.model, batch)
+    metrics_port = free_port()
+    flags = (*setup.flags, "--speculate-k", str(K), "--metrics-port", str(metrics_port))
+    tag = re.sub(r"\W+", "-", setup.name)
+    workers: dict[str, Worker] = {
+        "off": our_worker(setup.model, batch, log_dir, f"{tag}-off"),
+        "on": our_worker(setup.model, batch, log_dir, f"{tag}-on", flags),
+    }
+    if smg_python is not None:
+        workers["smg"] = smg_worker(smg_python, setup.model, batch, log_dir, tag)
+    result: dict[str, Any] = {"draft_step_ratio": ratio, "cells": {}}
+    try:
+        for worker in workers.values():
+            worker.start()
+        for workload, chosen in prompts.items():
+            for level in levels:
+                cell = measure_cell(raw, workers, chosen, level, rounds, metrics_port)
+                summary = cell.summary(ratio)
+                result["cells"][f"{workload} c={level}"] = {"runs": cell.runs, **summary}
+                log(
+                    f"speculation {setup.name}, {workload}, c={level}: on ÷ raw "
+                    f"{_fmt(summary['on_to_raw'])}, speed-up {_fmt(summary['speedup'])}, "
+                    f"{_fmt(summary['tokens_per_step'])} tokens/step"
+                )
+    finally:
+        for worker in workers.values():
+            worker.stop()
+    return result
+
+
+def measure_cell(
+    raw: RawLoop,
+    workers: dict[str, Worker],
+    prompts: list[list[int]],
+    level: int,
+    rounds: int,
+    metrics_port: int,
+) -> Cell:
+    requests = max(4, 2 * level)
+    cell = Cell()
+    raw.run(prompts, level, level)  # everyone warms up at this batch shape first
+    for worker in workers.values():
+        asyncio.run(served(worker.address, prompts, level, level))
+    before = speculation_metrics(metrics_port)
+    for _ in range(rounds):
+        reference = raw.run(prompts, level, requests)
+        cell.add("raw", reference, reference)
+        for name, worker in workers.items():
+            stats = asyncio.run(served(worker.address, prompts, level, requests))
+            cell.add(name, stats, reference)
+    after = speculation_metrics(metrics_port)
+    cell.counters = {key: after[key] - before[key] for key in after}
+    return cell
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def render(results: dict[str, Any]) -> str:
+    """The part's table (Markdown)."""
+    lines = [
+        "| setup | workload | c | on ÷ raw | off ÷ raw | smg ÷ raw | speed-up (on ÷ off) | "
+        "tokens/target step | acceptance | ideal | efficiency | TTFT p50 on / off ms | "
+        "ITL p50 / p99 on ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for setup, result in results.items():
+        for cell, s in result["cells"].items():
+            workload, level = cell.rsplit(" c=", 1)
+            lines.append(
+                f"| {setup} | {workload} | {level} | {_fmt(s['on_to_raw'])} | "
+                f"{_fmt(s['off_to_raw'])} | {_fmt(s['smg_to_raw'])} | {_fmt(s['speedup'])} | "
+                f"{_fmt(s['tokens_per_step'])} | {_fmt(s['acceptance'])} | {_fmt(s['ideal'])} | "
+                f"{_fmt(s['efficiency'])} | {_fmt(s['ttft_on_ms'], 1)} / "
+                f"{_fmt(s['ttft_off_ms'], 1)} | {_fmt(s['itl_p50_on_ms'], 2)} / "
+                f"{_fmt(s['itl_p99_on_ms'], 2)} |"
+            )
+    ratios = ", ".join(
+        f"{name}: {r['draft_step_ratio']:.3f}"
+        for name, r in results.items()
+        if r["draft_step_ratio"]
+    )
+    if ratios:
+        lines.append(f"\nDraft step ÷ target step at batch 1: {ratios}.")
+    return "\n".join(lines)
+
+
+def run_part(
+    levels: tuple[int, ...] = LEVELS,
+    rounds: int = ROUNDS,
+    smg_python: Path | None = None,
+    log_dir: Path = Path("bench/results/logs"),
+    wanted: list[str] | None = None,
+) -> dict[str, Any]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    chosen = [s for s in setups() if wanted is None or any(w in s.name for w in wanted)]
+    return {s.name: measure_setup(s, levels, rounds, smg_python, log_dir) for s in chosen}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="levels 1 and 16, one round")
+    parser.add_argument("--levels", help="concurrency levels, e.g. 1,4 (default 1,2,4,8,16)")
+    parser.add_argument("--rounds", type=int, help=f"runs of each worker per level ({ROUNDS})")
+    parser.add_argument("--setups", help="only setups whose name contains one of these (a,b)")
+    parser.add_argument("--side-by-side", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    smg = None
+    if args.side_by_side:
+        from workers import smg_servicer_python
+
+        smg = smg_servicer_python()
+    levels, rounds = ((1, 16), 1) if args.quick else (LEVELS, ROUNDS)
+    if args.levels:
+        levels = tuple(int(x) for x in args.levels.split(","))
+    rounds = args.rounds or rounds
+    wanted = args.setups.split(",") if args.setups else None
+    results = run_part(levels, rounds, smg, args.out / "logs", wanted)
+    print(render(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"speculation-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(f"JSON: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
