@@ -9,8 +9,10 @@ For every concurrency level: the raw mlx-lm BatchGenerator loop (bench/raw.py, i
 process) sets the ceiling and the request count; each worker is started on the same model,
 warmed up, and driven over gRPC by that many closed-loop clients with the same prompts, in
 pairs of short runs that alternate raw and workers. Then, on a fresh worker each: a
-staggered burst, cancel-and-reuse and prefix reuse. Only one of the processes being
-measured runs at a time (the others idle on their input or are stopped with SIGSTOP).
+staggered burst, cancel-and-reuse and prefix reuse; then speculative decoding on its
+fixtures (bench/speculation.py) and the quantized KV cache (bench/kv_quant.py). Only one of
+the processes being measured runs at a time (the others idle on their input or are stopped
+with SIGSTOP). `--only PARTS` runs some parts alone.
 Prints the tables, writes JSON and a PNG under bench/results/, and (full runs) rewrites the
 generated block of bench/RESULTS.md.
 """
@@ -57,6 +59,7 @@ from workload import (
 )
 
 RESULTS = BENCH / "results"
+PARTS = ("sweep", "burst", "cancel", "prefix", "arrival", "speculation", "kv-quant")
 
 
 def _steal_note(stats: LevelStats) -> str:
@@ -118,7 +121,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--skip",
         default="",
-        help="comma-separated parts to leave out: sweep, burst, cancel, prefix, arrival",
+        help=f"comma-separated parts to leave out: {', '.join(PARTS)}",
+    )
+    parser.add_argument("--only", help="comma-separated parts to run (the others are left out)")
+    parser.add_argument(
+        "--sweep-budget-off",
+        action="store_true",
+        help="the sweep also measures our worker with --max-prefill-stall-ms 0, in the same run",
     )
     parser.add_argument(
         "--worker-flags",
@@ -146,9 +155,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.min_seconds = 2.0 if args.quick else 4.0
     args.worker_flags = shlex.split(args.worker_flags)
     args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    if args.only:
+        args.skip |= set(PARTS) - {part.strip() for part in args.only.split(",")}
     if args.results_md is None:
         args.results_md = not args.quick and not args.skip  # only a full run
-    unknown = args.skip - {"sweep", "burst", "cancel", "prefix", "arrival"}
+    unknown = args.skip - set(PARTS)
     if unknown:
         parser.error(f"unknown parts in --skip: {', '.join(sorted(unknown))}")
     return args
@@ -226,18 +237,25 @@ class Suite:
             "prefix": {},
             "prefix_disk": {},
             "prefix_bytes": {},
+            "prefix_chat": {},
             "arrival": {},
             "failures": [],
         }
         if self.smg_python is not None:
             self.run["sweep"]["smg"] = []
+        if args.sweep_budget_off:
+            self.run["sweep"]["ours_off"] = []
 
     # ----- workers -----
 
     def workers(self, tag: str) -> list[tuple[str, Worker]]:
-        found = [
-            ("ours", our_worker(self.model, self.batch, self.log_dir, tag, self.args.worker_flags))
-        ]
+        flags = self.args.worker_flags
+        found = [("ours", our_worker(self.model, self.batch, self.log_dir, tag, flags))]
+        if "ours_off" in self.run["sweep"]:
+            off = [*flags, "--max-prefill-stall-ms", "0"]
+            found.append(
+                ("ours_off", our_worker(self.model, self.batch, self.log_dir, f"{tag}-off", off))
+            )
         if self.smg_python is not None:
             found.append(
                 ("smg", smg_worker(self.smg_python, self.model, self.batch, self.log_dir, tag))
@@ -445,6 +463,7 @@ class Suite:
             try:
                 self.run["prefix_disk"][kind] = self._disk_restart(model, kind)
                 self.run["prefix_bytes"][kind] = self._shared_bytes(model, kind)
+                self.run["prefix_chat"][kind] = self._second_conversation(model, kind)
             except RuntimeError as exc:
                 self.fail(f"prefix store on {kind}: {exc}")
 
@@ -480,6 +499,18 @@ class Suite:
         log(f"prefix {kind}: disk hit after a restart ÷ cold {result['ratio'] or 0:.3f}")
         return result
 
+    def _second_conversation(self, model: Path, kind: str) -> dict[str, Any]:
+        """Ours with a snapshot interval as long as a real hybrid's automatic one."""
+        flags = [*self.args.worker_flags]
+        flags += ["--prompt-cache-snapshot-interval", str(prefix.LONG_INTERVAL)]
+        worker = our_worker(model, self.batch, self.log_dir, f"chat-{kind}", flags)
+        with worker:
+            result = asyncio.run(
+                self._on(worker, lambda c, s: prefix.second_conversation(c, model, s), kind)
+            )
+        log(f"prefix {kind}: second conversation ÷ cold {result['ratio'] or 0:.3f}")
+        return result
+
     def _shared_bytes(self, model: Path, kind: str) -> dict[str, Any]:
         metrics_port = free_port()
         flags = [*self.args.worker_flags, "--metrics-port", str(metrics_port)]
@@ -496,6 +527,29 @@ class Suite:
             result = asyncio.run(measure())
         log(f"prefix {kind}: 16 conversations ÷ one, bytes {result['ratio'] or 0:.2f}")
         return result
+
+    def speculation(self) -> None:
+        """Speculative decoding on its fixtures (bench/speculation.py)."""
+        import speculation
+
+        quick = self.args.quick
+        levels = (1, 16) if quick else speculation.LEVELS
+        rounds = 1 if quick else speculation.ROUNDS
+        try:
+            self.run["speculation"] = speculation.run_part(
+                levels, rounds, self.smg_python, self.log_dir
+            )
+        except RuntimeError as exc:
+            self.fail(f"speculation: {exc}")
+
+    def kv_quant(self) -> None:
+        """The quantized KV cache's bytes, admission, speed and fidelity (bench/kv_quant.py)."""
+        import kv_quant
+
+        try:
+            self.run["kv_quant"] = kv_quant.run_part(self.args.quick, self.log_dir)
+        except RuntimeError as exc:
+            self.fail(f"kv-quant: {exc}")
 
     def arrivals(self) -> None:
         """Long prompt arrival, on a fresh worker each: ours, ours without the prefill budget,
@@ -572,6 +626,10 @@ def main(argv: list[str] | None = None) -> int:
         suite.prefixes()
     if "arrival" not in args.skip:
         suite.arrivals()
+    if "speculation" not in args.skip:
+        suite.speculation()
+    if "kv-quant" not in args.skip:
+        suite.kv_quant()
     return suite.finish()
 
 

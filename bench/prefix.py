@@ -116,3 +116,56 @@ def model_dirs(model: Path | None) -> dict[str, Path]:
     from servicer.demo_model import demo_model_path
 
     return {kind: demo_model_path(kind) for kind in ("llama", "hybrid")}
+
+
+CHAT_SYSTEM_TOKENS = 1500
+LONG_INTERVAL = 4096  # a real hybrid's automatic snapshot interval is in the thousands
+
+
+def chat_prompt(tokenizer: Any, system: str, question: str) -> list[int]:
+    """Token ids as the router sends them: the model's own chat template."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def system_texts(tokenizer: Any, count: int, tokens: int, seed: str) -> list[str]:
+    """`count` different system prompts of about `tokens` tokens of demo text."""
+    import random
+
+    from servicer.demo_model import TEST_PROMPTS
+
+    texts = []
+    for i in range(count):
+        rng, words = random.Random(f"{seed}-{i}"), []
+        while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < tokens:
+            words.append(rng.choice(TEST_PROMPTS))
+        texts.append(" ".join(words))
+    return texts
+
+
+async def second_conversation(client: Client, model: Path, seed: str, repeats: int = 3):
+    """Two conversations sharing only a chat-templated system message: the second one's TTFT
+    against a conversation with a new system message (cold)."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    systems = system_texts(tokenizer, 2 * repeats, CHAT_SYSTEM_TOKENS, seed)
+    cold, second, lengths = [], [], []
+    for i in range(repeats):
+        shared, other = systems[2 * i], systems[2 * i + 1]
+        await client.generate(chat_prompt(tokenizer, shared, f"Question {i}?"), MAX_TOKENS)
+        cold.append(await client.generate(chat_prompt(tokenizer, other, "Hello?"), MAX_TOKENS))
+        second.append(
+            await client.generate(chat_prompt(tokenizer, shared, f"Another {i}?"), MAX_TOKENS)
+        )
+        message = [{"role": "system", "content": shared}]
+        lengths.append(len(tokenizer.apply_chat_template(message, add_generation_prompt=False)))
+    ratios = [s.ttft / c.ttft for c, s in zip(cold, second, strict=True) if s.ttft and c.ttft]
+    return {
+        "cold_ttft_ms": _median_ms([r.ttft for r in cold if r.ttft]),
+        "second_ttft_ms": _median_ms([r.ttft for r in second if r.ttft]),
+        "ratio": percentile(ratios, 50),
+        "second_cached_tokens": min((r.cached_tokens for r in second), default=0),
+        "system_message_tokens": min(lengths),
+        "errors": sum(1 for r in cold + second if r.error is not None),
+    }

@@ -107,7 +107,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def _workers(run: Run) -> list[str]:
-    return [name for name in ("ours", "smg") if name in run["sweep"]]
+    return [name for name in ("ours", "ours_off", "smg") if name in run["sweep"]]
 
 
 def _ratio(value: float | None, ceiling: float | None) -> float | None:
@@ -301,10 +301,13 @@ def prefix_store_table(run: Run) -> str:
         "one conversation, bytes",
         "16 sharing its prompt, bytes",
         "16 ÷ one",
+        "2nd chat conversation ÷ cold (interval 4096)",
+        "its cached tokens / system message",
     ]
     rows = []
     for kind, disk in run.get("prefix_disk", {}).items():
         shared = run.get("prefix_bytes", {}).get(kind, {})
+        chat = run.get("prefix_chat", {}).get(kind, {})
         rows.append(
             [
                 kind,
@@ -315,6 +318,8 @@ def prefix_store_table(run: Run) -> str:
                 shared.get("one_bytes"),
                 shared.get("many_bytes"),
                 _fmt(shared.get("ratio"), 2),
+                _fmt(chat.get("ratio"), 3),
+                f"{chat.get('second_cached_tokens')} / {chat.get('system_message_tokens')}",
             ]
         )
     return markdown_table(headers, rows)
@@ -496,6 +501,21 @@ def render(run: Run) -> str:
             "",
             arrival_table(run),
         ]
+    if run.get("speculation"):
+        import speculation
+
+        parts += [
+            "",
+            "### Speculation (our worker with speculation on and off, the raw BatchGenerator "
+            "without it, on the fixtures bench/spec_models.py builds; "
+            f"{speculation.MAX_TOKENS} new tokens, K = {speculation.K})",
+            "",
+            speculation.render(run["speculation"]),
+        ]
+    if run.get("kv_quant"):
+        import kv_quant
+
+        parts += ["", "### Quantized KV cache (--kv-bits)", "", kv_quant.render(run["kv_quant"])]
     return "\n".join(parts)
 
 
