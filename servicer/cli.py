@@ -207,10 +207,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--speculate-max-batch",
         type=int,
-        default=8,
-        help="a step where more requests would draft than this runs without drafts, since "
-        "verifying then costs more than it saves (default 8, measured on a CPU; GPUs pay "
-        "to larger batches)",
+        default=4,
+        help="with more requests than this in the batch a step runs without drafts, since "
+        "verifying then costs more than it saves (default 4, measured on a CPU; GPUs pay "
+        "to larger batches); below it each step drafts only when it measures that it pays",
     )
     parser.add_argument(
         "--max-message-bytes",

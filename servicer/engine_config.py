@@ -52,7 +52,8 @@ class EngineConfig:
     speculate: str | None = None
     draft_model: str | None = None
     speculate_k: int = 4
-    speculate_max_batch: int = 8
+    speculate_max_batch: int = 4
+    speculate_costed: bool = True  # tests turn the measured choice off to draft every step
     # The engine's own random stream for unseeded sampling (None: a fresh random seed).
     sampling_seed: int | None = None
     # One model over several processes: rank 0 plans every step and shares the plan.

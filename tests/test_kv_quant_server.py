@@ -158,7 +158,9 @@ def test_speculation_over_a_quantized_cache_gives_what_the_quantized_cache_alone
     reference = Reference(demo_model_path("llama"))
     quantized = QuantizedReference(reference)
     prompts = [repeat_prompt(reference.tokenizer, p, 100) for p in passages()[:3]]
-    config = quantized_config(demo_model_path("llama"), tmp_path, speculate="ngram")
+    config = quantized_config(
+        demo_model_path("llama"), tmp_path, speculate="ngram", speculate_costed=False
+    )
     with ServerThread(config) as running:
         outcomes = [_run(running, p, 3 * N) for p in prompts]
         figures = running.server.servicer.figures().speculation

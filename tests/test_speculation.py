@@ -54,6 +54,7 @@ def speculating(model: Any, source: str | Any, **config: Any) -> SpeculativeBatc
         source = PromptLookup()
     elif source == "self":
         source = DraftModel(model)
+    config.setdefault("costed", False)  # draft whenever a row can: these test exactness
     return SpeculativeBatchGenerator(
         model, source=source, speculation=SpeculationConfig(**config), **generator_kwargs()
     )

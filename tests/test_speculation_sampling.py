@@ -35,7 +35,7 @@ def first_tokens(model: Any, prompt: list[int], source: Any, seed: int) -> tuple
     sampler = _Sampler(SPEC, 512, RandomKeys(seed))
     batch = replicated_batch(model, prompt, SAMPLES, sampler, max_tokens=3)
     if source is not None:
-        speculator = Speculator(source, SpeculationConfig(max_rows=SAMPLES, k_max=2))
+        speculator = Speculator(source, SpeculationConfig(max_rows=SAMPLES, k_max=2, costed=False))
         spec = SpeculativeGenerationBatch.start(model, greedy_sampler, speculator)
         spec.extend(batch)
         batch = spec

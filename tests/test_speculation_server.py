@@ -31,7 +31,7 @@ def _copying_prompts(reference: Reference) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ngram(demo_dir) -> Iterator[ServerThread]:
-    with ServerThread(demo_config(demo_dir, speculate="ngram")) as running:
+    with ServerThread(demo_config(demo_dir, speculate="ngram", speculate_costed=False)) as running:
         yield running
 
 
@@ -128,7 +128,9 @@ def test_an_abort_ends_a_speculating_stream(ngram, copying):
 
 
 def test_a_draft_model_gives_identical_greedy_output(demo_dir, reference, copying):
-    config = demo_config(demo_dir, speculate="draft", draft_model=str(demo_dir))
+    config = demo_config(
+        demo_dir, speculate="draft", draft_model=str(demo_dir), speculate_costed=False
+    )
     with ServerThread(config) as running, running.channel() as chan:
         outcomes = [_greedy(chan, prompt) for prompt in copying[:3]]
         figures = running.server.servicer.figures().speculation
@@ -159,7 +161,9 @@ def test_models_whose_state_cannot_roll_back_keep_it_off_and_say_why(kind, caplo
     reference = Reference(model_dir)
     prompt = _copying_prompts(reference)[0]
     caplog.set_level(logging.WARNING, logger="servicer.engine")
-    config = replace(demo_config(model_dir, speculate="ngram"), engine_mode="thread")
+    config = replace(
+        demo_config(model_dir, speculate="ngram", speculate_costed=False), engine_mode="thread"
+    )
     with ServerThread(config) as running, running.channel() as chan:
         outcome = _greedy(chan, prompt)
         assert running.server.servicer.figures().speculation is None
@@ -168,7 +172,7 @@ def test_models_whose_state_cannot_roll_back_keep_it_off_and_say_why(kind, caplo
 
 
 def test_stream_interval_and_concurrency_with_speculation(demo_dir, reference, copying):
-    config = demo_config(demo_dir, speculate="ngram")
+    config = demo_config(demo_dir, speculate="ngram", speculate_costed=False)
     config = replace(config, handlers=replace(config.handlers, stream_interval=4))
     with ServerThread(config) as running, running.channel() as chan:
         results: dict[int, list[int]] = {}

@@ -48,7 +48,8 @@ class Speculation:
     kind: str
     draft: nn.Module | None = None
     k_max: int = 4
-    max_rows: int = 8
+    max_rows: int = 4
+    costed: bool = True
 
     def source(self) -> DraftSource:
         """A fresh draft source (it keeps per-row state: one per generator)."""
@@ -58,7 +59,7 @@ class Speculation:
         return PromptLookup()
 
     def settings(self) -> SpeculationConfig:
-        return SpeculationConfig(k_max=self.k_max, max_rows=self.max_rows)
+        return SpeculationConfig(k_max=self.k_max, max_rows=self.max_rows, costed=self.costed)
 
 
 @dataclass
@@ -154,7 +155,13 @@ def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | Non
         config.speculate_k,
         config.speculate_max_batch,
     )
-    return Speculation(config.speculate, draft, config.speculate_k, config.speculate_max_batch)
+    return Speculation(
+        config.speculate,
+        draft,
+        config.speculate_k,
+        config.speculate_max_batch,
+        config.speculate_costed,
+    )
 
 
 def _admission(

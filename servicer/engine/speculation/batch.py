@@ -3,6 +3,7 @@ rolls each row back to what it accepted."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
-from .config import RowPace, SpeculationConfig, SpeculationCounters
+from .config import RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
 from .rollback import rollback
 from .verify import accepted_prefix, can_speculate, choose
@@ -23,6 +24,7 @@ class Speculator:
     source: DraftSource
     config: SpeculationConfig = field(default_factory=SpeculationConfig)
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
+    clock: StepClock = field(default_factory=StepClock)
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
     def __init__(self, *args: Any, speculator: Speculator, **kwargs: Any) -> None:
         self.speculator = speculator
         self._paces: list[RowPace] = []
+        self._plain_before = False  # the last step ran without drafts
         super().__init__(*args, **kwargs)
         if self.uids:
             speculator.source.extend(self.tokens)
@@ -96,20 +99,31 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if not self.uids:
             return []
         ks = self._plan()
+        rows, clock = len(self.uids), self.speculator.clock
         if any(ks):
-            pending = self._next_tokens.tolist()
+            pending = self._next_tokens.tolist()  # the last step is done from here on
+            started = time.perf_counter()
             source = self.speculator.source
             drafts = source.draft(self.tokens, pending, ks)
             if any(drafts):
-                return self._speculate(pending, drafts)
+                responses = self._speculate(pending, drafts)
+                clock.record(rows, time.perf_counter() - started, drafted=True)
+                self._plain_before = False
+                return responses
             source.accepted([0] * len(drafts))
+        started = time.perf_counter()
         responses = super().next()
+        if self._plain_before:  # a plain step's own forward shows in the next plain one
+            clock.record(rows, time.perf_counter() - started, drafted=False)
+        self._plain_before = True
         self.speculator.counters.record(0, 0, [1] * len(responses))
         return responses
 
     def _plan(self) -> list[int]:
         """Each row's draft length this step: its pace, within its max_tokens; nothing for
-        rows with logits processors, or for anyone when too many rows would draft."""
+        rows with logits processors; nothing for anyone in a batch past the cap, or when
+        the clock says a step with these drafts gives fewer tokens a second than one
+        without."""
         config = self.speculator.config
         ks = []
         for i in range(len(self.uids)):
@@ -118,7 +132,12 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 ks.append(0)
             else:
                 ks.append(min(self._paces[i].k(config), budget))
-        if sum(k > 0 for k in ks) > config.max_rows:
+        if not any(ks):
+            return ks
+        expected = sum(pace.expected(k) for pace, k in zip(self._paces, ks, strict=True))
+        rows = len(self.uids)
+        clock = self.speculator.clock
+        if rows > config.max_rows or (config.costed and not clock.pays(rows, expected)):
             self.speculator.counters.cutoff_steps += 1
             return [0] * len(ks)
         return ks

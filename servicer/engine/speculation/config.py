@@ -12,18 +12,19 @@ class SpeculationConfig:
     """How a speculating generation batch drafts and verifies."""
 
     k_max: int = 4  # most draft tokens a row verifies in one step
-    # Above this many rows drafting in one step the step runs without drafts: verifying
-    # K+1 tokens per row stops paying once the forward is compute-bound. bench/spec.py on
-    # the demo llama, MLX on CPU with OpenBLAS: 4 drafts pay from ~12% per-token acceptance
-    # at batch 1, ~35% at 2-4, ~50% at 8, ~65% at 16-32 (with the wheel's reference BLAS,
-    # compute-bound from the start: ~50% at 1, ~75% at 4, ~90% at 8). Measure on the
-    # serving hardware (GPUs stay memory-bound to larger batches) and set it there.
-    max_rows: int = 8
+    # With more rows than this in the batch a step runs without drafts: every row goes
+    # through the verify forward (K+1 tokens each), which stops paying once that forward is
+    # compute-bound. `make bench` part "speculation", MLX on a 2-core CPU with OpenBLAS: a
+    # copying model (acceptance ~1) gains 2.2x at 2 rows and 1.3x at 4, loses at 8 (0.78x);
+    # a 0.75-acceptance draft model 1.2-1.4x at 4, 0.98x at 8. Below the cap each step is
+    # still costed (`StepClock`). GPUs stay memory-bound to larger batches: measure there.
+    max_rows: int = 4
     ewma: float = 0.3  # weight of the newest step in a row's acceptance estimate
     off_below: float = 0.15  # a row whose acceptance falls below this stops drafting...
     probe_every: int = 8  # ...and drafts again every this many steps to re-measure
     probe_k: int = 2  # draft tokens of such a probe
     compact_padding: int = 64  # drop left padding shared by every row once it is this long
+    costed: bool = True  # below max_rows, draft only where the StepClock says it pays
 
     def __post_init__(self) -> None:
         if self.k_max < 0 or self.max_rows < 0 or self.probe_every < 1:
@@ -49,6 +50,12 @@ class RowPace:
     def rate(self) -> float:
         return self.accepted / max(self.accepted + self.rejected, 1e-9)
 
+    def expected(self, k: int) -> float:
+        """Tokens a step with `k` drafts gives this row: its pending token, then each draft
+        while the ones before it were accepted."""
+        rate = self.rate
+        return 1.0 + sum(rate**j for j in range(1, k + 1))
+
     def k(self, config: SpeculationConfig) -> int:
         rate = self.rate
         if rate < config.off_below:
@@ -68,13 +75,49 @@ class RowPace:
             self.idle = 0
 
 
+@dataclass(slots=True)
+class StepClock:
+    """Seconds a decode step takes with drafts and without, smoothed, by batch size (in
+    powers of two), and whether drafting pays now: a step with drafts must give at least as
+    many tokens a second as one without. Each kind is measured before it is compared, and
+    drafting is tried again now and then after the clock has ruled it out."""
+
+    weight: float = 0.2
+    probe_every: int = 32
+    plain: dict[int, float] = field(default_factory=dict)
+    drafting: dict[int, float] = field(default_factory=dict)
+    ruled_out: Counter[int] = field(default_factory=Counter)  # steps since drafting was tried
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(rows - 1, 0).bit_length()
+
+    def record(self, rows: int, seconds: float, drafted: bool) -> None:
+        table, key = (self.drafting if drafted else self.plain), self.bucket(rows)
+        last = table.get(key)
+        table[key] = seconds if last is None else last + self.weight * (seconds - last)
+
+    def pays(self, rows: int, expected_tokens: float) -> bool:
+        key = self.bucket(rows)
+        plain, drafting = self.plain.get(key), self.drafting.get(key)
+        if drafting is None:
+            return True
+        if plain is None or (
+            expected_tokens / drafting < rows / plain and self.ruled_out[key] < self.probe_every
+        ):
+            self.ruled_out[key] += 1
+            return False
+        self.ruled_out[key] = 0
+        return True
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculationStats:
     """A snapshot of the counters."""
 
     steps: int
     speculative_steps: int  # steps that verified at least one draft token
-    cutoff_steps: int  # steps run without drafts because too many rows wanted them
+    cutoff_steps: int  # steps run without drafts: a large batch, or drafts would not pay
     drafted: int  # draft tokens verified
     accepted: int  # draft tokens accepted (before any stop or max_tokens cut)
     emitted: int  # tokens handed out
