@@ -29,6 +29,7 @@ from workload import (
     StealMeter,
     make_prompts,
     model_vocab_size,
+    note_token,
 )
 
 from servicer.sysinfo import cpu_seconds
@@ -136,12 +137,7 @@ class RawEngine:
                 record = records.get(response.uid)
                 if record is None:
                     continue
-                if record.ttft is None:
-                    record.ttft = now - record.start
-                else:
-                    record.itl.append(now - record.end)
-                record.end = now
-                record.tokens += 1
+                note_token(record, now)
                 if response.finish_reason is not None:
                     done.append(records.pop(response.uid))
                     finished += 1

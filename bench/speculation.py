@@ -29,7 +29,7 @@ from load import Client, Sampling
 from spec_fixtures import copy_prompts, corpus_prompts, step_times
 from spec_models import spec_model_path
 from workers import BatchConfig, Worker, log, our_worker, smg_worker
-from workload import LevelStats, RequestRecord, percentile
+from workload import LevelStats, RequestRecord, note_token, percentile
 
 from servicer.demo_model import demo_model_path
 from servicer.sysinfo import free_port
@@ -110,11 +110,7 @@ class RawLoop:
                 record = records.get(response.uid)
                 if record is None:
                     continue
-                if record.ttft is None:
-                    record.ttft = now - record.start
-                else:
-                    record.itl.append(now - record.end)
-                record.end, record.tokens = now, record.tokens + 1
+                note_token(record, now)
                 if response.finish_reason is not None:
                     done.append(records.pop(response.uid))
                     insert()

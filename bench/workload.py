@@ -125,6 +125,16 @@ class RequestRecord:
     cached_tokens: int = 0  # prompt tokens the worker reported as reused from its cache
 
 
+def note_token(record: RequestRecord, now: float) -> None:
+    """One more token of a request arrived at `now` (the raw engine's loops)."""
+    if record.ttft is None:
+        record.ttft = now - record.start
+    else:
+        record.itl.append(now - record.end)
+    record.end = now
+    record.tokens += 1
+
+
 @dataclass
 class LevelStats:
     """One measured run of N requests at one concurrency."""
