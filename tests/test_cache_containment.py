@@ -174,3 +174,26 @@ def test_a_block_file_of_another_mlx_lm_version_is_a_miss(
         again = generate(chan, prompt, temperature=0, max_tokens=N, ignore_eos=True)
     assert again.complete.cached_tokens == 0
     assert again.tokens == reference.greedy(prompt, N)
+
+
+def test_a_failed_step_with_reused_blocks_leaks_no_pin_or_reservation(demo_dir, reference):
+    """A step fails while a request that reused cached blocks is in it: it fails with the
+    step, its blocks are unpinned and its memory is released, so the next ones run."""
+    base = _text(reference, 600, salt=70)
+    prompts = [base + _text(reference, 20, salt=71 + i) for i in range(4)]
+    config = demo_config(
+        demo_dir, prompt_cache_block=64, max_kv_memory=1_500_000, prompt_cache_bytes=2_000_000
+    )
+    with ServerThread(_with_faults(config, "step:6")) as running, running.channel() as chan:
+        first = generate(chan, prompts[0], temperature=0, max_tokens=2, ignore_eos=True)
+        failed = generate(chan, prompts[1], temperature=0, max_tokens=N, ignore_eos=True)
+        after = [
+            generate(chan, p, temperature=0, max_tokens=N, ignore_eos=True) for p in prompts[2:]
+        ]
+        stats = running.server.prefix_stats()
+        assert _serving(chan)
+    assert first.error is None
+    assert failed.code == grpc.StatusCode.INTERNAL
+    assert [o.tokens for o in after] == [reference.greedy(p, N) for p in prompts[2:]]
+    assert all(o.complete.cached_tokens >= 512 for o in after)
+    assert stats.pinned_blocks == 0

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import PromptProcessingBatch
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from .rollback import rollback
 from .support import speculation_supported
@@ -40,19 +39,18 @@ class DraftModel:
         return sum(c.nbytes for c in self._cache)
 
     def extend(self, tokens: Sequence[list[int]]) -> None:
+        """Rows join empty: the draft runs over a row's tokens at its first draft (the
+        catch-up), so a row that never drafts (the batch too large, drafts not paying)
+        costs the draft nothing."""
         if not tokens:
             return
-        caches = [make_prompt_cache(self.model) for _ in tokens]
-        batch = PromptProcessingBatch(
-            self.model, list(range(len(tokens))), caches, prefill_step_size=self._step
-        )
-        batch.prompt([list(t) for t in tokens])
+        empty = [BatchKVCache([0] * len(tokens)) for _ in make_prompt_cache(self.model)]
         if not self._cache:
-            self._cache = batch.prompt_cache
+            self._cache = empty
         else:
-            for mine, theirs in zip(self._cache, batch.prompt_cache, strict=True):
+            for mine, theirs in zip(self._cache, empty, strict=True):
                 mine.extend(theirs)
-        self._held.extend(len(t) for t in tokens)
+        self._held.extend(0 for _ in tokens)
 
     def filter(self, keep: Sequence[int]) -> None:
         if not keep:
