@@ -118,3 +118,18 @@ def test_counters_snapshot():
     assert (stats.steps, stats.speculative_steps, stats.drafted, stats.accepted) == (2, 1, 4, 3)
     assert stats.emitted == 7 and stats.emitted_per_row_step == {4: 1, 1: 3}
     assert stats.acceptance == 0.75
+
+
+def test_the_step_clock_drafts_only_where_drafting_gives_more_tokens_a_second():
+    from servicer.engine.speculation.config import StepClock
+
+    clock = StepClock(probe_every=4)
+    assert clock.pays(2, 5.0)  # nothing measured: try drafting
+    clock.record(2, 0.50, drafted=True)  # a first compile at this shape: a one-off
+    assert not clock.pays(2, 5.0)  # now a step without drafts, to compare with
+    clock.record(2, 0.02, drafted=False)
+    clock.record(2, 0.03, drafted=True)
+    assert clock.pays(2, 5.0)  # 5 tokens in 30 ms beat 2 in 20 ms
+    assert not clock.pays(2, 2.4)  # 2.4 tokens in 30 ms do not...
+    assert [clock.pays(2, 2.4) for _ in range(4)] == [False, False, False, True]  # ...probe
+    assert clock.pays(16, 2.4)  # another batch size is measured on its own

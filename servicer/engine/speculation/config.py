@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
@@ -77,15 +77,17 @@ class RowPace:
 
 @dataclass(slots=True)
 class StepClock:
-    """Seconds a decode step takes with drafts and without, smoothed, by batch size (in
-    powers of two), and whether drafting pays now: a step with drafts must give at least as
-    many tokens a second as one without. Each kind is measured before it is compared, and
-    drafting is tried again now and then after the clock has ruled it out."""
+    """Seconds a decode step takes with drafts and without, by batch size (in powers of
+    two), and whether drafting pays now: a step with drafts must give at least as many
+    tokens a second as one without. Each kind is measured before it is compared, and
+    drafting is tried again now and then after the clock has ruled it out. A kind's cost is
+    the least of its last few steps: a one-off (a first compile at a new shape, a draft
+    model catching up on a joining request) does not rule drafting out for long."""
 
-    weight: float = 0.2
-    probe_every: int = 32
-    plain: dict[int, float] = field(default_factory=dict)
-    drafting: dict[int, float] = field(default_factory=dict)
+    window: int = 8
+    probe_every: int = 16
+    plain: dict[int, deque[float]] = field(default_factory=dict)
+    drafting: dict[int, deque[float]] = field(default_factory=dict)
     ruled_out: Counter[int] = field(default_factory=Counter)  # steps since drafting was tried
 
     @staticmethod
@@ -94,17 +96,15 @@ class StepClock:
 
     def record(self, rows: int, seconds: float, drafted: bool) -> None:
         table, key = (self.drafting if drafted else self.plain), self.bucket(rows)
-        last = table.get(key)
-        table[key] = seconds if last is None else last + self.weight * (seconds - last)
+        table.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
     def pays(self, rows: int, expected_tokens: float) -> bool:
         key = self.bucket(rows)
         plain, drafting = self.plain.get(key), self.drafting.get(key)
-        if drafting is None:
+        if not drafting:
             return True
-        if plain is None or (
-            expected_tokens / drafting < rows / plain and self.ruled_out[key] < self.probe_every
-        ):
+        worse = not plain or expected_tokens / min(drafting) < rows / min(plain)
+        if worse and self.ruled_out[key] < self.probe_every:
             self.ruled_out[key] += 1
             return False
         self.ruled_out[key] = 0
