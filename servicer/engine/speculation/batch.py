@@ -54,7 +54,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
     def __init__(self, *args: Any, speculator: Speculator, **kwargs: Any) -> None:
         self.speculator = speculator
         self._paces: list[RowPace] = []
-        self._plain_before = False  # the last step ran without drafts
+        self._started: float | None = None  # when the last step began
+        self._last: tuple[int, bool] | None = None  # its rows, and whether it drafted
         super().__init__(*args, **kwargs)
         if self.uids:
             speculator.source.extend(self.tokens)
@@ -96,28 +97,32 @@ class SpeculativeGenerationBatch(GenerationBatch):
     # ----- one step -----
 
     def next(self) -> list[GenerationBatch.Response]:
+        self._time_last_step()
         if not self.uids:
             return []
         ks = self._plan()
-        rows, clock = len(self.uids), self.speculator.clock
         if any(ks):
-            pending = self._next_tokens.tolist()  # the last step is done from here on
-            started = time.perf_counter()
+            pending = self._next_tokens.tolist()
             source = self.speculator.source
             drafts = source.draft(self.tokens, pending, ks)
             if any(drafts):
-                responses = self._speculate(pending, drafts)
-                clock.record(rows, time.perf_counter() - started, drafted=True)
-                self._plain_before = False
-                return responses
+                self._last = (len(self.uids), True)
+                return self._speculate(pending, drafts)
             source.accepted([0] * len(drafts))
-        started = time.perf_counter()
+        self._last = (len(self.uids), False)
         responses = super().next()
-        if self._plain_before:  # a plain step's own forward shows in the next plain one
-            clock.record(rows, time.perf_counter() - started, drafted=False)
-        self._plain_before = True
         self.speculator.counters.record(0, 0, [1] * len(responses))
         return responses
+
+    def _time_last_step(self) -> None:
+        """The clock learns what the last step cost: the whole time from its start to this
+        one's, the engine's own work between steps included (a step without drafts runs its
+        forward while the engine works; one with drafts waits for it)."""
+        now = time.perf_counter()
+        if self._last is not None and self._started is not None:
+            rows, drafted = self._last
+            self.speculator.clock.record(rows, now - self._started, drafted)
+        self._started, self._last = now, None
 
     def _plan(self) -> list[int]:
         """Each row's draft length this step: its pace, within its max_tokens; nothing for
