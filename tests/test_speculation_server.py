@@ -11,10 +11,20 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 
+import grpc
+import httpx
 import pytest
 from conftest import Reference, demo_config
+from prometheus_client.parser import text_string_to_metric_families
 from spec_support import passages, repeat_prompt
-from support import BackgroundGenerate, ServerThread, generate, wait_until
+from support import (
+    BackgroundGenerate,
+    ServerThread,
+    WorkerProcess,
+    free_port,
+    generate,
+    wait_until,
+)
 
 from servicer.demo_model import demo_model_path
 from servicer.engine import EngineStartupError
@@ -185,3 +195,28 @@ def test_stream_interval_and_concurrency_with_speculation(demo_dir, reference, c
         for thread in threads:
             thread.join(120)
     assert [results[i] for i in range(4)] == [reference.greedy(p, N) for p in copying[:4]]
+
+
+def test_the_engine_in_its_own_process_speculates_with_identical_output(
+    demo_dir, reference, copying
+):
+    metrics_port = free_port()
+    args = ["--model", str(demo_dir), "--speculate", "ngram", "--stream-interval", "3"]
+    with WorkerProcess(*args, "--metrics-port", str(metrics_port)) as worker:
+        worker.wait_ready()
+        with grpc.insecure_channel(worker.address) as chan:
+            calls = [
+                BackgroundGenerate(chan, p, temperature=0, max_tokens=N, ignore_eos=True)
+                for p in copying[:3]
+            ]
+            for call in calls:
+                call.join(120)
+        body = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    assert [c.outcome.tokens for c in calls] == [reference.greedy(p, N) for p in copying[:3]]
+    drafted = [
+        sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+        if sample.name == "mlx_worker_speculation_drafted_tokens_total"
+    ]
+    assert drafted and drafted[0] > 0  # the costed choice drafts before it has measured
