@@ -55,7 +55,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self.speculator = speculator
         self._paces: list[RowPace] = []
         self._started: float | None = None  # when the last step began
-        self._last: tuple[int, bool] | None = None  # its rows, and whether it drafted
+        self._last: tuple[int, int] | None = None  # its rows, and its verify width
         super().__init__(*args, **kwargs)
         if self.uids:
             speculator.source.extend(self.tokens)
@@ -106,10 +106,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
             source = self.speculator.source
             drafts = source.draft(self.tokens, pending, ks)
             if any(drafts):
-                self._last = (len(self.uids), True)
+                self._last = (len(self.uids), 1 + max(len(d) for d in drafts))
                 return self._speculate(pending, drafts)
             source.accepted([0] * len(drafts))
-        self._last = (len(self.uids), False)
+        self._last = (len(self.uids), 1)
         responses = super().next()
         self.speculator.counters.record(0, 0, [1] * len(responses))
         return responses
@@ -120,15 +120,14 @@ class SpeculativeGenerationBatch(GenerationBatch):
         forward while the engine works; one with drafts waits for it)."""
         now = time.perf_counter()
         if self._last is not None and self._started is not None:
-            rows, drafted = self._last
-            self.speculator.clock.record(rows, now - self._started, drafted)
+            rows, width = self._last
+            self.speculator.clock.record(rows, width, now - self._started)
         self._started, self._last = now, None
 
     def _plan(self) -> list[int]:
         """Each row's draft length this step: its pace, within its max_tokens; nothing for
-        rows with logits processors; nothing for anyone in a batch past the cap, or when
-        the clock says a step with these drafts gives fewer tokens a second than one
-        without."""
+        rows with logits processors; nothing for anyone in a batch past the cap; and no
+        more than the verify width the clock says gives the most tokens a second."""
         config = self.speculator.config
         ks = []
         for i in range(len(self.uids)):
@@ -139,12 +138,20 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 ks.append(min(self._paces[i].k(config), budget))
         if not any(ks):
             return ks
-        expected = sum(pace.expected(k) for pace, k in zip(self._paces, ks, strict=True))
         rows = len(self.uids)
-        clock = self.speculator.clock
-        if rows > config.max_rows or (config.costed and not clock.pays(rows, expected)):
+        if rows > config.max_rows:
             self.speculator.counters.cutoff_steps += 1
             return [0] * len(ks)
+        if config.costed:
+            paces = self._paces
+
+            def tokens(width: int) -> float:
+                return sum(p.expected(min(k, width - 1)) for p, k in zip(paces, ks, strict=True))
+
+            width = self.speculator.clock.choose(rows, 1 + max(ks), tokens)
+            ks = [min(k, width - 1) for k in ks]
+            if width == 1:
+                self.speculator.counters.cutoff_steps += 1
         return ks
 
     def _speculate(self, pending: list[int], drafts: list[list[int]]) -> list[Any]:

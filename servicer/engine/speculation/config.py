@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -77,38 +78,54 @@ class RowPace:
 
 @dataclass(slots=True)
 class StepClock:
-    """Seconds a decode step takes with drafts and without, by batch size (in powers of
-    two), and whether drafting pays now: a step with drafts must give at least as many
-    tokens a second as one without. Each kind is measured before it is compared, and
-    drafting is tried again now and then after the clock has ruled it out. A kind's cost is
-    the least of its last few steps: a one-off (a first compile at a new shape, a draft
-    model catching up on a joining request) does not rule drafting out for long."""
+    """Seconds a decode step takes by batch size (in powers of two) and verify width (1: no
+    drafts; w: up to w - 1 drafts per row), and the width that gives the most tokens a
+    second now. A width's cost is the least of its last few steps: a one-off (a first
+    compile at a new shape, a draft model catching up on a joining request) does not rule
+    it out for long. Widths not yet measured are read off the line between measured ones (a
+    verify forward grows about linearly with its width once it is compute-bound, and stays
+    flat while it is memory-bound), and the widest is tried again now and then after the
+    clock has chosen a narrower one."""
 
     window: int = 8
     probe_every: int = 16
-    plain: dict[int, deque[float]] = field(default_factory=dict)
-    drafting: dict[int, deque[float]] = field(default_factory=dict)
-    ruled_out: Counter[int] = field(default_factory=Counter)  # steps since drafting was tried
+    periods: dict[tuple[int, int], deque[float]] = field(default_factory=dict)
+    narrowed: Counter[int] = field(default_factory=Counter)  # steps since the widest ran
 
     @staticmethod
     def bucket(rows: int) -> int:
         return 1 << max(rows - 1, 0).bit_length()
 
-    def record(self, rows: int, seconds: float, drafted: bool) -> None:
-        table, key = (self.drafting if drafted else self.plain), self.bucket(rows)
-        table.setdefault(key, deque(maxlen=self.window)).append(seconds)
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        key = (self.bucket(rows), width)
+        self.periods.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
-    def pays(self, rows: int, expected_tokens: float) -> bool:
+    def choose(self, rows: int, widest: int, tokens: Callable[[int], float]) -> int:
+        """The verify width for a step that could verify up to `widest`; `tokens(w)` is
+        what a step of width w is expected to give the batch."""
         key = self.bucket(rows)
-        plain, drafting = self.plain.get(key), self.drafting.get(key)
-        if not drafting:
-            return True
-        worse = not plain or expected_tokens / min(drafting) < rows / min(plain)
-        if worse and self.ruled_out[key] < self.probe_every:
-            self.ruled_out[key] += 1
-            return False
-        self.ruled_out[key] = 0
-        return True
+        measured = {w: min(p) for (b, w), p in self.periods.items() if b == key and w <= widest}
+        if widest <= 1 or widest not in measured:
+            return widest  # measure it first: drafting is the default
+        if 1 not in measured:
+            return 1  # and then a step without drafts, to compare with
+        best = max(range(1, widest + 1), key=lambda w: tokens(w) / _read_off(measured, w))
+        if best < widest and self.narrowed[key] < self.probe_every:
+            self.narrowed[key] += 1
+            return best
+        self.narrowed[key] = 0
+        return widest
+
+
+def _read_off(measured: dict[int, float], width: int) -> float:
+    """A width's cost: measured, or on the line between the nearest measured widths below
+    and above it (both exist: width 1 and the widest are measured before this is asked)."""
+    if width in measured:
+        return measured[width]
+    below = max(w for w in measured if w < width)
+    above = min(w for w in measured if w > width)
+    share = (width - below) / (above - below)
+    return measured[below] + share * (measured[above] - measured[below])
 
 
 @dataclass(frozen=True, slots=True)
