@@ -39,6 +39,7 @@ REQUEST_TOKENS = 2000
 ADMISSION_LIMIT = 1 << 30  # bytes, for the real-shape count
 LIVE_LIMIT = "24M"  # the demo llama: about 11 unquantized 2,000-token requests
 LIVE_REQUESTS = 48
+LIVE_ANSWER = 256
 
 
 def real_shape_bytes() -> dict[str, Any]:
@@ -91,9 +92,11 @@ def running_now(port: int) -> float:
 
 def live_admission(model: Path, flags: tuple[str, ...], log_dir: Path, tag: str) -> int:
     """The most requests decoding at once, seen from the metrics, while LIVE_REQUESTS
-    2,000-token requests are sent together under --max-kv-memory LIVE_LIMIT."""
+    2,000-token requests are sent together under --max-kv-memory LIVE_LIMIT. Full prefill
+    chunks and answers of LIVE_ANSWER tokens keep the early requests decoding while the
+    later ones are prefilled, so memory, not the prefill order, is what stops admission."""
     port = free_port()
-    extra = (*flags, *GROUP_32, "--max-kv-memory", LIVE_LIMIT)
+    extra = (*flags, *GROUP_32, "--max-kv-memory", LIVE_LIMIT, "--max-prefill-stall-ms", "0")
     worker = our_worker(
         model, BatchConfig(64, 8), log_dir, tag, (*extra, "--metrics-port", str(port))
     )
@@ -110,7 +113,7 @@ def live_admission(model: Path, flags: tuple[str, ...], log_dir: Path, tag: str)
     watcher.start()
     try:
         prompts = make_prompts(LIVE_REQUESTS, REQUEST_TOKENS, 512, f"admission-{tag}")
-        asyncio.run(_together(worker.address, prompts, 24))
+        asyncio.run(_together(worker.address, prompts, LIVE_ANSWER))
     finally:
         done.set()
         watcher.join()
