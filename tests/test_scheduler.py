@@ -196,6 +196,18 @@ def test_a_queue_widens_what_a_step_may_prefill():
     assert scheduler.budget_s == 0.2  # 4 x 50 ms
 
 
+def test_while_widened_new_prompts_wait_out_a_step_whose_first_tokens_are_due():
+    scheduler = _budgeted(_linear_cost(1e-4))  # 500 tokens in 50 ms
+    decoding = BatchView(rows=8, first_tokens_due=False)
+    starting = BatchView(rows=8, first_tokens_due=False, starting=3)
+    scheduler.enqueue([_prompt(1, 90)], now=0.0)
+    assert len(scheduler.schedule(starting, now=0.001).admits) == 1  # no queue: at once
+    scheduler.enqueue([_prompt(t, 90) for t in range(2, 30)], now=0.002)
+    assert scheduler.schedule(starting, now=0.003).admits == []  # a queue: they gather...
+    assert scheduler.widening.factor > 1.0
+    assert len(scheduler.schedule(decoding, now=0.004).admits) >= 4  # ...and start together
+
+
 def test_planning_and_the_over_budget_count_use_the_same_budget():
     scheduler = _budgeted(_linear_cost(5e-4))
     scheduler.enqueue([_prompt(1, 4000)])

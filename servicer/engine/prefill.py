@@ -166,7 +166,8 @@ def chunk_for(rows: list[int], capacity: int, min_chunk: int) -> int:
     return max(min_chunk, min(capacity // len(rows), max(rows)))
 
 
-WIDEN_STEP = 1.25  # how much the budget widens, or narrows, per step
+WIDEN_STEP = 2.0  # how much the budget widens per step while prompts queue
+NARROW_STEP = 1.25  # and narrows per step once the line is empty
 QUEUE_BUDGETS = 4  # a prompt waiting this many budgets is a sign of queuing
 
 
@@ -186,6 +187,6 @@ class Widening:
         if growing or stuck:
             self.factor = min(policy.max_widen, self.factor * WIDEN_STEP)
         elif waiting == 0:
-            self.factor = max(1.0, self.factor / WIDEN_STEP)
+            self.factor = max(1.0, self.factor / NARROW_STEP)
         self._last_waiting = waiting
         return self.factor

@@ -155,7 +155,11 @@ class Scheduler:
         rows = [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
         failed: list[tuple[GenerationRequest, str]] = []
-        for request in list(self._waiting):
+        # Widened (prompts are queueing): new prompts wait out a step whose first tokens are
+        # due, as without a budget, so the next step starts twice as many in one prefill call
+        # and one first-token forward.
+        hold = widen > 1.0 and (batch.first_tokens_due or batch.starting > 0)
+        for request in [] if hold else list(self._waiting):
             full = len(rows) >= policy.max_rows or batch.rows + len(admits) >= self._max_rows
             if policy.budgeted and full:
                 break
