@@ -143,3 +143,18 @@ def test_the_step_clock_picks_the_verify_width_that_gives_the_most_tokens_a_seco
     assert [clock.choose(2, 5, accepting(0.1)) for _ in range(3)] == [1, 5, 1]
     assert clock.choose(16, 5, accepting(0.1)) == 5  # another batch size: its own
     assert clock.choose(2, 1, accepting(0.9)) == 1  # nothing to draft
+
+
+def test_the_best_width_has_no_side_effects_and_waits_for_both_measurements():
+    from servicer.engine.speculation.config import StepClock
+
+    clock = StepClock(probe_every=1)
+
+    def tokens(width: int) -> float:
+        return 1.0 + 0.1 * (width - 1)  # one row that rarely accepts
+
+    assert clock.best(1, 3, tokens) == 3  # nothing measured
+    clock.record(1, 3, 0.02)
+    assert clock.best(1, 3, tokens) == 1  # the widest is measured, a plain step is not
+    clock.record(1, 1, 0.01)
+    assert [clock.best(1, 3, tokens) for _ in range(3)] == [1, 1, 1]  # no probing here

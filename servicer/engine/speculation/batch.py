@@ -4,7 +4,7 @@ rolls each row back to what it accepted."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,11 +100,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._time_last_step()
         if not self.uids:
             return []
-        ks = self._plan()
+        ks, probing = self._plan()
         if any(ks):
             pending = self._next_tokens.tolist()
             source = self.speculator.source
             drafts = source.draft(self.tokens, pending, ks)
+            if not probing:
+                drafts = self._worth_verifying(drafts)
             if any(drafts):
                 self._last = (len(self.uids), 1 + max(len(d) for d in drafts))
                 return self._speculate(pending, drafts)
@@ -124,10 +126,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
             self.speculator.clock.record(rows, width, now - self._started)
         self._started, self._last = now, None
 
-    def _plan(self) -> list[int]:
-        """Each row's draft length this step: its pace, within its max_tokens; nothing for
-        rows with logits processors; nothing for anyone in a batch past the cap; and no
-        more than the verify width the clock says gives the most tokens a second."""
+    def _plan(self) -> tuple[list[int], bool]:
+        """Each row's draft length this step (its pace, within its max_tokens; nothing for
+        rows with logits processors; nothing for anyone in a batch past the cap; no more
+        than the verify width the clock expects to give the most tokens a second), and
+        whether this step re-measures the widest width."""
         config = self.speculator.config
         ks = []
         for i in range(len(self.uids)):
@@ -137,22 +140,42 @@ class SpeculativeGenerationBatch(GenerationBatch):
             else:
                 ks.append(min(self._paces[i].k(config), budget))
         if not any(ks):
-            return ks
+            return ks, False
         rows = len(self.uids)
         if rows > config.max_rows:
             self.speculator.counters.cutoff_steps += 1
-            return [0] * len(ks)
-        if config.costed:
-            paces = self._paces
+            return [0] * len(ks), False
+        if not config.costed:
+            return ks, False
+        clock = self.speculator.clock
+        width = clock.choose(rows, 1 + max(ks), self._expected_tokens(ks))
+        probing = width > clock.best(rows, 1 + max(ks), self._expected_tokens(ks))
+        if width == 1:
+            self.speculator.counters.cutoff_steps += 1
+        return [min(k, width - 1) for k in ks], probing
 
-            def tokens(width: int) -> float:
-                return sum(p.expected(min(k, width - 1)) for p, k in zip(paces, ks, strict=True))
+    def _expected_tokens(self, lengths: list[int]) -> Callable[[int], float]:
+        """Tokens a step of verify width w is expected to give, with these draft lengths."""
+        paces = self._paces
 
-            width = self.speculator.clock.choose(rows, 1 + max(ks), tokens)
-            ks = [min(k, width - 1) for k in ks]
-            if width == 1:
-                self.speculator.counters.cutoff_steps += 1
-        return ks
+        def tokens(width: int) -> float:
+            return sum(p.expected(min(n, width - 1)) for p, n in zip(paces, lengths, strict=True))
+
+        return tokens
+
+    def _worth_verifying(self, drafts: list[list[int]]) -> list[list[int]]:
+        """The drafts cut to the width the clock expects to pay, now that their lengths are
+        known (prompt lookup finds nothing for many rows; the plan assumed every row would
+        draft its full length)."""
+        if not self.speculator.config.costed or not any(drafts):
+            return drafts
+        lengths = [len(d) for d in drafts]
+        width = self.speculator.clock.best(
+            len(self.uids), 1 + max(lengths), self._expected_tokens(lengths)
+        )
+        if width == 1:
+            self.speculator.counters.cutoff_steps += 1
+        return [d[: width - 1] for d in drafts]
 
     def _speculate(self, pending: list[int], drafts: list[list[int]]) -> list[Any]:
         width = 1 + max(len(d) for d in drafts)

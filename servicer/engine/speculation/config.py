@@ -102,19 +102,26 @@ class StepClock:
 
     def choose(self, rows: int, widest: int, tokens: Callable[[int], float]) -> int:
         """The verify width for a step that could verify up to `widest`; `tokens(w)` is
-        what a step of width w is expected to give the batch."""
+        what a step of width w is expected to give the batch. Now and then the widest,
+        to re-measure it."""
         key = self.bucket(rows)
-        measured = {w: min(p) for (b, w), p in self.periods.items() if b == key and w <= widest}
-        if widest <= 1 or widest not in measured:
-            return widest  # measure it first: drafting is the default
-        if 1 not in measured:
-            return 1  # and then a step without drafts, to compare with
-        best = max(range(1, widest + 1), key=lambda w: tokens(w) / _read_off(measured, w))
+        best = self.best(rows, widest, tokens)
         if best < widest and self.narrowed[key] < self.probe_every:
             self.narrowed[key] += 1
             return best
         self.narrowed[key] = 0
         return widest
+
+    def best(self, rows: int, widest: int, tokens: Callable[[int], float]) -> int:
+        """The width that gives the most tokens a second by what is measured; the widest
+        while it or a step without drafts is not measured yet (drafting is the default)."""
+        key = self.bucket(rows)
+        measured = {w: min(p) for (b, w), p in self.periods.items() if b == key and w <= widest}
+        if widest <= 1 or widest not in measured:
+            return widest
+        if 1 not in measured:
+            return 1
+        return max(range(1, widest + 1), key=lambda w: tokens(w) / _read_off(measured, w))
 
 
 def _read_off(measured: dict[int, float], width: int) -> float:
