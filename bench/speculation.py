@@ -173,15 +173,20 @@ class Cell:
     def median(self, name: str, key: str) -> float | None:
         return percentile([r[key] for r in self.runs.get(name, []) if r[key] is not None], 50)
 
-    def summary(self, draft_ratio: float) -> dict[str, Any]:
+    def summary(self, draft_ratio: float, verify: list[float]) -> dict[str, Any]:
         """Ratios to raw, the speed-up over speculation off, and how close it comes to the
-        ideal: tokens per target step / (1 + K * draft step / target step)."""
+        ideal: tokens per target step / (1 + K * draft step / target step); and to the ideal
+        on this machine, whose verify forward of 1 + K tokens costs `verify[K]` plain ones."""
         on, off = self.median("on", "tokens_per_s"), self.median("off", "tokens_per_s")
         speedup = on / off if on and off else None
         counters = self.counters
         per_step = counters["tokens"] / counters["row_steps"] if counters.get("row_steps") else None
         drafted_per_step = counters["drafted"] / counters["row_steps"] if per_step else 0.0
         ideal = per_step / (1 + drafted_per_step * draft_ratio) if per_step else None
+        verify_cost = _read_off(verify, 1 + drafted_per_step) if verify else 1.0
+        machine_ideal = (
+            per_step / (verify_cost + drafted_per_step * draft_ratio) if per_step else None
+        )
         return {
             "on_to_raw": self.median("on", "ratio_to_raw"),
             "off_to_raw": self.median("off", "ratio_to_raw"),
@@ -193,6 +198,8 @@ class Cell:
             else None,
             "ideal": ideal,
             "efficiency": speedup / ideal if speedup and ideal else None,
+            "machine_ideal": machine_ideal,
+            "machine_efficiency": speedup / machine_ideal if speedup and machine_ideal else None,
             "steps_off": counters.get("steps_off", 0.0),
             "ttft_on_ms": self.median("on", "ttft_p50_ms"),
             "ttft_off_ms": self.median("off", "ttft_p50_ms"),
@@ -218,12 +225,43 @@ def draft_step_ratio(setup: Setup, prompt: list[int]) -> float:
     return steps["draft"] / steps["target"] if steps["target"] else 0.0
 
 
+def verify_costs(setup: Setup, prompt: list[int], widths: range, repeats: int = 30) -> list[float]:
+    """A target forward of w tokens ÷ one of 1 token, at batch 1 on the prompt's cache, for
+    each w in `widths` (taking turns, median of `repeats`): what a verify costs on this
+    machine. A memory-bound device (a Mac, a GPU at small batches) reads ~1 for every w."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    model, _ = load(str(setup.model))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([prompt]), cache=cache))
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(repeats + 3):
+        for w in widths:
+            tic = time.perf_counter()
+            mx.eval(model(mx.array([prompt[-w:]]), cache=cache))
+            times[w].append(time.perf_counter() - tic)
+            trim_prompt_cache(cache, w)
+    one = percentile(times[1][3:], 50) or 1.0
+    return [(percentile(times[w][3:], 50) or 0.0) / one for w in widths]
+
+
+def _read_off(costs: list[float], width: float) -> float:
+    """costs[i] is width i + 1's; in between, on the line."""
+    low = min(int(width), len(costs))
+    high = min(low + 1, len(costs))
+    share = width - low
+    return costs[low - 1] + share * (costs[high - 1] - costs[low - 1])
+
+
 def measure_setup(
     setup: Setup, levels: tuple[int, ...], rounds: int, smg_python: Path | None, log_dir: Path
 ) -> dict[str, Any]:
     batch = BatchConfig(completion_batch_size=32, prefill_batch_size=8)
     prompts = workloads(setup.model)
     ratio = draft_step_ratio(setup, prompts["genai-style"][0])
+    verify = verify_costs(setup, prompts["genai-style"][0], range(1, K + 2))
     raw = RawLoop(setup.model, batch)
     metrics_port = free_port()
     flags = (*setup.flags, "--speculate-k", str(K), "--metrics-port", str(metrics_port))
@@ -234,14 +272,14 @@ def measure_setup(
     }
     if smg_python is not None:
         workers["smg"] = smg_worker(smg_python, setup.model, batch, log_dir, tag)
-    result: dict[str, Any] = {"draft_step_ratio": ratio, "cells": {}}
+    result: dict[str, Any] = {"draft_step_ratio": ratio, "verify_costs": verify, "cells": {}}
     try:
         for worker in workers.values():
             worker.start()
         for workload, chosen in prompts.items():
             for level in levels:
                 cell = measure_cell(raw, workers, chosen, level, rounds, metrics_port)
-                summary = cell.summary(ratio)
+                summary = cell.summary(ratio, verify)
                 result["cells"][f"{workload} c={level}"] = {"runs": cell.runs, **summary}
                 log(
                     f"speculation {setup.name}, {workload}, c={level}: on ÷ raw "
@@ -287,9 +325,9 @@ def render(results: dict[str, Any]) -> str:
     """The part's table (Markdown)."""
     lines = [
         "| setup | workload | c | on ÷ raw | off ÷ raw | smg ÷ raw | speed-up (on ÷ off) | "
-        "tokens/target step | acceptance | ideal | efficiency | TTFT p50 on / off ms | "
-        "ITL p50 / p99 on ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "tokens/target step | acceptance | ideal | efficiency | ideal here | efficiency here | "
+        "TTFT p50 on / off ms | ITL p50 / p99 on ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for setup, result in results.items():
         for cell, s in result["cells"].items():
@@ -298,7 +336,8 @@ def render(results: dict[str, Any]) -> str:
                 f"| {setup} | {workload} | {level} | {_fmt(s['on_to_raw'])} | "
                 f"{_fmt(s['off_to_raw'])} | {_fmt(s['smg_to_raw'])} | {_fmt(s['speedup'])} | "
                 f"{_fmt(s['tokens_per_step'])} | {_fmt(s['acceptance'])} | {_fmt(s['ideal'])} | "
-                f"{_fmt(s['efficiency'])} | {_fmt(s['ttft_on_ms'], 1)} / "
+                f"{_fmt(s['efficiency'])} | {_fmt(s.get('machine_ideal'))} | "
+                f"{_fmt(s.get('machine_efficiency'))} | {_fmt(s['ttft_on_ms'], 1)} / "
                 f"{_fmt(s['ttft_off_ms'], 1)} | {_fmt(s['itl_p50_on_ms'], 2)} / "
                 f"{_fmt(s['itl_p99_on_ms'], 2)} |"
             )
@@ -309,6 +348,16 @@ def render(results: dict[str, Any]) -> str:
     )
     if ratios:
         lines.append(f"\nDraft step ÷ target step at batch 1: {ratios}.")
+    verify = "; ".join(
+        f"{name}: " + " / ".join(f"{c:.2f}" for c in r["verify_costs"])
+        for name, r in results.items()
+        if r.get("verify_costs")
+    )
+    if verify:
+        lines.append(
+            f"A target forward of 1 .. {K + 1} tokens ÷ one of 1 token at batch 1 (what a verify "
+            f"costs here; 'ideal here' divides by it): {verify}."
+        )
     return "\n".join(lines)
 
 
