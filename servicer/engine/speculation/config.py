@@ -16,9 +16,9 @@ class SpeculationConfig:
     # With more rows than this in the batch a step runs without drafts: every row goes
     # through the verify forward (K+1 tokens each), which stops paying once that forward is
     # compute-bound. `make bench` part "speculation", MLX on a 2-core CPU with OpenBLAS: a
-    # copying model (acceptance ~1) gains 2.2x at 2 rows and 1.3x at 4, loses at 8 (0.78x);
-    # a 0.75-acceptance draft model 1.2-1.4x at 4, 0.98x at 8. Below the cap each step is
-    # still costed (`StepClock`). GPUs stay memory-bound to larger batches: measure there.
+    # copying model (acceptance ~1) gains 1.9x at 2 rows and 1.3-1.5x at 4, loses at 8
+    # (0.78x); a 0.75-acceptance draft model 1.1-1.4x at 4, 0.82-0.98x at 8. Below the cap
+    # each step is costed (`StepClock`). GPUs stay memory-bound to larger batches: measure.
     max_rows: int = 4
     ewma: float = 0.3  # weight of the newest step in a row's acceptance estimate
     off_below: float = 0.15  # a row whose acceptance falls below this stops drafting...
