@@ -158,14 +158,3 @@ def test_the_best_width_has_no_side_effects_and_waits_for_both_measurements():
     assert clock.best(1, 3, tokens) == 1  # the widest is measured, a plain step is not
     clock.record(1, 1, 0.01)
     assert [clock.best(1, 3, tokens) for _ in range(3)] == [1, 1, 1]  # no probing here
-
-
-def test_a_row_whose_lookups_rarely_find_a_draft_expects_little_before_the_lookup():
-    from servicer.engine.speculation.config import RowPace, SpeculationConfig
-
-    config = SpeculationConfig()
-    pace = RowPace(accepted=0.9, rejected=0.1)
-    assert pace.likely(4) == pace.expected(4)  # found every time so far
-    for _ in range(10):
-        pace.looked(False, config)
-    assert 1.0 < pace.likely(4) < 1.2 < pace.expected(4)

@@ -105,20 +105,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
             pending = self._next_tokens.tolist()
             source = self.speculator.source
             drafts = source.draft(self.tokens, pending, ks)
-            for pace, k, draft in zip(self._paces, ks, drafts, strict=True):
-                if k:
-                    pace.looked(bool(draft), self.speculator.config)
             if not probing:
                 drafts = self._worth_verifying(drafts)
             if any(drafts):
                 self._last = (len(self.uids), 1 + max(len(d) for d in drafts))
                 return self._speculate(pending, drafts)
             source.accepted([0] * len(drafts))
-            # Looking up drafts waited for the pending tokens, so this plain step does not
-            # overlap its forward with the engine's work: timed apart (width 0), not as one.
-            self._last = (len(self.uids), 0)
-        else:
-            self._last = (len(self.uids), 1)
+        self._last = (len(self.uids), 1)
         responses = super().next()
         self.speculator.counters.record(0, 0, [1] * len(responses))
         return responses
@@ -155,25 +148,18 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if not config.costed:
             return ks, False
         clock = self.speculator.clock
-        likely = self._expected_tokens(ks, before_lookup=True)
-        width = clock.choose(rows, 1 + max(ks), likely)
-        probing = width > clock.best(rows, 1 + max(ks), likely)
+        width = clock.choose(rows, 1 + max(ks), self._expected_tokens(ks))
+        probing = width > clock.best(rows, 1 + max(ks), self._expected_tokens(ks))
         if width == 1:
             self.speculator.counters.cutoff_steps += 1
         return [min(k, width - 1) for k in ks], probing
 
-    def _expected_tokens(
-        self, lengths: list[int], before_lookup: bool = False
-    ) -> Callable[[int], float]:
-        """Tokens a step of verify width w is expected to give, with these draft lengths
-        (asked for, `before_lookup`: each row's lookups do not always find one)."""
+    def _expected_tokens(self, lengths: list[int]) -> Callable[[int], float]:
+        """Tokens a step of verify width w is expected to give, with these draft lengths."""
         paces = self._paces
 
         def tokens(width: int) -> float:
-            cut = [min(n, width - 1) for n in lengths]
-            if before_lookup:
-                return sum(p.likely(n) for p, n in zip(paces, cut, strict=True))
-            return sum(p.expected(n) for p, n in zip(paces, cut, strict=True))
+            return sum(p.expected(min(n, width - 1)) for p, n in zip(paces, lengths, strict=True))
 
         return tokens
 

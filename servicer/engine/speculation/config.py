@@ -46,7 +46,6 @@ class RowPace:
     accepted: float = 1.0
     rejected: float = 0.5
     idle: int = 0  # steps since the row last drafted while switched off
-    found: float = 1.0  # how often the source had a draft for this row when asked (EWMA)
 
     @property
     def rate(self) -> float:
@@ -57,14 +56,6 @@ class RowPace:
         while the ones before it were accepted."""
         rate = self.rate
         return 1.0 + sum(rate**j for j in range(1, k + 1))
-
-    def likely(self, k: int) -> float:
-        """Tokens a step that asks the source for `k` drafts may give this row, before the
-        source has said whether it has any (prompt lookup often has none)."""
-        return 1.0 + self.found * (self.expected(k) - 1.0)
-
-    def looked(self, found: bool, config: SpeculationConfig) -> None:
-        self.found += config.ewma * (float(found) - self.found)
 
     def k(self, config: SpeculationConfig) -> int:
         rate = self.rate
@@ -125,9 +116,7 @@ class StepClock:
         """The width that gives the most tokens a second by what is measured; the widest
         while it or a step without drafts is not measured yet (drafting is the default)."""
         key = self.bucket(rows)
-        measured = {
-            w: min(p) for (b, w), p in self.periods.items() if b == key and 1 <= w <= widest
-        }
+        measured = {w: min(p) for (b, w), p in self.periods.items() if b == key and w <= widest}
         if widest <= 1 or widest not in measured:
             return widest
         if 1 not in measured:
