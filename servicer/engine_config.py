@@ -47,8 +47,8 @@ class EngineConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     # Speculative decoding: "ngram" (prompt lookup), "draft" (with `draft_model`, a path or
-    # demo:KIND), or None (off); drafts of up to `speculate_k` tokens a row, and none in a
-    # step where more than `speculate_max_batch` rows would draft.
+    # demo:KIND), or None (off); drafts of up to `speculate_k` tokens a row, and none while
+    # more than `speculate_max_batch` rows are in the batch.
     speculate: str | None = None
     draft_model: str | None = None
     speculate_k: int = 4

@@ -128,21 +128,21 @@ def test_the_step_clock_picks_the_verify_width_that_gives_the_most_tokens_a_seco
     def accepting(rate: float):
         return lambda width: 2 * sum(rate**j for j in range(width))  # two rows
 
-    assert clock.choose(2, 5, accepting(0.9)) == 5  # nothing measured: try the widest
+    assert clock.choose(2, 5, accepting(0.9))[0] == 5  # nothing measured: try the widest
     clock.record(2, 5, 0.50)  # a first compile at this shape: a one-off
-    assert clock.choose(2, 5, accepting(0.9)) == 1  # now a step without drafts
+    assert clock.choose(2, 5, accepting(0.9))[0] == 1  # now a step without drafts
     clock.record(2, 1, 0.02)
     clock.record(2, 5, 0.04)
-    assert clock.choose(2, 5, accepting(0.9)) == 5  # 8.2 tokens in 40 ms beat 2 in 20 ms
+    assert clock.choose(2, 5, accepting(0.9))[0] == 5  # 8.2 tokens in 40 ms beat 2 in 20 ms
     # At a rate of 0.5 width 2 (3 tokens in 25 ms, read off the line) gives the most...
-    assert clock.choose(2, 5, accepting(0.5)) == 2
+    assert clock.choose(2, 5, accepting(0.5))[0] == 2
     clock.record(2, 2, 0.03)  # ...until it is measured dearer than the line said
-    assert clock.choose(2, 5, accepting(0.5)) == 3
-    assert clock.choose(2, 5, accepting(0.1)) == 1  # little accepted: no drafts...
+    assert clock.choose(2, 5, accepting(0.5))[0] == 3
+    assert clock.choose(2, 5, accepting(0.1))[0] == 1  # little accepted: no drafts...
     # ...and after probe_every narrower steps in a row, the widest again, to re-measure it
-    assert [clock.choose(2, 5, accepting(0.1)) for _ in range(3)] == [1, 5, 1]
-    assert clock.choose(16, 5, accepting(0.1)) == 5  # another batch size: its own
-    assert clock.choose(2, 1, accepting(0.9)) == 1  # nothing to draft
+    assert [clock.choose(2, 5, accepting(0.1))[0] for _ in range(3)] == [1, 5, 1]
+    assert clock.choose(16, 5, accepting(0.1))[0] == 5  # another batch size: its own
+    assert clock.choose(2, 1, accepting(0.9))[0] == 1  # nothing to draft
 
 
 def test_the_best_width_has_no_side_effects_and_waits_for_both_measurements():

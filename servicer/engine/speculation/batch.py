@@ -147,9 +147,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             return [0] * len(ks), False
         if not config.costed:
             return ks, False
-        clock = self.speculator.clock
-        width = clock.choose(rows, 1 + max(ks), self._expected_tokens(ks))
-        probing = width > clock.best(rows, 1 + max(ks), self._expected_tokens(ks))
+        width, probing = self.speculator.clock.choose(rows, 1 + max(ks), self._expected_tokens(ks))
         if width == 1:
             self.speculator.counters.cutoff_steps += 1
         return [min(k, width - 1) for k in ks], probing

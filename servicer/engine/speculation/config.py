@@ -100,17 +100,17 @@ class StepClock:
         key = (self.bucket(rows), width)
         self.periods.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
-    def choose(self, rows: int, widest: int, tokens: Callable[[int], float]) -> int:
-        """The verify width for a step that could verify up to `widest`; `tokens(w)` is
-        what a step of width w is expected to give the batch. Now and then the widest,
-        to re-measure it."""
+    def choose(self, rows: int, widest: int, tokens: Callable[[int], float]) -> tuple[int, bool]:
+        """The verify width for a step that could verify up to `widest` (`tokens(w)` is what
+        a step of width w is expected to give the batch), and whether it is a probe: now
+        and then the widest, to re-measure it, where a narrower one is best."""
         key = self.bucket(rows)
         best = self.best(rows, widest, tokens)
         if best < widest and self.narrowed[key] < self.probe_every:
             self.narrowed[key] += 1
-            return best
+            return best, False
         self.narrowed[key] = 0
-        return widest
+        return widest, best < widest
 
     def best(self, rows: int, widest: int, tokens: Callable[[int], float]) -> int:
         """The width that gives the most tokens a second by what is measured; the widest
