@@ -129,7 +129,13 @@ def test_greedy_outputs_are_unchanged_by_split_prefill(kind):
     model_dir = demo_model_path(kind)
     reference = Reference(model_dir)
     arriving = [_long_prompt(reference, n, salt=n) for n in (700, 300)]
-    config = demo_config(model_dir, max_prefill_stall_ms=TINY_BUDGET_MS, prompt_cache_size=0)
+    # Two prompts arriving together are a queue; a fixed budget keeps them in pieces.
+    config = demo_config(
+        model_dir,
+        max_prefill_stall_ms=TINY_BUDGET_MS,
+        max_prefill_stall_widen=1.0,
+        prompt_cache_size=0,
+    )
     with ServerThread(config) as running, running.channel() as chan:
         short = [reference.encode(text) for text in TEST_PROMPTS[:3]]
         streams = [
