@@ -8,6 +8,8 @@ weights takes 8 s longer), `diskfull` (every prompt-cache file write fails with 
 lookup raises), `build:N` (the Nth build of a request's cache from blocks raises), `collect:N`
 (taking in the Nth block loaded from disk raises), `keep:N` (the Nth keeping of blocks raises),
 `plan:N` (the Nth look at a waiting request while planning a step raises),
+`slow:MS` (every engine step takes MS milliseconds longer: a slowed worker for the nightly's
+regression check),
 `reader:N` (the server's reader of the engine process fails on the Nth output frame).
 Steps count from 1, from the first step after warm-up; the other counts from 1 too.
 """
@@ -46,6 +48,7 @@ class FaultPlan:
     disk_full: bool = False
     disk_read_only: bool = False
     counted: frozenset[tuple[str, int]] = frozenset()  # (kind, N): the Nth call raises
+    step_delay_s: float = 0.0
     _calls: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -53,7 +56,7 @@ class FaultPlan:
         fail: set[int] = set()
         counted: set[tuple[str, int]] = set()
         die = None
-        delays = {"resolve": 0.0, "load": 0.0}
+        delays = {"resolve": 0.0, "load": 0.0, "slow": 0.0}
         disk = {"diskfull": False, "diskro": False}
         for part in filter(None, (p.strip() for p in text.split(";"))):
             kind, _, value = part.partition(":")
@@ -75,7 +78,8 @@ class FaultPlan:
                 die = numbers[0]
             else:
                 usage = (
-                    "'step:N[,M...]', 'die:N', 'resolve:S', 'load:S', 'diskfull', 'diskro', "
+                    "'step:N[,M...]', 'die:N', 'resolve:S', 'load:S', 'slow:MS', 'diskfull', "
+                    "'diskro', "
                     f"or one of {', '.join(COUNTED)} with ':N[,M...]'"
                 )
                 raise ValueError(f"bad fault spec {part!r}: use {usage}")
@@ -87,9 +91,12 @@ class FaultPlan:
             disk["diskfull"],
             disk["diskro"],
             frozenset(counted),
+            step_delay_s=delays["slow"] / 1000,
         )
 
     def before_step(self, step: int) -> None:
+        if self.step_delay_s > 0:
+            time.sleep(self.step_delay_s)
         if step == self.die_at_step:
             raise InjectedDeath(f"injected engine death at step {step}")
         if step in self.fail_steps:
