@@ -45,6 +45,7 @@ from workers import (
     free_port,
     log,
     our_worker,
+    resolve_model,
     smg_servicer_python,
     smg_worker,
 )
@@ -71,7 +72,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, help="mlx-lm model directory (default: demo model)")
+    parser.add_argument(
+        "--model",
+        help="mlx-lm model directory, or `real` for the real model (google/gemma-3-270m, "
+        "built by ../shared/tools/real_model.sh; default: the demo model)",
+    )
     parser.add_argument("--levels", help="concurrency levels, e.g. 1,8,32 (default 1,8,32,64)")
     parser.add_argument("--quick", action="store_true", help="levels 1,8,32 and short runs")
     parser.add_argument(
@@ -154,6 +159,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.min_seconds is None:
         args.min_seconds = 2.0 if args.quick else 4.0
     args.worker_flags = shlex.split(args.worker_flags)
+    args.model = resolve_model(args.model)
     args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     if args.only:
         args.skip |= set(PARTS) - {part.strip() for part in args.only.split(",")}

@@ -56,6 +56,7 @@ from workers import (
     free_port,
     log,
     our_worker,
+    resolve_model,
     smg_servicer_python,
     smg_worker,
 )
@@ -77,7 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, help="mlx-lm model directory (default: demo model)")
+    parser.add_argument(
+        "--model",
+        help="mlx-lm model directory, or `real` for the real model (google/gemma-3-270m, "
+        "built by ../shared/tools/real_model.sh; default: the demo model)",
+    )
     parser.add_argument(
         "--scenario",
         action="append",
@@ -126,6 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.scenario = args.scenario or ["D(100,100)", "D(1000,100)"]
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x.strip()]
     args.worker_flags = shlex.split(args.worker_flags)
+    args.model = resolve_model(args.model)
     if args.rounds is None:
         args.rounds = 2 if args.side_by_side else 1
     if args.rounds < 1:

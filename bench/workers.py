@@ -32,10 +32,54 @@ ROOT = BENCH.parent
 SMG_VENV = BENCH / ".venv-smg"
 SMG_SERVICER_VERSION = "0.14.1"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# The shared tools beside the project (the real model's builder); absent outside this workshop.
+SHARED_TOOLS = ROOT.parent / "shared" / "tools"
+REAL_MODEL_SCRIPT = SHARED_TOOLS / "real_model.sh"
+# MLX's CPU matmuls are several times faster with OpenBLAS than with the BLAS it links to; every
+# process a bench measures gets it when the library is installed, so raw and served compare alike.
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
 
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def blas_env(library: Path = OPENBLAS) -> dict[str, str]:
+    """The environment that preloads OpenBLAS (one thread: MLX runs its own) when it is
+    installed and nothing is preloaded already; empty otherwise."""
+    if not library.exists() or os.environ.get("LD_PRELOAD"):
+        return {}
+    return {"LD_PRELOAD": str(library), "OPENBLAS_NUM_THREADS": "1"}
+
+
+def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A measured process's environment: ours, offline, OpenBLAS preloaded when it exists."""
+    return {**os.environ, **OFFLINE_ENV, **blas_env(), **(extra or {})}
+
+
+def resolve_model(model: str | None, script: Path = REAL_MODEL_SCRIPT) -> Path | None:
+    """`--model`: None (the demo model), `real` (the real model, built or found by the shared
+    script, which prints its directory last), or an mlx-lm model directory."""
+    if model is None:
+        return None
+    if model != "real":
+        path = Path(model).expanduser().resolve()
+        if not (path / "config.json").exists():
+            raise SystemExit(
+                f"--model {model}: no config.json there (give a model directory or `real`)"
+            )
+        return path
+    if not script.exists():
+        raise SystemExit(
+            f"--model real needs {script} (the shared tools beside the project), which is "
+            "absent here: pass the model directory instead"
+        )
+    log(f"--model real: {script} (builds the model the first time, a minute or two)")
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{script} failed (code {done.returncode}):\n{done.stderr[-2000:]}")
+    return Path(lines[-1]).expanduser().resolve()
 
 
 # --------------------------------------------------------------------------- venvs
@@ -102,7 +146,7 @@ class Worker:
             self.proc = subprocess.Popen(
                 self.command,
                 cwd=ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **OFFLINE_ENV, **self.env},
+                env=process_env({"PYTHONUNBUFFERED": "1", **self.env}),
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
@@ -179,7 +223,7 @@ class RawProcess:
         self.proc = subprocess.Popen(
             self.command,
             cwd=ROOT,
-            env={**os.environ, **OFFLINE_ENV},
+            env=process_env(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

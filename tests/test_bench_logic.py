@@ -94,3 +94,30 @@ def test_every_bench_script_prints_its_help(script: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
+
+
+def test_model_argument_takes_a_directory_or_the_real_models_short_name(tmp_path: Path) -> None:
+    import workers
+
+    assert workers.resolve_model(None) is None
+    (tmp_path / "config.json").write_text("{}")
+    assert workers.resolve_model(str(tmp_path)) == tmp_path.resolve()
+    with pytest.raises(SystemExit, match=r"config\.json"):
+        workers.resolve_model(str(tmp_path / "nowhere"))
+    # `real` runs the shared script and takes the directory it prints last.
+    script = tmp_path / "real_model.sh"
+    script.write_text(f"echo building; echo {tmp_path}\n")
+    assert workers.resolve_model("real", script) == tmp_path.resolve()
+    with pytest.raises(SystemExit, match="absent here"):
+        workers.resolve_model("real", tmp_path / "missing.sh")
+
+
+def test_measured_processes_get_openblas_only_when_it_is_installed(tmp_path: Path) -> None:
+    import workers
+
+    assert workers.blas_env(tmp_path / "libopenblas.so.0") == {}
+    library = tmp_path / "libopenblas.so.0"
+    library.write_bytes(b"")
+    env = workers.blas_env(library)
+    if env:  # nothing preloaded in this process already
+        assert env == {"LD_PRELOAD": str(library), "OPENBLAS_NUM_THREADS": "1"}
