@@ -217,3 +217,27 @@ def test_planning_and_the_over_budget_count_use_the_same_budget():
     assert planned <= scheduler.budget_s == 0.3
     assert not scheduler.over_budget(PrefillSample(1, choice.chunk, 0, planned))
     assert scheduler.over_budget(PrefillSample(1, choice.chunk, 0, 0.31))
+
+
+def test_without_a_budget_nothing_widens_and_nothing_is_held_back():
+    scheduler = Scheduler(ADMISSION, PrefillPolicy(max_stall_s=0, max_widen=4.0))
+    starting = BatchView(rows=1, first_tokens_due=False, starting=1)
+    for step in range(6):  # a line that keeps growing and waiting
+        scheduler.enqueue([_request(10 * step + i, 4) for i in range(3)], now=0.0)
+        admits = scheduler.schedule(starting, now=float(step)).admits
+        assert admits, f"step {step}: admission held back with the budget off"
+        for admit in admits:
+            scheduler.release(admit.reserved)
+    assert scheduler.widening.factor == 1.0
+
+
+def test_a_line_held_back_by_memory_does_not_widen():
+    scheduler = Scheduler(ADMISSION, POLICY)
+    scheduler.cost = _linear_cost(5e-4)
+    decoding = BatchView(rows=1, first_tokens_due=False)
+    scheduler.enqueue([_prompt(1, 40)], now=0.0)
+    assert len(scheduler.schedule(IDLE, now=0.0).admits) == 1  # 56 of the 100 KiB
+    for step in range(8):  # more arrive and wait, for memory alone
+        scheduler.enqueue([_prompt(100 + step, 40)], now=0.1 * step)
+        assert scheduler.schedule(decoding, now=1.0 + step).admits == []
+    assert scheduler.widening.factor == 1.0

@@ -145,7 +145,7 @@ class Scheduler:
         policy = self._policy
         if not policy.budgeted and batch.first_tokens_due:
             return StepChoice([], policy.step_tokens)
-        widen = self._widen(now)
+        widen = self._widen(batch, now)
         self.budget_s = step_budget(policy, widen, batch.decode_step_s)
         context = max((row.context for row in batch.prefilling), default=0)
         capacity = step_capacity(
@@ -196,9 +196,21 @@ class Scheduler:
             return None
         return need, max(1, len(request.prompt) - self._reusable(request)) - 1
 
-    def _widen(self, now: float) -> float:
-        oldest = min(self._arrived.values(), default=now)
-        return self.widening.update(self._policy, len(self._waiting), now - oldest)
+    def _widen(self, batch: BatchView, now: float) -> float:
+        """The budget's widening this step: none without a budget, and a line that waits
+        for memory counts as none (a wider budget cannot let it in sooner)."""
+        if not self._policy.budgeted:
+            return 1.0
+        waiting = 0 if self._held_by_memory(batch) else len(self._waiting)
+        oldest = min(self._arrived.values(), default=now) if waiting else now
+        return self.widening.update(self._policy, waiting, now - oldest)
+
+    def _held_by_memory(self, batch: BatchView) -> bool:
+        """The oldest waiting request does not fit beside the running ones."""
+        if not self._waiting or not batch.rows:
+            return False
+        need = self._admission.estimate(self._waiting[0])
+        return self._reserved + need > self._admission.limit_bytes
 
     def over_budget(self, sample: PrefillSample) -> bool:
         """Whether a step's prefill took longer than the budget it was planned with."""
