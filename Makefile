@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 EXTRAS := $(if $(filter Darwin,$(shell uname -s)),dev,cpu,dev)
 ARGS ?=
 
-.PHONY: install serve test lint format proto demo bench bench-genai fuzz-cache clean
+.PHONY: install serve test lint format proto demo bench bench-genai nightly fuzz-cache clean
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ bench: $(STAMP)
 # genai-bench through the smg router, offline (installs genai-bench into bench/.venv-genai).
 bench-genai: $(STAMP)
 	$(BIN)/python bench/genai.py $(ARGS)
+
+# The nightly: fixed genai-bench scenarios through smg vs the raw engine, a history, a verdict
+# (exit 1 on a regression), trend PNGs and an HTML page (ARGS="--quick --history PATH").
+nightly: $(STAMP)
+	$(BIN)/python bench/nightly.py $(ARGS)
 
 # Differential fuzz of the prompt cache: SEEDS seeds per demo kind (ARGS="--kinds hybrid").
 SEEDS ?= 50

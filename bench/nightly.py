@@ -1,0 +1,548 @@
+"""`make nightly`: the unattended nightly benchmark, with a history, a verdict and trends.
+
+    python bench/nightly.py                       # the full set on the demo model
+    python bench/nightly.py --quick               # smoke run: D(100,100) at c=1,4, < 5 min
+    python bench/nightly.py --model real          # the real model (../shared/tools/real_model.sh)
+    python bench/nightly.py --side-by-side        # smg-grpc-servicer as a second reference
+    python bench/nightly.py --history PATH        # default bench/results/nightly-history.jsonl
+
+The scenario set is fixed: genai-bench D(100,100) and D(1000,100) at concurrency 1, 4 and 16
+through the real `smg` router to our worker (bench/genai.py's router and genai-bench runner).
+`--quick` runs D(100,100) at 1 and 4 with a few requests.
+
+Before each (scenario, level) the raw engine (bench/raw.py: mlx-lm's BatchGenerator with the
+worker's batch settings, no server) runs the same shape and concurrency, so every number of
+ours also has a ratio to a reference measured a minute apart on the same machine; with
+`--side-by-side` smg-grpc-servicer's MLX servicer, behind its own router, runs right after
+ours. The ratios (bench/history.py) are what the verdict judges: they cancel the drift of the
+machine's speed from night to night.
+
+The night's record is appended to the history (JSON lines), then judged against the last 7
+records of the same machine, model and mode: exit 1 on a regression (a ratio below the
+recent range by more than its margin, or any error, failed run or router veto), else 0.
+Output in bench/results/nightly/STAMP/: index.html (verdict, trends, links to genai-bench's
+plots), trend-METRIC.png, verdict.md, record.json, genai-bench's runs and the logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import html
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import genai
+import history
+from workers import BENCH, ROOT, RawProcess, Worker, log
+from workload import Shape
+
+DEFAULT_HISTORY = BENCH / "results" / "nightly-history.jsonl"
+RESULTS = BENCH / "results" / "nightly"
+REAL_MODEL_SCRIPT = ROOT.parent / "shared" / "tools" / "real_model.sh"
+FULL = {"scenarios": ["D(100,100)", "D(1000,100)"], "concurrency": [1, 4, 16]}
+QUICK = {"scenarios": ["D(100,100)"], "concurrency": [1, 4]}
+TREND_NIGHTS = 30  # nights a trend picture shows
+
+Measure = Callable[[argparse.Namespace, Path, Path], list[dict[str, Any]]]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="D(100,100) at c=1,4 with a few requests"
+    )
+    parser.add_argument(
+        "--model",
+        help="mlx-lm model directory, or `real` for ../shared/tools/real_model.sh's "
+        "(default: the demo model)",
+    )
+    parser.add_argument(
+        "--history",
+        type=Path,
+        default=DEFAULT_HISTORY,
+        help=f"JSON-lines history (default {DEFAULT_HISTORY.relative_to(ROOT)})",
+    )
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="also run smg-grpc-servicer behind its own router, as a second reference",
+    )
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        help="requests per run at concurrency C: max(N, 2C) (default N = 16 with --quick, 32)",
+    )
+    parser.add_argument(
+        "--max-minutes", type=int, help="genai-bench's limit per run (default 1, 2 full)"
+    )
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        help="replace the fixed scenarios (repeatable; for tests and trials)",
+    )
+    parser.add_argument("--concurrency", help="replace the fixed levels, e.g. 1,4")
+    parser.add_argument(
+        "--window", type=int, default=history.WINDOW, help="recent nights judged against (7)"
+    )
+    parser.add_argument(
+        "--margin",
+        type=float,
+        help="one margin for every metric instead of the documented per-metric ones",
+    )
+    parser.add_argument(
+        "--worker-flags", default="", help="extra flags for our worker (recorded in the history)"
+    )
+    parser.add_argument(
+        "--slow-ms",
+        type=float,
+        default=0.0,
+        help="test only: every engine step of our worker takes this much longer "
+        "(the `slow:MS` fault), to check that the verdict catches a slower worker",
+    )
+    parser.add_argument("--no-record", action="store_true", help="judge, but do not append")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    fixed = QUICK if args.quick else FULL
+    args.scenarios = args.scenario or fixed["scenarios"]
+    args.levels = (
+        [int(x) for x in args.concurrency.split(",") if x.strip()]
+        if args.concurrency
+        else fixed["concurrency"]
+    )
+    if args.max_requests is None:
+        args.max_requests = 16 if args.quick else 32
+    if args.max_minutes is None:
+        args.max_minutes = 1 if args.quick else 2
+    return args
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+def resolve_model(name: str | None) -> Path:
+    if name is None:
+        from servicer.demo_model import demo_model_path
+
+        return demo_model_path()
+    if name == "real":
+        if not REAL_MODEL_SCRIPT.exists():
+            raise SystemExit(f"--model real needs {REAL_MODEL_SCRIPT}")
+        done = subprocess.run([str(REAL_MODEL_SCRIPT)], check=True, capture_output=True, text=True)
+        return Path(done.stdout.strip().splitlines()[-1])
+    return Path(name).expanduser().resolve()
+
+
+def _gpu() -> str:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        if done.returncode == 0 and done.stdout.strip():
+            return ", ".join(done.stdout.strip().splitlines())
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    if platform.system() == "Darwin":
+        return "Apple GPU (Metal, in the chip)"
+    return "none"
+
+
+def machine() -> dict[str, Any]:
+    import report
+
+    info = report.machine_info()
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        memory = 0.0
+    return {
+        "cpu": info["cpu"],
+        "cores": info["cores"],
+        "gpu": _gpu(),
+        "memory_gib": round(memory),
+        "os": info["os"],
+        "mlx_device": info["mlx_device"],
+        "load_average": info["load_average"],
+    }
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def commit() -> dict[str, Any]:
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    return {
+        "commit": git("rev-parse", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _shape(scenario: str) -> Shape | None:
+    """D(in,out) -> its shape; other genai-bench scenarios have no raw reference."""
+    match = re.fullmatch(r"D\((\d+),(\d+)\)", scenario.replace(" ", ""))
+    return Shape(int(match[1]), int(match[2])) if match else None
+
+
+def _raw_metrics(stats: Any) -> dict[str, Any]:
+    # The raw loop keeps no p99 of TTFT; with a few dozen requests its max is that p99.
+    return {
+        "tok_s": stats.tokens_per_s,
+        "ttft_p50": stats.ttft_p50_ms,
+        "ttft_p99": stats.ttft_max_ms,
+        "tpot": stats.itl_p50_ms,
+        "e2e": stats.e2e_p50_ms,
+        "errors": stats.errors,
+        "requests": stats.requests,
+    }
+
+
+def _ttft_p99(experiment: Path) -> float | None:
+    for path in sorted(experiment.glob("*_num_concurrency_*.json")):
+        stats = json.loads(path.read_text())["aggregated_metrics"]["stats"]
+        return stats["ttft"].get("p99")
+    return None
+
+
+def _served_metrics(experiment: Path, failure: str | None, vetoes: int) -> dict[str, Any]:
+    rows = [] if failure else genai.summarise(experiment)
+    if not rows:
+        return {"failed": failure or f"no results in {experiment}", "vetoes": vetoes}
+    row = rows[0]
+    return {
+        "tok_s": row["output_tokens_per_s"],
+        "ttft_p50": row["ttft_p50_ms"],
+        "ttft_p99": _ttft_p99(experiment),
+        "tpot": row["tpot_p50_ms"],
+        "e2e": row["e2e_p50_ms"],
+        "errors": row["errors"],
+        "requests": row["requests"],
+        "output_tokens_mean": row["output_tokens_mean"],
+        "vetoes": vetoes,
+        "dir": str(experiment),
+    }
+
+
+@dataclass
+class Served:
+    """A worker behind its own router, up for the whole night."""
+
+    system: str  # "ours" or "smg"
+    worker: Worker
+    router: genai.Router
+    model: str = ""  # the name the router lists it under
+
+
+def measure(args: argparse.Namespace, model_dir: Path, out: Path) -> list[dict[str, Any]]:
+    """Every (scenario, level): the raw engine, then ours (then the peer) through a router.
+
+    Workers and routers start once and stay up; the raw engine idles on its input while they
+    run, and they idle while it runs."""
+    genai_python = genai.ensure_venv(
+        genai.GENAI_VENV, [f"genai-bench=={genai.GENAI_BENCH_VERSION}"]
+    )
+    systems = ["ours", "smg"] if args.side_by_side else ["ours"]
+    smg_python = genai.smg_servicer_python() if args.side_by_side else None
+    gargs = genai.parse_args(["--max-minutes", str(args.max_minutes)])
+    logs = out / "logs"
+    started: list[Served] = []
+    results: list[dict[str, Any]] = []
+    raw_command = [sys.executable, str(BENCH / "raw.py"), "--model", str(model_dir), "--serve"]
+    try:
+        for system in systems:
+            flags = args.worker_flags.split() if system == "ours" else []
+            worker = genai.make_worker(system, smg_python, model_dir, logs, "nightly", flags)
+            if system == "ours" and args.slow_ms > 0:
+                worker.env = {**worker.env, "MLX_GRPC_WORKER_FAULTS": f"slow:{args.slow_ms:g}"}
+            served = Served(system, worker, genai.Router(worker, logs / f"router-{system}.log"))
+            log(f"starting {genai.SYSTEMS[system]} on {model_dir.name}, then its router")
+            started.append(served)
+            worker.start()
+            served.model = served.router.start()
+        with RawProcess(raw_command) as raw:
+            for scenario in args.scenarios:
+                shape = _shape(scenario)
+                for level in args.levels:
+                    requests = max(args.max_requests, 2 * level)
+                    result: dict[str, Any] = {"scenario": scenario, "concurrency": level}
+                    if shape is not None:
+                        log(f"raw engine: {scenario} at concurrency {level}")
+                        stats = raw.run(level, shape, warm_up=True, requests=requests)
+                        result["raw"] = _raw_metrics(stats)
+                    for served in started:
+                        result[served.system] = _run_served(
+                            gargs, genai_python, served, model_dir, scenario, level, requests, out
+                        )
+                    results.append(result)
+    finally:
+        for served in reversed(started):
+            served.router.stop()
+            served.worker.stop()
+    return results
+
+
+def _run_served(
+    gargs: argparse.Namespace,
+    genai_python: Path,
+    served: Served,
+    model_dir: Path,
+    scenario: str,
+    level: int,
+    requests: int,
+    out: Path,
+) -> dict[str, Any]:
+    """One genai-bench run through `served`'s router, with the router's vetoes meanwhile."""
+    router = served.router
+    log(f"{genai.SYSTEMS[served.system]}: genai-bench {scenario} at concurrency {level}")
+    here = copy.copy(gargs)
+    here.max_requests = requests
+    experiment = out / served.system / f"{genai._slug(scenario)}-c{level}"
+    start = router.log_size()
+    failure = None
+    try:
+        genai.run_genai_bench(
+            genai_python,
+            here,
+            router.base,
+            served.model,
+            model_dir,
+            scenario,
+            level,
+            experiment,
+        )
+    except RuntimeError as error:
+        failure = str(error)
+        log(f"  failed: {failure}")
+    time.sleep(genai.SETTLE_S)
+    vetoes = genai.count_lines(router.log_path, genai.VETO, start, router.log_size())
+    return _served_metrics(experiment, failure, vetoes)
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each result with `ratio`: {reference: {metric: ours' speed ÷ the reference's}}."""
+    out = []
+    for result in results:
+        ours = result.get("ours") or {}
+        ratio = {
+            reference: history.ratios(ours, result[reference])
+            for reference in ("raw", "smg")
+            if isinstance(result.get(reference), dict)
+        }
+        out.append({**result, "ratio": ratio})
+    return out
+
+
+def build_record(
+    args: argparse.Namespace,
+    model_dir: Path,
+    results: list[dict[str, Any]],
+    out: Path,
+    machine_info: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "schema": history.SCHEMA,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **commit(),
+        "versions": {
+            "mlx": _version("mlx"),
+            "mlx_lm": _version("mlx-lm"),
+            "smg": _version("smg"),
+            "genai_bench": genai.GENAI_BENCH_VERSION,
+            "smg_grpc_servicer": genai.SMG_SERVICER_VERSION if args.side_by_side else None,
+            "python": platform.python_version(),
+        },
+        "machine": machine_info,
+        "model": model_dir.name,
+        "model_path": str(model_dir),
+        "quick": args.quick,
+        "settings": {
+            "scenarios": args.scenarios,
+            "concurrency": args.levels,
+            "max_requests": args.max_requests,
+            "max_minutes": args.max_minutes,
+            "side_by_side": args.side_by_side,
+            "worker_flags": args.worker_flags,
+            "slow_ms": args.slow_ms,
+        },
+        "results": with_ratios(results),
+        "out": str(out),
+    }
+
+
+# --------------------------------------------------------------------------- pictures
+
+
+def trend_pictures(
+    records: list[dict[str, Any]], verdict: history.Verdict, out: Path
+) -> list[Path]:
+    """One PNG per metric: top, ours' speed ratio to the raw engine per night (the judged
+    number); bottom, ours' own value. One line per scenario and level; tonight (the last
+    record) ringed, its regressions crossed in red."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = records[-TREND_NIGHTS:]
+    keys = sorted(
+        {k for r in records for k in history.results_by_key(r)},
+        key=lambda k: (history.scenario_order(k[0]), k[1]),
+    )
+    bad = {(r.scenario, r.concurrency, r.metric) for r in verdict.regressions}
+    bad_all = {(r.scenario, r.concurrency) for r in verdict.regressions if r.metric == "errors"}
+    labels = [str(r.get("date", "?"))[5:16].replace("T", " ") for r in records]
+    x = list(range(len(records)))
+    paths = []
+    for name, metric in history.METRICS.items():
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+        for key in keys:
+            results = [history.results_by_key(r).get(key) or {} for r in records]
+            ratio = [history.ratio_of(res, "raw", name) for res in results]
+            value = [(res.get("ours") or {}).get(name) for res in results]
+            label = f"{key[0]} c={key[1]}"
+            (line,) = top.plot(x, [v if v is not None else float("nan") for v in ratio], "o-")
+            line.set_label(label)
+            bottom.plot(
+                x,
+                [v if v is not None else float("nan") for v in value],
+                "o-",
+                color=line.get_color(),
+            )
+            last = len(records) - 1
+            for axis, series in ((top, ratio), (bottom, value)):
+                if series and series[-1] is not None:
+                    axis.plot(
+                        [last], [series[-1]], "o", ms=13, mfc="none", mec=line.get_color(), mew=2
+                    )
+            flagged = (key[0], key[1], name) in bad or key in bad_all
+            if flagged and ratio and ratio[-1] is not None:
+                top.plot([last], [ratio[-1]], "x", ms=16, mew=3, color="red")
+        for axis in (top, bottom):
+            axis.axvline(len(records) - 1, color="grey", ls="--", lw=1)
+            axis.grid(alpha=0.3)
+        top.set_ylabel("speed ÷ raw engine\n(higher is better)")
+        unit = "tokens/s" if metric.higher_is_better else "ms"
+        bottom.set_ylabel(f"ours, {unit}")
+        top.set_title(f"{metric.label}: nightly trend (tonight ringed, regressions crossed)")
+        top.legend(fontsize=8, loc="best")
+        bottom.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
+        fig.tight_layout()
+        path = out / f"trend-{name}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def html_page(
+    record: dict[str, Any],
+    verdict: history.Verdict,
+    summary: str,
+    trends: list[Path],
+    out: Path,
+    history_path: Path,
+) -> Path:
+    """index.html: the verdict, the trend pictures, and links to genai-bench's plots."""
+    e = html.escape
+    rows = []
+    for row, cells in zip(verdict.rows, history.verdict_cells(verdict), strict=True):
+        colour = {"REGRESSION": "#fdd", "improved": "#dfd"}.get(row.mark, "")
+        tds = "".join(f"<td>{e(c)}</td>" for c in cells)
+        rows.append(f'<tr style="background:{colour}">{tds}</tr>')
+    head = "".join(f"<th>{e(h)}</th>" for h in history.HEADERS)
+    plots = sorted(p for p in out.rglob("*.png") if p not in trends)
+    links = (
+        "".join(
+            f'<li><a href="{e(str(p.relative_to(out)))}">{e(str(p.relative_to(out)))}</a></li>'
+            for p in plots
+        )
+        or "<li>genai-bench wrote no plots</li>"
+    )
+    images = "".join(
+        f'<p><a href="{e(p.name)}"><img src="{e(p.name)}" style="max-width:100%"></a></p>'
+        for p in trends
+    )
+    m = record["machine"]
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>mlx-grpc-worker nightly {e(record["date"])}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:2px 6px;font-size:90%}}</style></head><body>
+<h1>Nightly {e(record["date"])}: {e(summary)}</h1>
+<p>Commit {e(str(record.get("commit")))}{" (dirty)" if record.get("dirty") else ""};
+model {e(record["model"])}; {"quick" if record.get("quick") else "full"} run;
+{e(str(m.get("cpu")))}, {m.get("cores")} cores, GPU {e(str(m.get("gpu")))},
+{m.get("memory_gib")} GiB; versions {e(json.dumps(record["versions"]))}.</p>
+<p>Ratios are ours' speed ÷ the reference's (higher is better: tok/s ours ÷ reference, times
+reference ÷ ours), judged against the last {verdict.window} nights of this machine, model and
+mode ({verdict.nights} found). History: <code>{e(str(history_path))}</code>;
+this night: <a href="record.json">record.json</a>, <a href="verdict.md">verdict.md</a>.</p>
+<table><tr>{head}</tr>{"".join(rows)}</table>
+<h2>Trends</h2>{images}
+<h2>Tonight's genai-bench plots</h2><ul>{links}</ul>
+</body></html>
+"""
+    path = out / "index.html"
+    path.write_text(page)
+    return path
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None, measure_fn: Measure = measure) -> int:
+    args = parse_args(argv)
+    model_dir = resolve_model(args.model)
+    out = args.out / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    machine_info = machine()
+    results = measure_fn(args, model_dir, out)
+    record = build_record(args, model_dir, results, out, machine_info)
+    past = history.read_history(args.history)
+    margins = {name: args.margin for name in history.METRICS} if args.margin is not None else None
+    judged = history.verdict(record, past, window=args.window, margins=margins)
+    summary = history.verdict_summary(judged)
+    table = history.verdict_table(judged)
+    if not args.no_record:
+        history.append_record(args.history, record)
+    (out / "record.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "verdict.md").write_text(f"{summary}\n\n{table}\n")
+    comparable = [r for r in past if history.comparable(record, r)] + [record]
+    trends = trend_pictures(comparable, judged, out)
+    page = html_page(record, judged, summary, trends, out, args.history)
+    print(table)
+    print()
+    print(f"Verdict: {summary}")
+    print(f"history: {args.history} ({len(past) + (not args.no_record)} records)")
+    print(f"page: {page}")
+    return 1 if judged.regressed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
