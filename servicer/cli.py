@@ -163,11 +163,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (default 256)",
     )
     parser.add_argument(
+        "--max-load-wait",
+        type=_non_negative,
+        default=120.0,
+        help="seconds a request that arrives while the model loads waits for it, within the "
+        "call's own deadline, before it is refused with RESOURCE_EXHAUSTED (default 120; 0: "
+        "refuse at once)",
+    )
+    parser.add_argument(
         "--stream-interval",
         type=_positive,
         default=1,
         help="tokens per streamed chunk after the first (default 1: every token as soon as "
         "it is sampled); more sends fewer messages and leaves more CPU to the engine",
+    )
+    parser.add_argument(
+        "--prepend-bos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="put the model's BOS before a prompt whose ids do not start with it, when the "
+        "model's tokenizer adds one to every encoding (Gemma, Llama; never for models with "
+        "no BOS, such as Qwen); the smg router sends raw-text completions without it "
+        "(default on; --no-prepend-bos sends the ids as they come)",
     )
     parser.add_argument(
         "--kv-bits",
@@ -181,16 +198,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-group-size",
         type=int,
         choices=[32, 64, 128],
-        default=64,
-        help="values that share one scale and bias in the quantized KV cache (default 64; "
-        "must divide the model's head_dim)",
+        help="values that share one scale and bias in the quantized KV cache; must divide "
+        "the model's attention head size (default: the largest of 64 and 32 that does)",
     )
     parser.add_argument(
         "--speculate",
         choices=["ngram", "draft"],
         help="speculative decoding: ngram drafts from n-gram matches in the request's own "
-        "prompt and output (no extra model); draft drafts with --draft-model (default: off; "
-        "models with recurrent or sliding-window layers keep it off)",
+        "prompt and output (no extra model); draft drafts with --draft-model (default: off)",
     )
     parser.add_argument(
         "--draft-model",
@@ -206,11 +221,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--speculate-max-batch",
-        type=int,
+        type=_positive,
         default=4,
-        help="with more requests than this in the batch a step runs without drafts, since "
-        "verifying then costs more than it saves (default 4, measured on a CPU; GPUs pay "
-        "to larger batches); below it each step drafts only when it measures that it pays",
+        help="with more decoding requests than this in the batch (drafting or not) a step "
+        "runs without drafts, since verifying then costs more than it saves (default 4, "
+        "measured on a CPU; GPUs pay to larger batches); at or below it each step drafts "
+        "only when it measures that it pays",
     )
     parser.add_argument(
         "--max-message-bytes",
@@ -305,6 +321,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         max_queued_requests=args.max_queued_requests,
         stream_interval=args.stream_interval,
+        prepend_bos=args.prepend_bos,
+        max_load_wait_s=args.max_load_wait,
     )
     return ServerConfig(
         model=ModelSpec(args.model, args.served_model_name),

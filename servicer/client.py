@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
+import tempfile
 import time
 import uuid
 import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,48 +28,42 @@ from .proto import mlx_engine_pb2_grpc as pb_grpc
 
 @dataclass
 class RemoteTokenizer:
-    """The worker's own tokenizer, rebuilt from its GetTokenizer archive."""
+    """The worker's own tokenizer, rebuilt from its GetTokenizer archive and loaded as mlx-lm
+    loads it (Hugging Face's AutoTokenizer), so prompts are encoded as mlx-lm encodes them."""
 
-    tokenizer: Any  # tokenizers.Tokenizer
-    config: dict[str, Any]
+    tokenizer: Any  # the Hugging Face tokenizer
 
     @classmethod
     def fetch(cls, stub: pb_grpc.MlxEngineStub, timeout: float = 30) -> RemoteTokenizer:
-        from tokenizers import Tokenizer
-
         chunks = stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=timeout)
-        data = b"".join(chunk.data for chunk in chunks)
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            tokenizer = Tokenizer.from_str(archive.read("tokenizer.json").decode())
-            names = archive.namelist()
-            config = (
-                json.loads(archive.read("tokenizer_config.json"))
-                if "tokenizer_config.json" in names
-                else {}
-            )
-        return cls(tokenizer, config)
+        return cls.from_archive(b"".join(chunk.data for chunk in chunks))
 
-    def _special(self, name: str) -> str:
-        value = self.config.get(name) or ""
-        return value.get("content", "") if isinstance(value, dict) else value
+    @classmethod
+    def from_archive(cls, data: bytes) -> RemoteTokenizer:
+        from .model_files import load_tokenizer
+
+        with tempfile.TemporaryDirectory(prefix="mlx-grpc-client-") as directory:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                for name in archive.namelist():
+                    # Flat file names only: the archive holds the model directory's files.
+                    if Path(name).name == name and name not in ("", ".", ".."):
+                        (Path(directory) / name).write_bytes(archive.read(name))
+            return cls(load_tokenizer(Path(directory)))
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Raw text with the tokenizer's special tokens (its BOS, where it has one), as
+        `mlx_lm.generate` encodes a prompt."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def encode_chat(self, message: str) -> list[int]:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        source = self.config.get("chat_template")
-        if not isinstance(source, str):
+        """A user message through the model's chat template (tokenizer_config.json's
+        `chat_template` or chat_template.jinja); the template writes the special tokens."""
+        if not getattr(self.tokenizer, "chat_template", None):
             raise SystemExit("the model has no chat template; use --text")
-        template = ImmutableSandboxedEnvironment().from_string(source)
-        text = template.render(
-            messages=[{"role": "user", "content": message}],
-            add_generation_prompt=True,
-            bos_token=self._special("bos_token"),
-            eos_token=self._special("eos_token"),
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
         )
-        return self.encode(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

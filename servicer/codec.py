@@ -15,8 +15,13 @@ class TextCodec:
         self._tokenizer = hf_tokenizer
 
     def encode(self, text: str) -> list[int]:
-        """Text as the model's tokenizer encodes it by default (its own special tokens)."""
-        return list(self._tokenizer.encode(text))
+        """Text as mlx-lm encodes a prompt (with the tokenizer's special tokens), but one BOS
+        only: text that already starts with the BOS (a rendered chat template) keeps its own."""
+        ids = list(self._tokenizer.encode(text))
+        bos = getattr(self._tokenizer, "bos_token_id", None)
+        if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+            del ids[0]
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)

@@ -45,7 +45,7 @@ class EngineConfig:
     # The attention layers' KV cache quantized to this many bits (None: the model's dtype), in
     # groups of `kv_group_size` values along each token's vector.
     kv_bits: int | None = None
-    kv_group_size: int = 64
+    kv_group_size: int | None = None  # None: the largest of 64 and 32 that fits the model
     # Speculative decoding: "ngram" (prompt lookup), "draft" (with `draft_model`, a path or
     # demo:KIND), or None (off); drafts of up to `speculate_k` tokens a row, and none while
     # more than `speculate_max_batch` rows are in the batch.

@@ -34,6 +34,7 @@ from .metrics import WorkerMetrics
 from .model_files import ModelFiles
 from .output import OutputProcessor
 from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
+from .ratelimit import RateLimitedLog
 from .streams import RequestStream, Streams
 from .text import IncrementalDecoder, TextTracker
 from .tokenizer_bundle import TokenizerArchive, build_archive
@@ -47,6 +48,11 @@ SERVER_TYPE = "mlx-grpc-worker"
 METADATA_DEADLINE_MARGIN_S = 0.25
 METADATA_WAIT_S = 8.0
 STARTING_HEALTH_WAIT_S = 3.0  # within the smg router's 5 s health-check timeout
+BOS_ADDED = (
+    "a prompt came without the model's BOS (id %s), which its tokenizer puts first; the "
+    "worker adds it (counted in mlx_worker_bos_added; --no-prepend-bos turns this off; "
+    "said once)"
+)
 
 
 def _refusal_status(phase: Phase) -> grpc.StatusCode:
@@ -57,6 +63,30 @@ def _refusal_status(phase: Phase) -> grpc.StatusCode:
     if phase in (Phase.STARTING, Phase.LOADING):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     return grpc.StatusCode.UNAVAILABLE
+
+
+def memory_refusal(admission: Admission, job: GenerationRequest) -> str | None:
+    """Why a request that could never fit is refused (what fits only later waits in the
+    engine), or None."""
+    need, limit = admission.estimate(job), admission.limit_bytes
+    if need <= limit:
+        return None
+    return (
+        f"this request needs about {need / 2**20:.1f} MiB of KV cache "
+        f"({len(job.prompt)} prompt + {job.max_tokens} new tokens) but the worker "
+        f"allows {limit / 2**20:.1f} MiB (--max-kv-memory); ask for fewer max_tokens"
+    )
+
+
+def observe_tokens(metrics: WorkerMetrics, stream: RequestStream, count: int) -> None:
+    """A stream's first token (its TTFT) or the gap since its last ones."""
+    now = time.perf_counter()
+    if stream.last_token_at is None:
+        metrics.ttft.observe(now - stream.accepted_at)
+    else:
+        metrics.inter_token.observe((now - stream.last_token_at) / count)
+    stream.last_token_at = now
+    metrics.generated_tokens.inc(count)
 
 
 class Codec(Protocol):
@@ -73,6 +103,12 @@ class HandlerOptions:
     # Tokens per streamed chunk after the first (the last chunk may hold fewer). Each message
     # costs the loop a wake and a gRPC write, so more per chunk leaves more CPU to the engine.
     stream_interval: int = 1
+    # Put the model's BOS before prompts that lack it, when its tokenizer adds one to every
+    # encoding (the smg router tokenizes raw-text completions without it).
+    prepend_bos: bool = True
+    # A Generate call that arrives while the model loads waits this long for it (within its
+    # own deadline) instead of being refused.
+    max_load_wait_s: float = 120.0
 
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
@@ -102,6 +138,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._block_size = 0
         self._started = time.monotonic()
         self._figures = EngineFigures()  # the engine's, as it last published them
+        self._once = RateLimitedLog(log, float("inf"))  # says each thing once
 
     # ----- lifecycle, driven by the server -----
 
@@ -109,7 +146,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         """The model's files are read: its metadata can be answered from now on."""
         self._info = files.info
         self._codec = TextCodec(files.tokenizer)
-        self._limits = Limits.for_model(files.info, self._options.max_prompt_tokens)
+        self._limits = Limits.for_model(
+            files.info, self._options.max_prompt_tokens, prepend_bos=self._options.prepend_bos
+        )
         self._block_size = 0
 
     def attach(
@@ -125,7 +164,11 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._admission = admission
         self._block_size = block_size
         self._limits = Limits.for_model(
-            self._info, self._options.max_prompt_tokens, has_thinking, check_grammar
+            self._info,
+            self._options.max_prompt_tokens,
+            has_thinking,
+            check_grammar,
+            self._options.prepend_bos,
         )
 
     @property
@@ -164,7 +207,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
         try:
-            job, text = await self._build(request)
+            job, text = await self._build(request, context)
             stream = self._accept(job)
         except RequestError as error:
             log.debug("refused request %r: %s", request.request_id, error.message)
@@ -180,7 +223,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
                 if emission.abort:  # a stop string ended it; its row may still be running
                     self._engine.abort([job.ticket])
                 if emission.tokens:
-                    self._observe_tokens(stream, emission.tokens)
+                    observe_tokens(self._metrics, stream, emission.tokens)
                 stream.finish_reason = emission.finish_reason
                 for response in emission.responses:
                     yield response
@@ -194,10 +237,12 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             self._release(job, stream)
 
     async def _build(
-        self, request: mlx_engine_pb2.GenerateRequest
+        self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> tuple[GenerationRequest, TextOptions | None]:
         """Validate into a GenerationRequest; text encoding and grammar compilation, which can
         take a while, run off the loop."""
+        if self._lifecycle.starting:
+            await self._wait_for_start(context)
         if not self._lifecycle.serving or self._limits is None:
             raise RequestError(_refusal_status(self._lifecycle.phase), self._lifecycle.refusal)
         text_ids = None
@@ -222,13 +267,29 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             self._metrics.errors.labels("invalid_request").inc()
             raise
 
+    async def _wait_for_start(self, context: grpc.aio.ServicerContext) -> None:
+        """A request that comes while the model loads waits for it, up to `max_load_wait_s`
+        and within its deadline, so the first clients of a worker the router has just
+        registered are served instead of refused."""
+        wait = self._options.max_load_wait_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = min(wait, remaining - METADATA_DEADLINE_MARGIN_S)
+        self._metrics.load_waiting.inc()
+        try:
+            await self._lifecycle.wait_started(wait)
+        finally:
+            self._metrics.load_waiting.dec()
+
     def _accept(self, job: GenerationRequest) -> RequestStream:
         errors = self._metrics.errors
         if job.request_id in self._streams:
             errors.labels("duplicate_request").inc()
             message = f"request_id {job.request_id!r} is already in flight"
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, message)
-        self._check_memory(job)
+        if self._admission is not None and (refusal := memory_refusal(self._admission, job)):
+            errors.labels("kv_memory").inc()
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         waiting = self._streams.load().waiting
         if waiting >= self._options.max_queued_requests:
             errors.labels("queue_full").inc()
@@ -238,6 +299,11 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             )
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         self._metrics.prompt_tokens.inc(len(job.prompt))
+        if job.bos_added:
+            self._metrics.bos_added.inc()
+            self._once.log(
+                logging.INFO, "bos", BOS_ADDED, self._limits and self._limits.bos_token_id
+            )
         stream = self._streams.open(job)
         self._engine.submit(job)
         return stream
@@ -247,34 +313,10 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             return None
         return TextTracker(self._codec.decoder(), text.stops)
 
-    def _check_memory(self, job: GenerationRequest) -> None:
-        """Refuse what could never fit; what fits only later waits in the engine."""
-        if self._admission is None:
-            return
-        need, limit = self._admission.estimate(job), self._admission.limit_bytes
-        if need > limit:
-            self._metrics.errors.labels("kv_memory").inc()
-            message = (
-                f"this request needs about {need / 2**20:.1f} MiB of KV cache "
-                f"({len(job.prompt)} prompt + {job.max_tokens} new tokens) but the worker "
-                f"allows {limit / 2**20:.1f} MiB (--max-kv-memory); ask for fewer max_tokens"
-            )
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-
     def _release(self, job: GenerationRequest, stream: RequestStream) -> None:
         self._streams.close(job)
         if stream.finish_reason is None:  # the client went away or the call was cancelled
             self._engine.abort([job.ticket])
-
-    def _observe_tokens(self, stream: RequestStream, count: int) -> None:
-        now = time.perf_counter()
-        metrics = self._metrics
-        if stream.last_token_at is None:
-            metrics.ttft.observe(now - stream.accepted_at)
-        else:
-            metrics.inter_token.observe((now - stream.last_token_at) / count)
-        stream.last_token_at = now
-        metrics.generated_tokens.inc(count)
 
     # ----- the other RPCs -----
 

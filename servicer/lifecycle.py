@@ -7,6 +7,7 @@ metadata answers from `loading` on; Generate is accepted only while `serving`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from enum import Enum
 from types import MappingProxyType
 
@@ -37,6 +38,7 @@ class Lifecycle:
         self._phase = Phase.STARTING
         self._reason = ""
         self._model_known = asyncio.Event()
+        self._started = asyncio.Event()  # the start is over: serving, or never will be
 
     @property
     def phase(self) -> Phase:
@@ -50,6 +52,17 @@ class Lifecycle:
     def refusal(self) -> str:
         """Why a Generate call is refused now (meaningful outside `serving`)."""
         return self._reason or _REFUSALS.get(self._phase, "the worker is not serving")
+
+    @property
+    def starting(self) -> bool:
+        """The worker is on its way to serving (its files or its model still loading)."""
+        return self._phase in (Phase.STARTING, Phase.LOADING)
+
+    async def wait_started(self, timeout_s: float) -> None:
+        """Returns once the start is over (serving, failed, or shutting down), or after
+        `timeout_s`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._started.wait(), max(0.0, timeout_s))
 
     async def model_known(self) -> None:
         """Returns once the model's files are read (at once after that)."""
@@ -66,3 +79,5 @@ class Lifecycle:
         self._phase = phase
         if phase is not Phase.STARTING:
             self._model_known.set()
+        if not self.starting:
+            self._started.set()

@@ -85,6 +85,7 @@ class GenerationRequest(Wire):
     # The handler wants this request's tokens this many at a time after the first (and at
     # its finish), so the engine may hold them back until then instead of waking the loop.
     tokens_per_handoff: int = 1
+    bos_added: bool = False  # the worker put the model's BOS before ids that lacked it
 
 
 class TokenLogprob(Wire, frozen=True):
@@ -170,6 +171,9 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     pad_token_id: int | None
+    # The tokenizer puts bos_token_id before every encoding (add_bos_token, or a
+    # post-processor that adds it): the model expects it at the start of every prompt.
+    adds_bos: bool = False
 
 
 class PrefixCacheStats(Wire, frozen=True):
@@ -201,6 +205,10 @@ class SpeculationFigures(Wire, frozen=True):
     accepted: int = 0  # of them, accepted
     emitted: int = 0  # tokens handed out
     per_row_step: dict[int, int] = msgspec.field(default_factory=dict)  # tokens -> times
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 class EngineFigures(Wire, frozen=True):

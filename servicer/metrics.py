@@ -178,6 +178,12 @@ class WorkerMetrics:
         self.prompt_tokens = Counter(
             "mlx_worker_prompt_tokens", "Prompt tokens of accepted requests", registry=reg
         )
+        self.bos_added = Counter(
+            "mlx_worker_bos_added",
+            "Prompts that lacked the BOS their model's tokenizer puts first, which the worker "
+            "put before them",
+            registry=reg,
+        )
         self.generated_tokens = Counter(
             "mlx_worker_generated_tokens", "Tokens generated", registry=reg
         )
@@ -193,6 +199,11 @@ class WorkerMetrics:
         reg = self.registry
         self.waiting = Gauge(
             "mlx_worker_waiting_requests", "Requests accepted but not yet decoding", registry=reg
+        )
+        self.load_waiting = Gauge(
+            "mlx_worker_load_waiting_requests",
+            "Requests that arrived while the model loads, waiting for it",
+            registry=reg,
         )
         self.running = Gauge("mlx_worker_running_requests", "Requests decoding", registry=reg)
         self.waiting.set_function(lambda: load().waiting)

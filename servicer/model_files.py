@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +167,22 @@ def read_model_files(spec: ModelSpec, model_dir: Path) -> ModelFiles:
         bos_token_id=_first_id(config.get("bos_token_id", tokenizer.bos_token_id)),
         pad_token_id=_first_id(config.get("pad_token_id", tokenizer.pad_token_id)),
     )
+    bos = info.bos_token_id
+    if bos is not None and adds_bos(tokenizer, bos):
+        info = replace(info, adds_bos=True)
     return ModelFiles(info, tokenizer)
+
+
+def adds_bos(tokenizer: Any, bos: int) -> bool:
+    """Whether encoding text with the tokenizer's special tokens puts `bos` first, as mlx-lm
+    encodes a prompt. Asked of the tokenizer itself: `add_bos_token` in its config and a
+    template post-processor in tokenizer.json both end up there, whichever it has."""
+    try:
+        plain = list(tokenizer.encode("a", add_special_tokens=False))
+        special = list(tokenizer.encode("a", add_special_tokens=True))
+    except Exception:  # a tokenizer that cannot encode plain text: nothing to go by
+        return False
+    return bool(special) and special[0] == bos and (not plain or plain[0] != bos)
 
 
 def prepare_model_files(spec: ModelSpec) -> ModelFiles:

@@ -50,6 +50,9 @@ class Limits:
     max_prompt_tokens: int | None = None
     has_thinking: bool = False
     check_grammar: GrammarCheck | None = None  # the server's GrammarChecker, on the vocabulary
+    # Put before prompts that do not start with it: the BOS of a model whose tokenizer adds
+    # one to every encoding (None: never).
+    bos_token_id: int | None = None
 
     @classmethod
     def for_model(
@@ -58,6 +61,7 @@ class Limits:
         max_prompt_tokens: int | None = None,
         has_thinking: bool = False,
         check_grammar: GrammarCheck | None = None,
+        prepend_bos: bool = True,
     ) -> Limits:
         return cls(
             info.vocab_size,
@@ -66,6 +70,7 @@ class Limits:
             max_prompt_tokens,
             has_thinking,
             check_grammar,
+            info.bos_token_id if prepend_bos and info.adds_bos else None,
         )
 
     @property
@@ -85,8 +90,13 @@ def _finite(name: str, value: float) -> float:
 
 def prompt_ids(
     request: pb.GenerateRequest, limits: Limits, text_ids: list[int] | None = None
-) -> list[int]:
-    """The prompt's token ids; `text_ids` is the worker's own encoding of a `text` input."""
+) -> tuple[list[int], bool]:
+    """The prompt's token ids, and whether the model's BOS was put before them; `text_ids`
+    is the worker's own encoding of a `text` input.
+
+    A model whose tokenizer starts every encoding with its BOS writes garbage without it,
+    and the smg router tokenizes raw-text completions without special tokens: so ids that
+    do not start with that BOS get it (one, never two)."""
     kind = request.WhichOneof("input")
     if kind == "text":
         if text_ids is None:
@@ -98,17 +108,22 @@ def prompt_ids(
         raise _invalid(
             "the prompt is empty: send tokenized.input_ids or text with at least one token"
         )
+    bos = limits.bos_token_id
+    added = bos is not None and ids[0] != bos
+    if added:
+        ids = [bos, *ids]
     vocab = limits.vocab_size
     bad = next((t for t in ids if t >= vocab), None)
     if bad is not None:
         raise _invalid(f"token id {bad} is outside the vocabulary (size {vocab})")
     limit = limits.prompt_limit
     if len(ids) > limit:
+        with_bos = " with the model's BOS put first" if added else ""
         raise _invalid(
-            f"the prompt has {len(ids)} tokens; this worker accepts at most {limit} "
+            f"the prompt has {len(ids)} tokens{with_bos}; this worker accepts at most {limit} "
             f"(context length {limits.context_length})"
         )
-    return ids
+    return ids, added
 
 
 def sampling_spec(params: pb.SamplingParams, vocab_size: int) -> SamplingSpec:
@@ -207,7 +222,7 @@ def build_request(
     the worker keeps no prefixes)."""
     if not request.request_id:
         raise _invalid("request_id is empty")
-    prompt = prompt_ids(request, limits, text_ids)
+    prompt, bos_added = prompt_ids(request, limits, text_ids)
     params = request.sampling_params
     room = limits.context_length - len(prompt)
     max_tokens = room
@@ -244,5 +259,6 @@ def build_request(
         thinking_budget=thinking_budget,
         tokens_per_handoff=sys.maxsize if unary else stream_interval,
         block_keys=block_keys(prompt, block_size) if block_size else (),
+        bos_added=bos_added,
     )
     return job, text

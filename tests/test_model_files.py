@@ -9,7 +9,7 @@ import grpc
 import pytest
 from conftest import demo_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import ServerThread, generate
+from support import BackgroundGenerate, ServerThread, generate
 
 from servicer.demo_model import demo_model_path
 from servicer.faults import FaultPlan
@@ -46,7 +46,8 @@ def test_metadata_while_loading_equals_metadata_once_loaded(demo_dir, prompts):
     with ServerThread(config, wait_ready=False) as running, running.channel() as chan:
         loading = _metadata(chan)
         assert not _serving(chan)  # the answers above came while the weights were loading
-        early = generate(chan, prompts[0], max_tokens=2)
+        # It waits for the model within its deadline; one shorter than the load is refused.
+        early = generate(chan, prompts[0], max_tokens=2, timeout=1.5)
         assert early.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "still loading" in early.error.details()
         with pytest.raises(grpc.RpcError) as abort:
@@ -60,6 +61,33 @@ def test_metadata_while_loading_equals_metadata_once_loaded(demo_dir, prompts):
     assert loading["model_info"] == loaded["model_info"]
     assert loading["tokenizer"] == loaded["tokenizer"]
     assert loading == loaded
+
+
+def test_a_request_while_loading_waits_for_the_model(demo_dir, prompts):
+    config = _with_faults(demo_dir, "load:3")
+    with ServerThread(config, wait_ready=False) as running, running.channel() as chan:
+        _metadata(chan)  # the files are read; the weights are loading
+        early = BackgroundGenerate(chan, prompts[0], max_tokens=4, ignore_eos=True, timeout=60)
+        time.sleep(1.0)
+        assert early.is_alive()  # waiting for the model, not refused
+        running.run(running.server.wait_ready(120))
+        early.join(60)
+    outcome = early.outcome
+    assert outcome is not None and outcome.error is None, outcome
+    assert outcome.complete is not None and outcome.complete.completion_tokens == 4
+
+
+def test_a_request_waits_no_longer_than_the_load_wait(demo_dir, prompts):
+    config = _with_faults(demo_dir, "load:6")
+    config = replace(config, handlers=replace(config.handlers, max_load_wait_s=0.5))
+    with ServerThread(config, wait_ready=False) as running, running.channel() as chan:
+        _metadata(chan)
+        started = time.monotonic()
+        early = generate(chan, prompts[0], max_tokens=2, timeout=60)
+        assert time.monotonic() - started < 5
+        assert early.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "still loading" in early.error.details()
+        running.run(running.server.wait_ready(120))
 
 
 def test_metadata_calls_wait_while_the_files_are_resolved(demo_dir):

@@ -111,7 +111,7 @@ def test_not_serving_until_the_engine_is_warm(demo_dir, prompts):
         assert _health(chan, "") == health_pb2.HealthCheckResponse.NOT_SERVING
         assert _health(chan, ENGINE) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert not stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
-        early = generate(chan, prompts[0], max_tokens=2)
+        early = generate(chan, prompts[0], max_tokens=2, timeout=1.0)  # waits, then refused
         assert early.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         running.run(running.server.wait_ready(120))
         assert _health(chan, "") == health_pb2.HealthCheckResponse.SERVING

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..admission import Admission, MemoryModel
 from ..engine_config import EngineConfig
@@ -34,6 +34,7 @@ from .speculation import (
     SpeculationCounters,
     SpeculativeBatchGenerator,
     check_draft_compatible,
+    draft_supported,
     speculation_supported,
 )
 
@@ -117,22 +118,69 @@ def build_parts(config: EngineConfig, info: ModelInfo) -> EngineParts:
 
 
 def _quantized_rows(config: EngineConfig, loaded: LoadedModel) -> Callable[[], list[Any]] | None:
-    """With --kv-bits, one request's caches with its attention layers quantized."""
-    bits, group_size = config.kv_bits, config.kv_group_size
+    """With --kv-bits, one request's caches with its attention layers quantized, checked on
+    the model's real cache shapes before any request can fail on them."""
+    bits = config.kv_bits
     if bits is None:
         return None
     model = loaded.model
+    group_size = kv_group_size(cache_head_sizes(model), config.kv_group_size)
     try:
         check_quantization(model, bits, group_size)
-    except ValueError as exc:
+        _dry_run(model, make_row_cache(model, bits, group_size))
+    except Exception as exc:
         raise ModelLoadError(f"--kv-bits {bits} --kv-group-size {group_size}: {exc}") from exc
     log.info("KV cache quantized: %d bits, groups of %d", bits, group_size)
     return lambda: make_row_cache(model, bits, group_size)
 
 
+AUTO_GROUP_SIZES = (64, 32)  # tried in this order when --kv-group-size is not given
+
+
+def kv_group_size(head_sizes: set[int], asked: int | None) -> int:
+    """The quantization group for attention layers whose key and value vectors have
+    `head_sizes`: `asked` if it divides them all, otherwise an error naming the flag; with
+    none asked, the largest of AUTO_GROUP_SIZES that divides them all."""
+    sizes = ", ".join(str(n) for n in sorted(head_sizes))
+    if asked is not None:
+        if any(n % asked for n in head_sizes):
+            raise ModelLoadError(
+                f"--kv-group-size {asked} does not divide this model's attention head size "
+                f"({sizes}); choose one that does, or leave it out to pick one"
+            )
+        return asked
+    for group in AUTO_GROUP_SIZES:
+        if not any(n % group for n in head_sizes):
+            return group
+    raise ModelLoadError(
+        f"--kv-bits: this model's attention head size ({sizes}) is not a multiple of "
+        f"{' or '.join(str(g) for g in AUTO_GROUP_SIZES)}, so its KV cache cannot be quantized"
+    )
+
+
+def cache_head_sizes(model: nn.Module) -> set[int]:
+    """The key and value vector sizes of the layers --kv-bits quantizes (plain KVCache),
+    read off a one-token forward: models derive them in ways no config field says."""
+    caches = make_prompt_cache(model)
+    _dry_run(model, caches)
+    return {
+        int(array.shape[-1])
+        for cache in caches
+        if type(cache) is KVCache and cache.keys is not None
+        for array in (cache.keys, cache.values)
+    }
+
+
+def _dry_run(model: nn.Module, caches: list[Any]) -> None:
+    """One token through the model with `caches`: what a prefill of them would meet."""
+    logits = model(mx.array([[0]]), cache=caches)
+    mx.eval(logits, [c.state for c in caches if getattr(c, "keys", None) is not None])
+
+
 def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | None:
-    """What `--speculate` asks for, when this model can do it (else off, and the log says
-    why); a draft model that does not share the target's tokenizer fails startup."""
+    """What `--speculate` asks for (off, and the log names the layer kind, for a model with
+    a cache kind that cannot roll back per row); a draft model that does not share the
+    target's tokenizer, or cannot draft, fails startup."""
     if config.speculate is None:
         return None
     supported, reason = speculation_supported(loaded.model)
@@ -146,11 +194,12 @@ def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | Non
         drafter = load_model(draft_dir, None)
         check_draft_compatible(loaded.tokenizer, drafter.tokenizer)
         draft = drafter.model
-        supported, reason = speculation_supported(draft)
+        supported, reason = draft_supported(draft)
         if not supported:
             raise ModelLoadError(f"the draft model {config.draft_model} cannot draft: {reason}")
     log.info(
-        "speculative decoding: %s, up to %d draft tokens a row, off above %d drafting rows",
+        "speculative decoding: %s, up to %d draft tokens a row, off while more than %d rows "
+        "decode (the cap counts every decoding row, drafting or not)",
         config.speculate if draft is None else f"draft model {config.draft_model}",
         config.speculate_k,
         config.speculate_max_batch,
