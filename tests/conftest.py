@@ -80,3 +80,36 @@ def server(demo_dir: Path) -> Iterator[ServerThread]:
 def channel(server: ServerThread) -> Iterator[grpc.Channel]:
     with server.channel() as chan:
         yield chan
+
+
+SHARED_REAL_MODEL = (
+    Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "real_model.sh"
+)
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """google/gemma-3-270m, built offline by the shared tools beside the project (a minute or
+    two the first time, from the package registry); skipped where they are absent."""
+    import subprocess
+
+    if not SHARED_REAL_MODEL.is_file():
+        pytest.skip(f"no real model: {SHARED_REAL_MODEL} is absent (../shared is not here)")
+    try:
+        built = subprocess.run(
+            ["bash", str(SHARED_REAL_MODEL)], capture_output=True, text=True, timeout=900
+        )
+    except subprocess.TimeoutExpired:
+        pytest.skip("the real model's build did not finish in 15 minutes")
+    lines = built.stdout.strip().splitlines()
+    if built.returncode != 0 or not lines or not Path(lines[-1]).is_dir():
+        pytest.skip(f"the real model could not be built: {built.stderr.strip()[-500:]}")
+    return Path(lines[-1])
+
+
+def real_model_env() -> dict[str, str]:
+    """A worker on the real model runs its matrix products with OpenBLAS where installed."""
+    if not OPENBLAS.is_file():
+        return {}
+    return {"LD_PRELOAD": str(OPENBLAS), "OPENBLAS_NUM_THREADS": "1"}
