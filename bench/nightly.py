@@ -41,15 +41,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import genai
 import history
-from workers import BENCH, ROOT, RawProcess, Worker, log
+from workers import BENCH, ROOT, RawProcess, Worker, log, resolve_model
 from workload import Shape
 
 DEFAULT_HISTORY = BENCH / "results" / "nightly-history.jsonl"
 RESULTS = BENCH / "results" / "nightly"
-REAL_MODEL_SCRIPT = ROOT.parent / "shared" / "tools" / "real_model.sh"
 FULL = {"scenarios": ["D(100,100)", "D(1000,100)"], "concurrency": [1, 4, 16]}
 QUICK = {"scenarios": ["D(100,100)"], "concurrency": [1, 4]}
 TREND_NIGHTS = 30  # nights a trend picture shows
@@ -132,17 +132,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- the machine
 
 
-def resolve_model(name: str | None) -> Path:
-    if name is None:
+def pick_model(name: str | None) -> Path:
+    """`--model`: the demo model by default, `real`, or a directory (bench/workers.py)."""
+    path = resolve_model(name)
+    if path is None:
         from servicer.demo_model import demo_model_path
 
         return demo_model_path()
-    if name == "real":
-        if not REAL_MODEL_SCRIPT.exists():
-            raise SystemExit(f"--model real needs {REAL_MODEL_SCRIPT}")
-        done = subprocess.run([str(REAL_MODEL_SCRIPT)], check=True, capture_output=True, text=True)
-        return Path(done.stdout.strip().splitlines()[-1])
-    return Path(name).expanduser().resolve()
+    return path
 
 
 def _gpu() -> str:
@@ -478,13 +475,10 @@ def html_page(
         rows.append(f'<tr style="background:{colour}">{tds}</tr>')
     head = "".join(f"<th>{e(h)}</th>" for h in history.HEADERS)
     plots = sorted(p for p in out.rglob("*.png") if p not in trends)
-    links = (
-        "".join(
-            f'<li><a href="{e(str(p.relative_to(out)))}">{e(str(p.relative_to(out)))}</a></li>'
-            for p in plots
-        )
-        or "<li>genai-bench wrote no plots</li>"
-    )
+    # genai-bench's plot names have spaces: quote them in the links.
+    names = [str(p.relative_to(out)) for p in plots]
+    links = "".join(f'<li><a href="{e(quote(n))}">{e(n)}</a></li>' for n in names)
+    links = links or "<li>genai-bench wrote no plots</li>"
     images = "".join(
         f'<p><a href="{e(p.name)}"><img src="{e(p.name)}" style="max-width:100%"></a></p>'
         for p in trends
@@ -518,12 +512,12 @@ this night: <a href="record.json">record.json</a>, <a href="verdict.md">verdict.
 
 def main(argv: list[str] | None = None, measure_fn: Measure = measure) -> int:
     args = parse_args(argv)
-    model_dir = resolve_model(args.model)
+    model_path = pick_model(args.model)
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     machine_info = machine()
-    results = measure_fn(args, model_dir, out)
-    record = build_record(args, model_dir, results, out, machine_info)
+    results = measure_fn(args, model_path, out)
+    record = build_record(args, model_path, results, out, machine_info)
     past = history.read_history(args.history)
     margins = {name: args.margin for name in history.METRICS} if args.margin is not None else None
     judged = history.verdict(record, past, window=args.window, margins=margins)

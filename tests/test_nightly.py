@@ -191,7 +191,8 @@ def fake_measure(factor: float) -> nightly.Measure:
 
 def test_nights_append_judge_and_draw(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--quick", "--history", str(tmp_path / "h.jsonl"), "--out", str(tmp_path / "out")]
-    argv += ["--model", str(tmp_path)]  # a model directory is only named, never loaded here
+    (tmp_path / "config.json").write_text("{}")  # a model directory, named, never loaded
+    argv += ["--model", str(tmp_path)]
     assert nightly.main(argv, fake_measure(0.5)) == 0
     assert "first night" in capsys.readouterr().out
     assert nightly.main(argv, fake_measure(0.5)) == 0
