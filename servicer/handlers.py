@@ -48,6 +48,7 @@ SERVER_TYPE = "mlx-grpc-worker"
 METADATA_DEADLINE_MARGIN_S = 0.25
 METADATA_WAIT_S = 8.0
 STARTING_HEALTH_WAIT_S = 3.0  # within the smg router's 5 s health-check timeout
+KEEPALIVE_S = 1.0  # a stream waiting for the model gets an empty chunk this often
 BOS_ADDED = (
     "a prompt came without the model's BOS (id %s), which its tokenizer puts first; the "
     "worker adds it (counted in mlx_worker_bos_added; --no-prepend-bos turns this off; "
@@ -109,6 +110,41 @@ class HandlerOptions:
     # A Generate call that arrives while the model loads waits this long for it (within its
     # own deadline) instead of being refused.
     max_load_wait_s: float = 120.0
+
+
+async def wait_for_model(
+    lifecycle: Lifecycle,
+    limits: Limits | None,
+    metrics: WorkerMetrics,
+    options: HandlerOptions,
+    request: mlx_engine_pb2.GenerateRequest,
+    context: grpc.aio.ServicerContext,
+) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
+    """A request that comes while the model loads waits for it, up to `max_load_wait_s` and
+    within its deadline, so the first clients of a worker the router has just registered are
+    served instead of refused. What can be checked already is checked first (a bad request is
+    refused at once, before any message). A stream gets an empty chunk every KEEPALIVE_S
+    meanwhile: the smg router takes a worker whose streams see nothing for 3 s for wedged,
+    and clients see no tokens in it."""
+    if limits is not None and request.WhichOneof("input") == "tokenized":
+        try:
+            build_request(request, 0, limits)
+        except RequestError as error:
+            metrics.errors.labels("invalid_request").inc()
+            await context.abort(error.code, error.message)
+    wait = options.max_load_wait_s
+    remaining = context.time_remaining()
+    if remaining is not None:
+        wait = min(wait, remaining - METADATA_DEADLINE_MARGIN_S)
+    deadline = time.monotonic() + wait
+    metrics.load_waiting.inc()
+    try:
+        while lifecycle.starting and (left := deadline - time.monotonic()) > 0:
+            await lifecycle.wait_started(min(left, KEEPALIVE_S))
+            if lifecycle.starting and request.stream:
+                yield mlx_engine_pb2.GenerateResponse(chunk=mlx_engine_pb2.GenerateStreamChunk())
+    finally:
+        metrics.load_waiting.dec()
 
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
@@ -206,6 +242,12 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     async def Generate(
         self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
+        if self._lifecycle.starting:
+            waiting = wait_for_model(
+                self._lifecycle, self._limits, self._metrics, self._options, request, context
+            )
+            async for keepalive in waiting:
+                yield keepalive
         try:
             job, text = await self._build(request, context)
             stream = self._accept(job)
@@ -241,8 +283,6 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     ) -> tuple[GenerationRequest, TextOptions | None]:
         """Validate into a GenerationRequest; text encoding and grammar compilation, which can
         take a while, run off the loop."""
-        if self._lifecycle.starting:
-            await self._wait_for_start(context)
         if not self._lifecycle.serving or self._limits is None:
             raise RequestError(_refusal_status(self._lifecycle.phase), self._lifecycle.refusal)
         text_ids = None
@@ -266,20 +306,6 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         except RequestError:
             self._metrics.errors.labels("invalid_request").inc()
             raise
-
-    async def _wait_for_start(self, context: grpc.aio.ServicerContext) -> None:
-        """A request that comes while the model loads waits for it, up to `max_load_wait_s`
-        and within its deadline, so the first clients of a worker the router has just
-        registered are served instead of refused."""
-        wait = self._options.max_load_wait_s
-        remaining = context.time_remaining()
-        if remaining is not None:
-            wait = min(wait, remaining - METADATA_DEADLINE_MARGIN_S)
-        self._metrics.load_waiting.inc()
-        try:
-            await self._lifecycle.wait_started(wait)
-        finally:
-            self._metrics.load_waiting.dec()
 
     def _accept(self, job: GenerationRequest) -> RequestStream:
         errors = self._metrics.errors

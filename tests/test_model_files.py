@@ -75,6 +75,19 @@ def test_a_request_while_loading_waits_for_the_model(demo_dir, prompts):
     outcome = early.outcome
     assert outcome is not None and outcome.error is None, outcome
     assert outcome.complete is not None and outcome.complete.completion_tokens == 4
+    # While it waited, the stream got empty chunks (liveness for the router), no tokens.
+    assert not outcome.chunks[0].token_ids and outcome.tokens[:4] == outcome.tokens
+
+
+def test_a_bad_request_while_loading_is_refused_at_once(demo_dir, prompts):
+    config = _with_faults(demo_dir, "load:6")
+    with ServerThread(config, wait_ready=False) as running, running.channel() as chan:
+        _metadata(chan)
+        started = time.monotonic()
+        bad = generate(chan, prompts[0], max_tokens=2, temperature=-1, timeout=60)
+        assert time.monotonic() - started < 3
+        assert bad.code == grpc.StatusCode.INVALID_ARGUMENT and not bad.chunks
+        running.run(running.server.wait_ready(120))
 
 
 def test_a_request_waits_no_longer_than_the_load_wait(demo_dir, prompts):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from support import SMG, Router, WorkerProcess, free_port, wait_until
@@ -92,7 +93,15 @@ def test_a_request_while_loading_waits_for_the_model(launch):
     assert wait_until(lambda: "model files ready" in worker.output, timeout=60)
     router = start_router(f"127.0.0.1:{port}")
     assert wait_until(lambda: _listed(router) == [NAME], timeout=20, interval=0.2)
-    early = router.client.post("/v1/chat/completions", json={"model": NAME, **CHAT})
-    assert early.status_code == 200, early.text  # served once the model was ready
+    # Six streams wait for the model (more than the router's wedge pile of 4, for longer than
+    # its 3 s bound): the worker's empty chunks keep them from looking wedged.
+    body = {"model": NAME, **CHAT, "stream": True}
+    with ThreadPoolExecutor(6) as pool:
+        early = list(
+            pool.map(lambda _: router.client.post("/v1/chat/completions", json=body), range(6))
+        )
+    assert [r.status_code for r in early] == [200] * 6, early[0].text
+    assert all('"finish_reason":"' in r.text for r in early), early[0].text
     assert "ready: serving" in worker.output
+    assert "vetoed" not in router.log_tail(100_000)
     _both_endpoints_answer(router)
