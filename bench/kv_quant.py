@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from load import Client, Sampling
-from workers import BatchConfig, Worker, log, our_worker
+from workers import BatchConfig, Worker, log, our_worker, resolve_model
 from workload import LevelStats, RequestRecord, make_prompts, percentile
 
 from servicer.demo_model import demo_model_path
@@ -82,6 +82,57 @@ def real_shape_bytes() -> dict[str, Any]:
         )
         found[name]["admitted_ratio"] = found[name]["admitted"] / found["fp"]["admitted"]
     return found
+
+
+def model_bytes(model_dir: Path, tokens: tuple[int, ...] = (4096, 32768)) -> dict[str, Any]:
+    """KV bytes of a given model (the real one, say) for each variant, measured off its own
+    caches, with the group size the worker would pick: per token in its full-attention
+    layers, per token in its sliding-window layers (never quantized), and one request of
+    each of `tokens`."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from servicer.engine.memory import measure
+    from servicer.engine.parts import cache_head_sizes, kv_group_size
+    from servicer.engine.quantized_kv import make_row_cache
+
+    model, _ = load(str(model_dir))
+    group = kv_group_size(cache_head_sizes(model), None)
+    found: dict[str, Any] = {"model": str(model_dir), "group_size": group}
+    for name, bits in (("fp", None), ("q8", 8), ("q4", 4)):
+        caches = make_row_cache(model, bits, group) if bits else make_prompt_cache(model)
+        memory = measure(model, caches)
+        found[name] = {
+            "full_attention_bytes_per_token": sum(b for b, w in memory.per_token if w is None),
+            "window_bytes_per_token": sum(b for b, w in memory.per_token if w),
+            "request_bytes": {n: memory.estimate(n) for n in tokens},
+        }
+    return found
+
+
+def render_model_bytes(found: dict[str, Any]) -> str:
+    fp = found["fp"]
+    lines = [
+        f"KV bytes of {found['model']} (group {found['group_size']})",
+        "",
+        "| | unquantized | 8 bits | 4 bits |",
+        "|---|---|---|---|",
+    ]
+    rows = [("full-attention layers, bytes a token", lambda v: v["full_attention_bytes_per_token"])]
+    rows.append(
+        ("sliding-window layers, bytes a token (as is)", lambda v: v["window_bytes_per_token"])
+    )
+    for n in fp["request_bytes"]:
+        rows.append((f"one {n:,}-token request, MiB", lambda v, n=n: v["request_bytes"][n] / 2**20))
+    for label, value in rows:
+        base = value(fp)
+        cells = [
+            f"{value(found[k]):,.1f}"
+            + (f" ({value(found[k]) / base:.2f}x)" if k != "fp" and base else "")
+            for k in ("fp", "q8", "q4")
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def running_now(port: int) -> float:
@@ -272,7 +323,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="levels 1 and 32, one round")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument(
+        "--model",
+        help="only the KV bytes of this mlx-lm model directory, or `real` for the real model "
+        "(../shared/tools/real_model.sh)",
+    )
     args = parser.parse_args(argv)
+    if args.model is not None:
+        found = model_bytes(resolve_model(args.model))
+        print(render_model_bytes(found))
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"kv-bytes-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path.write_text(json.dumps(found, indent=1))
+        print(f"JSON: {path}")
+        return 0
     result = run_part(args.quick, args.out / "logs")
     print(render(result))
     args.out.mkdir(parents=True, exist_ok=True)
