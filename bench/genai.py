@@ -126,6 +126,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="extra flags for our worker, e.g. '--max-prefill-stall-ms 100'",
     )
+    parser.add_argument(
+        "--from-start",
+        action="store_true",
+        help="start genai-bench the moment the router lists the model (while our worker may "
+        "still be loading it), with no warm-up request first: the start counts too",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     args.scenario = args.scenario or ["D(100,100)", "D(1000,100)"]
@@ -200,8 +206,9 @@ class Router:
         except OSError:
             return 0
 
-    def start(self, timeout: float = 120) -> str:
-        """Start, wait until it lists the model and completes a request; the model's name."""
+    def start(self, timeout: float = 120, probe: bool = True) -> str:
+        """Start, wait until it lists the model and (with `probe`) completes a request; the
+        model's name."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
@@ -215,13 +222,15 @@ class Router:
                     status, body = _http_json("GET", f"{self.base}/v1/models")
                     if status == 200 and body and body.get("data"):
                         model = body["data"][0]["id"]
+                if model is not None and not probe:
+                    return model
                 if model is not None:
-                    probe = {
+                    request = {
                         "model": model,
                         "messages": [{"role": "user", "content": "hello"}],
                         "max_tokens": 4,
                     }
-                    status, _ = _http_json("POST", f"{self.base}/v1/chat/completions", probe)
+                    status, _ = _http_json("POST", f"{self.base}/v1/chat/completions", request)
                     if status == 200:
                         return model
             except (urllib.error.URLError, ConnectionError):
@@ -367,8 +376,10 @@ def run_round(
     base = {"system": system, "round": round_no}
     try:
         log(f"round {round_no}: starting {SYSTEMS[system]} on {model_dir}, then the router")
-        worker.start()
-        model = router.start()
+        worker.start(wait=not args.from_start)
+        if args.from_start:
+            worker.wait_metadata()
+        model = router.start(timeout=300, probe=not args.from_start)
         for scenario in args.scenario:
             for level in args.concurrency:
                 log(f"round {round_no}, {system}: genai-bench {scenario} at concurrency {level}")

@@ -140,7 +140,8 @@ class Worker:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 300) -> Worker:
+    def start(self, timeout: float = 300, wait: bool = True) -> Worker:
+        """Start the process; with `wait`, return once its health check says healthy."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(
@@ -150,8 +151,23 @@ class Worker:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        self._wait_healthy(timeout)
+        if wait:
+            self._wait_healthy(timeout)
         return self
+
+    def wait_metadata(self, timeout: float = 300) -> None:
+        """Wait until the worker answers GetModelInfo (ours does while it still loads the
+        weights: a router started now registers it at once)."""
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.MlxEngineStub(channel)
+            while time.monotonic() < deadline:
+                try:
+                    stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+                    return
+                except grpc.RpcError:
+                    time.sleep(0.2)
+        raise RuntimeError(f"{self.name} gave no model info after {timeout:.0f} s")
 
     def _wait_healthy(self, timeout: float) -> None:
         assert self.proc is not None
