@@ -8,6 +8,13 @@ chat template's special tokens (role markers, end of turn) follow its content; a
 conversation with the same system message resumes right after that message, whatever the
 interval. Of the message ends, only the first past the cached prefix (a system message, as
 a rule) and the last two (the latest turns) are taken.
+
+Every point also costs a prefill call of its own: the prompt's prefill stops there, and on a
+memory-bound model each call reads all the weights (about a decode step), and rows that stop
+at different points fall out of step with each other. So a point must save at least `min_gap`
+tokens over the one before it (or the cached prefix), and a message end within MESSAGE_TAIL
+tokens of the prompt's end (the last turn's markers) is left to the finished request, which
+keeps the whole prompt and its output anyway.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 LAST_MESSAGE_ENDS = 2
+MESSAGE_TAIL = 8  # a message end this close to the prompt's end is its generation prompt
 
 
 def snapshot_points(
@@ -25,15 +33,21 @@ def snapshot_points(
     interval: int,
     shared: int,
     specials: Collection[int] = (),
+    min_gap: int = 1,
 ) -> list[int]:
     """Positions past `start` (tokens already cached) and before the prompt's last token at
-    which to snapshot. `shared`: how many leading tokens it shares with stored prompts."""
+    which to snapshot. `shared`: how many leading tokens it shares with stored prompts;
+    `min_gap`: the fewest tokens a point must add over the previous one."""
     end = len(prompt) - 1
     points = set(range(interval, end, interval))
     if 0 < shared < end:
         points.add(shared)
-    points.update(message_ends(prompt, start, end, specials))
-    return sorted(p for p in points if start < p < end)
+    points.update(p for p in message_ends(prompt, start, end, specials) if p + MESSAGE_TAIL < end)
+    chosen: list[int] = []
+    for point in sorted(p for p in points if start < p < end):
+        if point - (chosen[-1] if chosen else start) >= min_gap:
+            chosen.append(point)
+    return chosen
 
 
 def message_ends(

@@ -31,6 +31,8 @@ from .snapshots import snapshot_points
 log = logging.getLogger(__name__)
 
 RAM, DISK = "ram", "disk"
+# A snapshot point adds at least a block over this many past the previous one (see snapshots).
+MIN_GAP_BLOCKS = 2
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,12 @@ class PrefixStore:
             return []
         shared = self.index.shared_length(request.prompt, request.block_keys)
         return snapshot_points(
-            request.prompt, start, self.snapshot_interval, shared, self.message_markers
+            request.prompt,
+            start,
+            self.snapshot_interval,
+            shared,
+            self.message_markers,
+            min_gap=max(1, self.block_size // MIN_GAP_BLOCKS),
         )
 
     def keep(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
