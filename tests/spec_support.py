@@ -68,6 +68,7 @@ class Job:
     sampler: Any = None
     processors: list[Any] | None = None
     stop: Any = None  # a StopSequences
+    caches: Callable[[], list[Any]] | None = None  # the row's empty caches (--kv-bits)
 
 
 @dataclass
@@ -88,6 +89,8 @@ def _insert(generator: BatchGenerator, job: Job) -> int:
         kwargs["logits_processors"] = [job.processors]
     if job.stop is not None:
         kwargs["stop_sequences"] = [job.stop]
+    if job.caches is not None:
+        kwargs["caches"] = [job.caches()]
     return generator.insert([job.prompt], **kwargs)[0]
 
 
@@ -124,6 +127,40 @@ def drive(
             on_step(step)
         assert step < 10_000, "the schedule did not finish"
     return results
+
+
+class Oracle:
+    """A draft source that knows the answers: each row's drafts are what followed its
+    context in a reference run (prompt + output), with every `spoil`-th draft call's last
+    draft changed so that some are rejected. Stateless per row: it looks the context up."""
+
+    def __init__(self, references: Sequence[list[int]], spoil: int = 3) -> None:
+        self._references = [list(r) for r in references]
+        self._spoil = spoil
+        self._calls = 0
+
+    def extend(self, tokens: Sequence[list[int]]) -> None:
+        pass
+
+    def filter(self, keep: Sequence[int]) -> None:
+        pass
+
+    def draft(
+        self, tokens: Sequence[list[int]], pending: Sequence[int], ks: Sequence[int]
+    ) -> list[list[int]]:
+        drafts = []
+        for context, last, k in zip(tokens, pending, ks, strict=True):
+            full = [*context, last]
+            ref = next((r for r in self._references if r[: len(full)] == full), None)
+            found = [] if ref is None or k == 0 else ref[len(full) : len(full) + k]
+            self._calls += 1
+            if found and self._calls % self._spoil == 0:
+                found[-1] = (found[-1] + 1) % 64
+            drafts.append(found)
+        return drafts
+
+    def accepted(self, kept: Sequence[int]) -> None:
+        pass
 
 
 def chi_square_p(statistic: float, dof: int) -> float:

@@ -4,10 +4,12 @@ demo llama; differential against mlx-lm's own BatchGenerator)."""
 from __future__ import annotations
 
 from typing import Any
+from unittest.mock import patch
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import StopSequences
+from mlx_lm.models.cache import ChunkedKVCache
 from mlx_lm.sample_utils import make_logits_processors
 from spec_support import (
     Job,
@@ -99,7 +101,7 @@ def test_greedy_equals_no_speculation(demo, prompts, other_draft, source, batch)
         assert stats.accepted == stats.drafted
     if source == "other":  # a different draft: some rejected, so rollback is exercised
         assert 0 < stats.accepted < stats.drafted
-    assert max(stats.emitted_per_row_step) > 1
+    assert max(stats.per_row_step) > 1
 
 
 def test_finished_rows_carry_exactly_their_tokens(demo, prompts):
@@ -155,10 +157,13 @@ def test_seeded_rows_reproduce_and_match_no_speculation(demo, prompts, source):
     reproduces run to run and emits what it emits without speculation."""
     model, _ = demo
     plain = drive(plain_generator(model), seeded_jobs(prompts))
-    first = drive(speculating(model, source), seeded_jobs(prompts))
-    again = drive(speculating(model, source), seeded_jobs(prompts))
+    generator = speculating(model, source, max_rows=8)
+    first = drive(generator, seeded_jobs(prompts))
+    again = drive(speculating(model, source, max_rows=8), seeded_jobs(prompts))
     assert {n: r.tokens for n, r in first.items()} == {n: r.tokens for n, r in again.items()}
     assert_same(plain, first)
+    stats = generator.speculation  # drafts were verified, and sampling rejected some
+    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
 
 
 def test_rows_with_logits_processors_do_not_draft(demo, prompts):
@@ -188,16 +193,21 @@ def test_batch_cutoff_runs_steps_without_drafts(demo, prompts):
     assert stats.accepted == stats.drafted
 
 
-def test_unsupported_models_are_refused():
+def test_every_cache_kind_is_supported_and_others_are_named():
     from mlx_lm import load
 
-    assert speculation_supported(load(str(demo_model_path("llama")))[0]) == (True, "")
-    for kind, cache in (("hybrid", "ArraysCache"), ("gemma3", "RotatingKVCache")):
-        model, _ = load(str(demo_model_path(kind)))
+    for kind in ("llama", "hybrid", "gemma3"):
+        assert speculation_supported(load(str(demo_model_path(kind)))[0]) == (True, "")
+    model, _ = load(str(demo_model_path("llama")))
+    chunked = ChunkedKVCache(64)
+    with patch.object(type(model), "make_cache", lambda self: [chunked, chunked], create=True):
         supported, reason = speculation_supported(model)
-        assert not supported and cache in reason
-        with pytest.raises(ValueError, match=cache):
+        assert not supported and "ChunkedKVCache" in reason
+        with pytest.raises(ValueError, match="ChunkedKVCache"):
             SpeculativeBatchGenerator(model, source=PromptLookup())
+    hybrid, _ = load(str(demo_model_path("hybrid")))
+    with pytest.raises(ValueError, match="ArraysCache"):
+        DraftModel(hybrid)
 
 
 def test_draft_tokenizer_must_match(demo):

@@ -1,14 +1,31 @@
-"""The pieces of speculation on their own: per-row rollback, the n-gram index, the pace."""
+"""The pieces of speculation on their own: each cache kind's rollback, the n-gram index,
+the pace."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    ChunkedKVCache,
+    KVCache,
+    RotatingKVCache,
+)
 
+from servicer.engine.quantized_kv import BatchQuantizedKVCache, quantize_rows
+from servicer.engine.speculation.caches import (
+    RaggedKVCache,
+    RaggedQuantizedKVCache,
+    RecurrentCache,
+    RingKVCache,
+    adopt,
+)
 from servicer.engine.speculation.config import RowPace, SpeculationConfig, SpeculationCounters
 from servicer.engine.speculation.ngram import NgramIndex, PromptLookup
-from servicer.engine.speculation.rollback import rollback, row_lengths
 
 
 def _single(values: list[float]) -> KVCache:
@@ -18,38 +35,130 @@ def _single(values: list[float]) -> KVCache:
     return cache
 
 
-def _append(cache: BatchKVCache, rows: list[list[float]]) -> None:
+def _append(cache: Any, rows: list[list[float]]) -> None:
     data = mx.array(rows, dtype=mx.float32)[:, None, :, None]
     cache.update_and_fetch(data, data)
 
 
-def _rows(cache: BatchKVCache) -> list[list[float]]:
-    return [cache.extract(i).keys[0, 0, :, 0].tolist() for i in range(cache.left_padding.shape[0])]
+def _rows(cache: Any, n: int) -> list[list[float]]:
+    return [cache.extract(i).keys[0, 0, :, 0].tolist() for i in range(n)]
 
 
-def test_rollback_drops_each_rows_own_count():
-    cache = BatchKVCache.merge([_single([1, 2, 3]), _single([4]), _single([5, 6])])
-    _append(cache, [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]])
-    rollback([cache], [3, 0, 2])
-    assert _rows(cache) == [[1, 2, 3, 10], [4, 20, 21, 22, 23], [5, 6, 30, 31]]
-    assert cache.offset.tolist() == row_lengths(cache) == [4, 5, 4]
+def _verify(cache: Any, rows: list[list[float]], kept: list[int]) -> list[int]:
+    """A verify forward of `rows` (right-padded), then each row keeps its `kept`."""
+    width = max(len(r) for r in rows)
+    cache.checkpoint([len(r) for r in rows])
+    _append(cache, [r + [-1.0] * (width - len(r)) for r in rows])
+    return cache.rollback(kept)
+
+
+def test_rollback_keeps_each_rows_own_count():
+    cache = adopt(BatchKVCache.merge([_single([1, 2, 3]), _single([4]), _single([5, 6])]), 4)
+    assert isinstance(cache, RaggedKVCache)
+    _verify(cache, [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31]], [1, 4, 2])
+    assert _rows(cache, 3) == [[1, 2, 3, 10], [4, 20, 21, 22, 23], [5, 6, 30, 31]]
+    assert cache.offset.tolist() == cache.lengths() == [4, 5, 4]
     _append(cache, [[14], [24], [34]])  # the next step writes after what each row kept
-    assert _rows(cache) == [[1, 2, 3, 10, 14], [4, 20, 21, 22, 23, 24], [5, 6, 30, 31, 34]]
+    assert _rows(cache, 3) == [[1, 2, 3, 10, 14], [4, 20, 21, 22, 23, 24], [5, 6, 30, 31, 34]]
+    cache.filter([2, 0])
+    assert _rows(cache, 2) == [[5, 6, 30, 31, 34], [1, 2, 3, 10, 14]]
 
 
-def test_rollback_compacts_padding_every_row_shares():
-    cache = BatchKVCache.merge([_single([1]), _single([2])])
-    for step in range(40):
-        _append(cache, [[step] * 5, [step] * 5])
-        rollback([cache], [4, 0] if step % 2 else [0, 4], compact_at=8)
-    assert row_lengths(cache) == [1 + 20 * 5 + 20, 1 + 20 * 5 + 20]
-    assert min(cache.left_padding.tolist()) < 8  # not 80 of padding on both rows
-    assert cache._idx <= 121 + 8 + 4
+def test_rollback_copies_nothing_whatever_the_context():
+    """A rollback moves each row's end; the buffer is the very same array."""
+    cache = adopt(BatchKVCache.merge([_single([1.0] * 300), _single([2.0] * 10)]), 4)
+    cache.checkpoint([3, 3])
+    _append(cache, [[3, 3, 3], [4, 4, 4]])
+    buffer = cache.keys
+    cache.rollback([1, 3])
+    assert cache.keys is buffer and cache.lengths() == [301, 13]
 
 
-def test_rollback_refuses_caches_it_cannot_cut():
-    with pytest.raises(TypeError):
-        rollback([_single([1, 2])], [1])
+def test_quantized_rollback_matches_plain():
+    rows = []
+    for n in (2, 1):
+        row = KVCache()
+        data = mx.arange(n * 32, dtype=mx.float32).reshape(1, 1, n, 32)
+        row.update_and_fetch(data, data)
+        rows.append(row)
+    plain = adopt(BatchKVCache.merge(rows), 4)
+    quant = adopt(BatchQuantizedKVCache.merge(quantize_rows(rows, 8, 32)), 4)
+    assert isinstance(quant, RaggedQuantizedKVCache)
+    for cache in (plain, quant):
+        cache.checkpoint([3, 1])
+        data = mx.ones((2, 1, 3, 32))
+        cache.update_and_fetch(data, data)
+        cache.rollback([2, 1])
+    assert plain.lengths() == quant.lengths() == [4, 2]
+    row = quant.extract(0)
+    assert row.offset == 4 and row.bits == 8
+    assert mx.allclose(
+        mx.dequantize(*row.keys, group_size=32, bits=8), plain.extract(0).keys, atol=0.2
+    )
+
+
+def _ring(window: int, extra: int, lengths: list[int]) -> RingKVCache:
+    rows = []
+    for n in lengths:
+        row = RotatingKVCache(window)
+        for t in range(n):
+            v = mx.full((1, 1, 1, 1), float(t))
+            row.update_and_fetch(v, v)
+        rows.append(row)
+    return adopt(BatchRotatingKVCache.merge(rows), extra)
+
+
+def test_ring_keeps_the_window_through_rollbacks_that_wrap():
+    window, k = 6, 3
+    cache = _ring(window, k, [10, 3])
+    assert isinstance(cache, RingKVCache) and cache.capacity == window + k
+    want = [list(range(10)), list(range(3))]
+    for step in range(12):
+        fed = [[float(len(w) + j) for j in range(k + 1)] for w in want]
+        kept = [1 + step % (k + 1), 1 + (step * 2) % (k + 1)]
+        assert _verify(cache, fed, kept) == []
+        for w, f, n in zip(want, fed, kept, strict=True):
+            w.extend(int(x) for x in f[:n])
+        assert [int(x) for row in _rows(cache, 2) for x in row] == [
+            x for w in want for x in w[-window:]
+        ]
+        assert cache.offset.tolist() == [len(w) for w in want]
+
+
+def test_ring_mask_sees_the_window_and_no_stale_slot():
+    window, k = 4, 2
+    cache = _ring(window, k, [7])
+    _verify(cache, [[7.0, 8.0, 9.0]], [1])  # positions 8 and 9 go back
+    mask = cache.make_mask(2)  # positions 8 and 9 again (each sees itself, not 9 early)
+    keys = [int(x) for x in cache.keys[0, 0, :, 0].tolist()]
+    for j in range(2):
+        seen = sorted(keys[t] for t in range(cache.capacity) if mask[0, 0, j, t].item())
+        assert seen == list(range(8 + j - window + 1, 8 + j + 1)), (j, seen)
+
+
+def test_recurrent_rollback_restores_and_asks_for_a_replay():
+    layer = ArraysCache(1)
+    layer[0] = mx.array([[1.0], [2.0], [3.0]])
+    cache = adopt(layer, 4)
+    assert isinstance(cache, RecurrentCache)
+    cache.checkpoint([3, 3, 1])
+    cache.advance(3)
+    cache[0] = mx.array([[10.0], [20.0], [30.0]])
+    # Row 0 kept all it was fed, row 1 part of it, row 2 (padded) all of its one token.
+    assert cache.rollback([3, 1, 1]) == [1]
+    assert cache[0][:, 0].tolist() == [10.0, 2.0, 30.0]
+    assert cache.lengths is None
+    cache.checkpoint([3, 3, 1])
+    cache.advance(3)
+    cache[0] = mx.array([[7.0], [8.0], [9.0]])
+    cache.padding_inert = False  # padding moved row 2's state: it replays too
+    assert cache.rollback([3, 0, 1]) == [2]
+    assert cache[0][:, 0].tolist() == [7.0, 2.0, 30.0]
+
+
+def test_kinds_that_cannot_roll_back_are_refused():
+    with pytest.raises(TypeError, match="ChunkedKVCache"):
+        adopt(ChunkedKVCache(8), 4)
 
 
 def test_ngram_drafts_from_the_latest_earlier_occurrence():
@@ -116,7 +225,7 @@ def test_counters_snapshot():
     counters.record(0, 0, [1, 1])
     stats = counters.snapshot()
     assert (stats.steps, stats.speculative_steps, stats.drafted, stats.accepted) == (2, 1, 4, 3)
-    assert stats.emitted == 7 and stats.emitted_per_row_step == {4: 1, 1: 3}
+    assert stats.emitted == 7 and stats.per_row_step == {4: 1, 1: 3}
     assert stats.acceptance == 0.75
 
 

@@ -364,16 +364,7 @@ class EngineLoop:
     def _speculation_figures(self) -> SpeculationFigures | None:
         if self.parts.speculation is None:
             return None
-        counts = self.speculation
-        return SpeculationFigures(
-            counts.steps,
-            counts.speculative_steps,
-            counts.cutoff_steps,
-            counts.drafted,
-            counts.accepted,
-            counts.emitted,
-            dict(counts.per_row_step),
-        )
+        return self.speculation.snapshot()
 
     def _publish_now(self) -> None:
         out = StepOutput()

@@ -1,10 +1,10 @@
 """Speculative decoding inside mlx-lm's continuous batch (engine thread only)."""
 
 from .batch import SpeculativeGenerationBatch, Speculator
-from .config import SpeculationConfig, SpeculationCounters, SpeculationStats
-from .draft_model import DraftModel, check_draft_compatible, load_draft
+from .config import SpeculationConfig, SpeculationCounters
+from .draft_model import DraftModel, check_draft_compatible, draft_supported
 from .drafts import DraftSource
-from .generator import SpeculativeBatchGenerator, make_source
+from .generator import SpeculativeBatchGenerator
 from .ngram import PromptLookup
 from .support import speculation_supported
 
@@ -14,12 +14,10 @@ __all__ = [
     "PromptLookup",
     "SpeculationConfig",
     "SpeculationCounters",
-    "SpeculationStats",
     "SpeculativeBatchGenerator",
     "SpeculativeGenerationBatch",
     "Speculator",
     "check_draft_compatible",
-    "load_draft",
-    "make_source",
+    "draft_supported",
     "speculation_supported",
 ]

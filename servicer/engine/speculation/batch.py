@@ -11,9 +11,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
+from .caches import adopt
 from .config import RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
-from .rollback import rollback
 from .verify import accepted_prefix, can_speculate, choose
 
 
@@ -25,6 +25,7 @@ class Speculator:
     config: SpeculationConfig = field(default_factory=SpeculationConfig)
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
     clock: StepClock = field(default_factory=StepClock)
+    padding_inert: bool = True  # the model's recurrent layers honour per-row lengths
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class _Verified:
 
     pending: list[int]  # each row's pending token, emitted first
     drafts: list[list[int]]
+    fed: list[list[int]]  # what each row fed the forward: its pending token and drafts
     chosen: list[list[int]]  # the target's draw at each of the row's positions
     logprobs: mx.array  # (B, S, V), the target's, at every verified position
     width: int  # S
@@ -81,7 +83,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
         )
 
     def extend(self, batch: GenerationBatch) -> None:
-        self.speculator.source.extend(batch.tokens)
+        # Rows join with caches that roll back per row (mlx-lm's prefill built them).
+        speculator = self.speculator
+        batch.prompt_cache = [
+            adopt(layer, speculator.config.k_max, speculator.padding_inert)
+            for layer in batch.prompt_cache
+        ]
+        speculator.source.extend(batch.tokens)
         self._paces.extend(RowPace() for _ in batch.uids)
         super().extend(batch)
 
@@ -177,15 +185,18 @@ class SpeculativeGenerationBatch(GenerationBatch):
 
     def _speculate(self, pending: list[int], drafts: list[list[int]]) -> list[Any]:
         width = 1 + max(len(d) for d in drafts)
-        rows = [[y, *d] + [y] * (width - 1 - len(d)) for y, d in zip(pending, drafts, strict=True)]
+        fed = [[y, *d] for y, d in zip(pending, drafts, strict=True)]
+        rows = [f + [f[0]] * (width - len(f)) for f in fed]
         inputs = mx.array(rows, dtype=mx.uint32)
+        for layer in self.prompt_cache:
+            layer.checkpoint([len(f) for f in fed])
         logits = self.model(inputs, cache=self.prompt_cache)
         logits, contexts = self._process(logits, inputs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         samplers = [self._sampler(i) for i in range(len(self.uids))]
         chosen = choose(logprobs, samplers, [1 + len(d) for d in drafts])
         mx.eval(chosen, logprobs, contexts)
-        step = _Verified(pending, drafts, [c.tolist() for c in chosen], logprobs, width)
+        step = _Verified(pending, drafts, fed, [c.tolist() for c in chosen], logprobs, width)
         return self._settle(step, samplers)
 
     def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
@@ -210,7 +221,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         """Accept, emit through the stop and length checks, roll back what was not kept."""
         responses: list[Any] = []
         finished: list[tuple[int, Any]] = []
-        keep, drop, kept_drafts, emitted = [], [], [], []
+        keep, kept_drafts, emitted = [], [], []
         next_tokens, next_logprobs = [], []
         drafted = accepted = 0
         for i, uid in enumerate(self.uids):
@@ -226,7 +237,6 @@ class SpeculativeGenerationBatch(GenerationBatch):
             responses.extend(row[:used])
             self.tokens[i].extend(tokens[:used])
             kept_drafts.append(used - 1)
-            drop.append(step.width - used)
             emitted.append(used)
             drafted, accepted = drafted + len(drafts), accepted + n
             self._paces[i].update(len(drafts), n, self.speculator.config)
@@ -239,7 +249,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 row[used - 1].finish_reason = finish
                 finished.append((i, row[used - 1]))
         _consume(samplers, step.used_keys)
-        rollback(self.prompt_cache, drop, self.speculator.config.compact_padding)
+        self._roll_back(step.fed, emitted)
         self.speculator.source.accepted(kept_drafts)
         self.speculator.counters.record(drafted, accepted, emitted)
         self._next_tokens = mx.array(next_tokens, dtype=mx.uint32)
@@ -250,6 +260,30 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+    def _roll_back(self, fed: list[list[int]], kept: list[int]) -> None:
+        """Every layer keeps each row's first `kept[i]` fed tokens (one call per layer, the
+        cache's own rollback). Rows whose state a layer could not cut there (recurrent
+        layers: it put them back to before the verify) run those tokens again, in one
+        forward for all of them, the other rows feeding nothing."""
+        wanted = list(kept)
+        again = self._cut(kept)
+        while again:
+            self._cut([0 if i in again else k for i, k in enumerate(kept)])
+            replay = [fed[i][: wanted[i]] if i in again else [] for i in range(len(fed))]
+            width = max(len(r) for r in replay)
+            inputs = [r + [fed[i][0]] * (width - len(r)) for i, r in enumerate(replay)]
+            kept = [len(r) for r in replay]
+            for layer in self.prompt_cache:
+                layer.checkpoint(kept)
+            self.model(mx.array(inputs, dtype=mx.uint32), cache=self.prompt_cache)
+            again = self._cut(kept)
+
+    def _cut(self, kept: list[int]) -> set[int]:
+        again: set[int] = set()
+        for layer in self.prompt_cache:
+            again.update(layer.rollback(kept))
+        return again
 
     def _count(self, i: int, tokens: list[int]) -> tuple[str | None, int]:
         """Emit `tokens` in order through row i's length and stop checks: the finish reason

@@ -7,6 +7,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ...messages import SpeculationFigures
+
 
 @dataclass(frozen=True, slots=True)
 class SpeculationConfig:
@@ -24,7 +26,6 @@ class SpeculationConfig:
     off_below: float = 0.15  # a row whose acceptance falls below this stops drafting...
     probe_every: int = 8  # ...and drafts again every this many steps to re-measure
     probe_k: int = 2  # draft tokens of such a probe
-    compact_padding: int = 64  # drop left padding shared by every row once it is this long
     costed: bool = True  # below max_rows, draft only where the StepClock says it pays
 
     def __post_init__(self) -> None:
@@ -135,23 +136,6 @@ def _read_off(measured: dict[int, float], width: int) -> float:
     return measured[below] + share * (measured[above] - measured[below])
 
 
-@dataclass(frozen=True, slots=True)
-class SpeculationStats:
-    """A snapshot of the counters."""
-
-    steps: int
-    speculative_steps: int  # steps that verified at least one draft token
-    cutoff_steps: int  # steps run without drafts: a large batch, or drafts would not pay
-    drafted: int  # draft tokens verified
-    accepted: int  # draft tokens accepted (before any stop or max_tokens cut)
-    emitted: int  # tokens handed out
-    emitted_per_row_step: dict[int, int]  # tokens one row emitted in one step -> times seen
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-
 @dataclass(slots=True)
 class SpeculationCounters:
     """Running totals, updated by the generation batch at every step (engine thread)."""
@@ -172,8 +156,8 @@ class SpeculationCounters:
         self.emitted += sum(emitted)
         self.per_row_step.update(emitted)
 
-    def snapshot(self) -> SpeculationStats:
-        return SpeculationStats(
+    def snapshot(self) -> SpeculationFigures:
+        return SpeculationFigures(
             self.steps,
             self.speculative_steps,
             self.cutoff_steps,

@@ -4,27 +4,25 @@ tokenizer, with its own batched cache beside the target's rows."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .rollback import rollback
-from .support import speculation_supported
+from .caches import RaggedKVCache
 
 
 class DraftModel:
     """Drafts K tokens for every row in K batched forwards of the draft model (its argmax,
     so the draft is deterministic and verification is exact for sampled rows too).
 
-    Its cache is rolled back per row like the target's. A row's draft cache is built when
+    Its cache rolls back per row like the target's. A row's draft cache is built when
     it joins (the draft runs over the row's tokens); steps without drafts do not run the
     draft, so a row may lag: the next draft first runs it over what it missed.
     """
 
     def __init__(self, model: Any, prefill_step_size: int = 512) -> None:
-        supported, reason = speculation_supported(model)
+        supported, reason = draft_supported(model)
         if not supported:
             raise ValueError(f"the draft model cannot speculate: {reason}")
         self.model = model
@@ -44,7 +42,7 @@ class DraftModel:
         costs the draft nothing."""
         if not tokens:
             return
-        empty = [BatchKVCache([0] * len(tokens)) for _ in make_prompt_cache(self.model)]
+        empty = [RaggedKVCache.blank(len(tokens)) for _ in make_prompt_cache(self.model)]
         if not self._cache:
             self._cache = empty
         else:
@@ -66,6 +64,8 @@ class DraftModel:
         k = max(ks)
         missing = [[*t[held:], y] for t, held, y in zip(tokens, self._held, pending, strict=True)]
         token = mx.argmax(self._catch_up(missing), axis=-1)
+        for layer in self._cache:
+            layer.checkpoint([k - 1] * len(missing))
         drafted = [token]
         for _ in range(k - 1):
             logits = self.model(token[:, None], cache=self._cache)
@@ -83,13 +83,9 @@ class DraftModel:
         row's last one, (B, V)."""
         lengths = [len(m) for m in missing]
         width = max(lengths)
-        padding = [width - n for n in lengths]
-        inputs = mx.array(
-            [m + m[-1:] * p for m, p in zip(missing, padding, strict=True)], dtype=mx.uint32
-        )
-        if any(padding):
-            for layer in self._cache:
-                layer.prepare(right_padding=padding)
+        inputs = mx.array([m + m[-1:] * (width - len(m)) for m in missing], dtype=mx.uint32)
+        for layer in self._cache:
+            layer.checkpoint(lengths)
         last = mx.array([n - 1 for n in lengths])
         picked = None
         for start in range(0, width, self._step):
@@ -101,17 +97,30 @@ class DraftModel:
             picked = here if picked is None else mx.where(inside[:, None], here, picked)
             if width > self._step:
                 mx.eval(picked, [c.state for c in self._cache])
-        if any(padding):
-            for layer in self._cache:
-                layer.finalize()
+        for layer in self._cache:
+            layer.rollback(lengths)  # the right padding goes
         assert picked is not None
         return picked
 
     def accepted(self, kept: Sequence[int]) -> None:
         # Drafts past the first k-1 were never run through the draft model.
-        drop = [self._k - 1 - min(n, self._k - 1) for n in kept]
-        rollback(self._cache, drop)
-        self._held = [fed - d for fed, d in zip(self._fed, drop, strict=True)]
+        fed = [min(n, self._k - 1) for n in kept]
+        for layer in self._cache:
+            layer.rollback(fed)
+        drop = self._k - 1
+        self._held = [f - drop + n for f, n in zip(self._fed, fed, strict=True)]
+
+
+def draft_supported(model: Any) -> tuple[bool, str]:
+    """(True, "") for a draft model of full-attention layers only: its catch-up pads rows
+    by up to a whole context, which only the ragged KV cache gives back at any length."""
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
+    if kinds:
+        return (
+            False,
+            f"a draft model must keep only KVCache layers, this one keeps {', '.join(kinds)}",
+        )
+    return True, ""
 
 
 def check_draft_compatible(target: Any, draft: Any) -> None:
@@ -135,12 +144,3 @@ def check_draft_compatible(target: Any, draft: Any) -> None:
         raise ValueError(
             "the draft model does not share the target's tokenizer: " + "; ".join(problems)
         )
-
-
-def load_draft(path: str | Path, target_tokenizer: Any, prefill_step_size: int = 512) -> DraftModel:
-    """Load a draft model, checking it shares `target_tokenizer`'s vocabulary."""
-    from mlx_lm import load
-
-    model, tokenizer = load(str(path))
-    check_draft_compatible(target_tokenizer, tokenizer)
-    return DraftModel(model, prefill_step_size)

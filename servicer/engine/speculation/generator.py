@@ -6,21 +6,21 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
+from ...messages import SpeculationFigures
 from .batch import SpeculativeGenerationBatch, Speculator
-from .config import SpeculationConfig, SpeculationCounters, SpeculationStats
-from .draft_model import load_draft
+from .config import SpeculationConfig, SpeculationCounters
 from .drafts import DraftSource
-from .ngram import PromptLookup
-from .support import speculation_supported
+from .support import padding_inert, speculation_supported
 
 
 class SpeculativeBatchGenerator(BatchGenerator):
     """A BatchGenerator whose generation batch speculates.
 
     Prefill is mlx-lm's: prompts that finish it build a plain GenerationBatch, which the
-    speculating batch folds in with `extend`. insert/next/remove/extract_cache behave as in
-    mlx-lm; `next()` may return several responses for one uid in one step, in order, the
-    last one carrying the finish reason, `prompt_cache` and `all_tokens`.
+    speculating batch folds in with `extend` (its caches become ones that roll back per
+    row). insert/next/remove/extract_cache behave as in mlx-lm; `next()` may return several
+    responses for one uid in one step, in order, the last one carrying the finish reason,
+    `prompt_cache` and `all_tokens`.
     """
 
     def __init__(
@@ -40,36 +40,20 @@ class SpeculativeBatchGenerator(BatchGenerator):
             self.close()
             raise ValueError(f"speculative decoding is not supported: {reason}")
         self._speculator = Speculator(
-            source, speculation or SpeculationConfig(), counters or SpeculationCounters()
+            source,
+            speculation or SpeculationConfig(),
+            counters or SpeculationCounters(),
+            padding_inert=padding_inert(model),
         )
         self._generation_batch = SpeculativeGenerationBatch.start(
             self.model, self.sampler, self._speculator
         )
 
     @property
-    def speculation(self) -> SpeculationStats:
+    def speculation(self) -> SpeculationFigures:
         """The counters so far (a snapshot; read it on the engine thread)."""
         return self._speculator.counters.snapshot()
 
     @property
     def speculation_config(self) -> SpeculationConfig:
         return self._speculator.config
-
-
-def make_source(
-    kind: str,
-    *,
-    draft_model: str | None = None,
-    tokenizer: Any = None,
-    ngram_sizes: tuple[int, ...] = (3, 2),
-    prefill_step_size: int = 512,
-) -> DraftSource:
-    """The draft source an engine setting names: "ngram" (prompt lookup) or "draft" (a
-    draft model directory, checked against the target's `tokenizer`)."""
-    if kind == "ngram":
-        return PromptLookup(ngram_sizes)
-    if kind == "draft":
-        if draft_model is None or tokenizer is None:
-            raise ValueError("a draft-model source needs the draft model's path and the tokenizer")
-        return load_draft(draft_model, tokenizer, prefill_step_size)
-    raise ValueError(f"unknown draft source {kind!r} (known: ngram, draft)")

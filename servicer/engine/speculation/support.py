@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any
 
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+
+def _rolls_back(cache: Any) -> bool:
+    """Full attention, a sliding window (no kept sink tokens) or recurrent state."""
+    if type(cache) is RotatingKVCache:
+        return cache.keep == 0
+    return type(cache) in (KVCache, ArraysCache)
 
 
 def speculation_supported(model: Any, max_kv_size: int | None = None) -> tuple[bool, str]:
-    """(True, "") when every layer keeps a plain KVCache, which batches as a BatchKVCache
-    that rolls back per row. Recurrent state (ArraysCache), sliding windows
-    (RotatingKVCache) and other kinds cannot be cut back to an accepted prefix here, so
-    such models are refused (snapshot-and-replay is not implemented)."""
+    """(True, "") when every layer's batched cache rolls back per row (caches.py: full
+    attention, sliding window, recurrent state); otherwise the kinds that cannot, named."""
     if max_kv_size is not None:
-        return False, "max_kv_size makes rotating caches, which cannot roll back"
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
+        return False, "max_kv_size keeps attention sink tokens, which the batch cannot roll back"
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if not _rolls_back(c)})
     if kinds:
         return False, (
             f"the model keeps {', '.join(kinds)} layers, which cannot roll back to an accepted "
-            "prefix; speculation needs every layer to keep a plain KVCache"
+            "prefix (full attention, sliding-window and recurrent layers can)"
         )
     return True, ""
+
+
+def padding_inert(model: Any) -> bool:
+    """Whether the model's recurrent layers honour per-row lengths (`ArraysCache.lengths`,
+    as mlx-lm's Qwen3-Next, Qwen3.5 and Mamba 2 do), so right padding in a
+    verify leaves a row's state alone. Where not, rows with padding replay their tokens."""
+    module = sys.modules.get(type(model).__module__)
+    try:
+        return module is not None and "cache.lengths" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False

@@ -8,9 +8,6 @@ draft d then has probability p(d), and after a rejection the draw is distributed
 d removed and renormalised: the speculative-sampling rule for a one-hot draft distribution.
 Because the draws use the row's keys in order (`keys_ahead`, then `consume` of only what was
 kept), a seeded row emits the very tokens it emits without speculation.
-
-`accept_sampled` is the general rule for a draft distribution q (kept for draft sources
-that sample).
 """
 
 from __future__ import annotations
@@ -72,24 +69,3 @@ def accepted_prefix(drafts: Sequence[int], chosen: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def accept_sampled(
-    p: mx.array, q: mx.array, drafts: Sequence[int], key: mx.array
-) -> tuple[int, mx.array]:
-    """Speculative sampling for a sampled draft: `p` (K+1, V) target and `q` (K, V) draft
-    probabilities, `drafts` the K draft tokens drawn from q. Accepts draft j with probability
-    min(1, p(d)/q(d)); at the first rejection draws from max(0, p - q) renormalised; after
-    K acceptances draws the bonus token from p[K]. Returns (accepted count, next token)."""
-    k = len(drafts)
-    u_key, draw_key = mx.random.split(key)
-    index = mx.array(list(drafts), dtype=mx.uint32)
-    rows = mx.arange(k)
-    p_d, q_d = p[rows, index], q[rows, index]
-    accept = mx.random.uniform(shape=(k,), key=u_key) * q_d < p_d
-    # Every position's fallback draw at once, so one evaluation decides everything.
-    residual = mx.concatenate([mx.maximum(p[:k] - q, 0.0), p[k:]], axis=0)
-    draws = mx.random.categorical(mx.log(residual), key=draw_key)
-    accept_list = accept.tolist()
-    n = accepted_prefix([True] * k, accept_list)
-    return n, draws[n]

@@ -1,0 +1,145 @@
+"""Speculation on every cache kind: sliding-window layers (demo gemma3, window 16), recurrent
+layers (demo hybrid: Gated DeltaNet beside attention) and quantized KV. Randomized prompts
+that cross the window, greedy and seeded, rows joining and leaving mid-speculation: the
+same tokens as mlx-lm's own BatchGenerator without speculation."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from spec_support import (
+    Job,
+    Oracle,
+    drive,
+    generator_kwargs,
+    passages,
+    plain_generator,
+)
+
+from servicer.demo_model import demo_model_path
+from servicer.engine.quantized_kv import make_row_cache
+from servicer.engine.sampling import SeededSampler
+from servicer.engine.speculation import (
+    PromptLookup,
+    SpeculationConfig,
+    SpeculativeBatchGenerator,
+)
+from servicer.messages import SamplingSpec
+
+KINDS = ["gemma3", "hybrid"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def kind_model(request) -> tuple[str, Any, Any]:
+    from mlx_lm import load
+
+    model, tokenizer = load(str(demo_model_path(request.param)))
+    return request.param, model, tokenizer
+
+
+def random_jobs(tokenizer: Any, seed: int, batch: int, **extra: Any) -> list[Job]:
+    """`batch` rows from the start, more joining while others speculate, one removed early;
+    prompts of random passages cut at random lengths (20-150 tokens: most cross the
+    16-token window), random max_tokens."""
+    rng = random.Random(seed)
+    texts = passages()
+    jobs = []
+    for i in range(batch if batch == 1 else batch + 2):
+        text = texts[rng.randrange(len(texts))]
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        start = rng.randrange(max(1, len(ids) - 150))
+        prompt = ids[start : start + rng.randint(20, 150)]
+        prompt = prompt + prompt[: len(prompt) // 2]  # something for prompt lookup to find
+        join = 0 if i < batch else rng.randint(2, 9)
+        jobs.append(Job(f"r{i}", prompt, rng.randint(12, 40), join_at=join, **extra))
+    if batch > 1:
+        jobs[1].remove_after = 7
+    return jobs
+
+
+def speculating(model: Any, source: Any, **config: Any) -> SpeculativeBatchGenerator:
+    config.setdefault("costed", False)  # draft whenever a row can: these test exactness
+    config.setdefault("max_rows", 16)
+    return SpeculativeBatchGenerator(
+        model, source=source, speculation=SpeculationConfig(**config), **generator_kwargs()
+    )
+
+
+def assert_same(plain: dict, spec: dict) -> None:
+    for name, want in plain.items():
+        got = spec[name]
+        if want.removed:
+            n = min(len(want.tokens), len(got.tokens))
+            assert got.tokens[:n] == want.tokens[:n], name
+            continue
+        assert got.tokens == want.tokens, name
+        assert (got.finish, got.all_tokens) == (want.finish, want.all_tokens), name
+
+
+def references(jobs: list[Job], results: dict) -> list[list[int]]:
+    return [job.prompt + results[job.name].tokens for job in jobs]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_identical(kind_model, batch, seed):
+    _, model, tokenizer = kind_model
+    jobs = random_jobs(tokenizer, seed, batch)
+    plain = drive(plain_generator(model), jobs)
+    oracle = speculating(model, Oracle(references(jobs, plain)))
+    assert_same(plain, drive(oracle, random_jobs(tokenizer, seed, batch)))
+    stats = oracle.speculation
+    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted  # rollbacks happened
+    lookup = speculating(model, PromptLookup())
+    assert_same(plain, drive(lookup, random_jobs(tokenizer, seed, batch)))
+    assert lookup.speculation.drafted > 0
+
+
+def test_seeded_identical_with_rows_joining(kind_model):
+    """Seeded rows draw what they draw without speculation, rows joining mid-way."""
+    _, model, tokenizer = kind_model
+
+    def jobs() -> list[Job]:
+        out = random_jobs(tokenizer, 5, 2)
+        specs = [SamplingSpec(temperature=0.8, seed=20 + i, top_k=30) for i in range(len(out))]
+        for job, spec in zip(out, specs, strict=True):
+            job.sampler = SeededSampler(spec, 512)
+        return out
+
+    plain = drive(plain_generator(model), jobs())
+    generator = speculating(model, Oracle(references(jobs(), plain)))
+    assert_same(plain, drive(generator, jobs()))
+    stats = generator.speculation
+    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
+
+
+def test_finished_rows_carry_caches_that_continue_exactly(kind_model):
+    """A finished row's cache (what the prefix store keeps) holds exactly its tokens: the
+    same greedy continuation follows from it as from a cold prefill."""
+    _, model, tokenizer = kind_model
+    jobs = random_jobs(tokenizer, 3, 1)
+    plain = drive(plain_generator(model), jobs)
+    spec = drive(speculating(model, Oracle(references(jobs, plain))), random_jobs(tokenizer, 3, 1))
+    done = spec["r0"]
+    assert done.all_tokens == jobs[0].prompt + done.tokens
+    extra = done.tokens[-1]
+    more = [Job("more", [extra], 10, caches=lambda: done.cache)]
+    cold = [Job("more", [*done.all_tokens, extra], 10)]
+    assert drive(plain_generator(model), more)["more"].tokens == (
+        drive(plain_generator(model), cold)["more"].tokens
+    )
+
+
+def test_quantized_kv_identical(kind_model):
+    """--kv-bits: quantized attention rows roll back like plain ones."""
+    _, model, tokenizer = kind_model
+
+    def jobs() -> list[Job]:
+        return random_jobs(tokenizer, 7, 2, caches=lambda: make_row_cache(model, 8, 32))
+
+    plain = drive(plain_generator(model), jobs())
+    generator = speculating(model, Oracle(references(jobs(), plain)))
+    assert_same(plain, drive(generator, jobs()))
+    assert 0 < generator.speculation.accepted < generator.speculation.drafted
