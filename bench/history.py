@@ -213,7 +213,8 @@ def verdict(
         failed = ours.get("failed")
         problems = []
         if failed:
-            problems.append(f"failed: {failed}")
+            first = str(failed).strip().splitlines()[0] if str(failed).strip() else "?"
+            problems.append(f"failed: {first[:160]}")
         if errors:
             problems.append(f"{errors} errors")
         if vetoes:

@@ -313,6 +313,18 @@ def measure(args: argparse.Namespace, model_dir: Path, out: Path) -> list[dict[s
                         after = raw.run(level, shape, **raw_length(level))
                         result["raw"] = _raw_metrics([before, after])
                     results.append(result)
+    except RuntimeError as error:
+        # A worker, router or the raw engine that does not come up or dies: the night still
+        # ends with a record and a verdict, its remaining runs failed (a regression).
+        log(f"the night stopped: {error}")
+        done = {(r["scenario"], r["concurrency"]) for r in results}
+        failed = {"failed": str(error)[-1000:], "vetoes": 0}
+        results += [
+            {"scenario": s, "concurrency": c, **{system: failed for system in systems}}
+            for s in args.scenarios
+            for c in args.levels
+            if (s, c) not in done
+        ]
     finally:
         for served in reversed(started):
             served.router.stop()
@@ -503,6 +515,7 @@ def html_page(
         for p in trends
     )
     m = record["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in record["versions"].items() if v)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>mlx-grpc-worker nightly {e(record["date"])}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
@@ -511,7 +524,7 @@ td,th{{border:1px solid #ccc;padding:2px 6px;font-size:90%}}</style></head><body
 <p>Commit {e(str(record.get("commit")))}{" (dirty)" if record.get("dirty") else ""};
 model {e(record["model"])}; {"quick" if record.get("quick") else "full"} run;
 {e(str(m.get("cpu")))}, {m.get("cores")} cores, GPU {e(str(m.get("gpu")))},
-{m.get("memory_gib")} GiB; versions {e(json.dumps(record["versions"]))}.</p>
+{m.get("memory_gib")} GiB; {e(versions)}.</p>
 <p>Ratios are ours' speed ÷ the reference's (higher is better: tok/s ours ÷ reference, times
 reference ÷ ours), judged against the last {verdict.window} nights of this machine, model and
 mode ({verdict.nights} found). History: <code>{e(str(history_path))}</code>;

@@ -224,3 +224,14 @@ def test_one_real_night_through_the_router(tmp_path: Path) -> None:
     (only,) = night["results"]
     assert only["ours"]["errors"] == 0 and only["ours"]["requests"] == 2
     assert 0 < only["ratio"]["raw"]["tok_s"] < 10
+
+
+@pytest.mark.skipif(not GENAI_VENV.exists(), reason="genai-bench's venv is not installed")
+def test_a_worker_that_does_not_start_is_a_recorded_regression(tmp_path: Path) -> None:
+    broken = tmp_path / "model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    argv = ["--quick", "--model", str(broken), "--history", str(tmp_path / "h.jsonl")]
+    assert nightly.main([*argv, "--out", str(tmp_path / "out")]) == 1
+    (night,) = history.read_history(tmp_path / "h.jsonl")
+    assert [r["ours"]["failed"][:22] for r in night["results"]] == ["mlx-grpc-worker exited"] * 2
