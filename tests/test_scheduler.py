@@ -241,3 +241,39 @@ def test_a_line_held_back_by_memory_does_not_widen():
         scheduler.enqueue([_prompt(100 + step, 40)], now=0.1 * step)
         assert scheduler.schedule(decoding, now=1.0 + step).admits == []
     assert scheduler.widening.factor == 1.0
+
+
+def _memory_bound_cost() -> PrefillCost:
+    """A prefill call reads all the weights (100 ms) before its 3 ms a token: the real model
+    on this CPU, whose decode step takes about 230 ms for 1 row as for 8."""
+    cost = PrefillCost()
+    for n in (8, 16, 32, 64, 128, 256) * 4:
+        cost.observe(PrefillSample(1, n, 0, 0.1 + 0.003 * n))
+    return cost
+
+
+def test_on_a_memory_bound_model_a_short_prompt_is_prefilled_in_one_call():
+    scheduler = _budgeted(_memory_bound_cost())
+    scheduler.enqueue([_prompt(1, 129)])
+    decoding = BatchView(rows=7, first_tokens_due=False, decode_step_s=0.23)
+    choice = scheduler.schedule(decoding)
+    # Split to fit one decode step it took three calls, three weight reads.
+    assert [a.request.ticket for a in choice.admits] == [1]
+    assert choice.chunk == 128
+    assert scheduler.budget_s > 0.23  # planned past the base budget, so not over it
+
+
+def test_on_a_memory_bound_model_prompts_waiting_together_share_one_call():
+    scheduler = _budgeted(_memory_bound_cost())
+    scheduler.enqueue([_prompt(1, 65), _prompt(2, 65)])
+    decoding = BatchView(rows=6, first_tokens_due=False, decode_step_s=0.23)
+    choice = scheduler.schedule(decoding)
+    assert [a.request.ticket for a in choice.admits] == [1, 2]
+    assert choice.chunk == 64
+
+
+def test_on_a_fast_model_the_allowance_leaves_a_long_prompt_split():
+    scheduler = _budgeted(_linear_cost(5e-4))
+    scheduler.enqueue([_prompt(1, 400)])
+    choice = scheduler.schedule(BatchView(rows=4, first_tokens_due=False, decode_step_s=0.003))
+    assert 32 <= choice.chunk <= 110

@@ -148,6 +148,24 @@ def step_capacity(
     return max(policy.min_chunk, min(policy.step_tokens, tokens))
 
 
+# A step may take this many decode steps' time past its budget to finish every prompt in its
+# prefill call rather than split them: on a memory-bound model each further call reads all the
+# weights again (about a decode step, for 1 row as for 8) and each prompt's first token waits
+# a step longer. On a fast model (a decode step of a few ms) this barely moves the budget.
+FINISH_DECODE_STEPS = 2.0
+
+
+def finish_budget(budget_s: float, decode_step_s: float) -> float:
+    """The seconds a step's prefill may take when it finishes every prompt in it at once."""
+    return budget_s + FINISH_DECODE_STEPS * decode_step_s
+
+
+def finishes_within(rows: list[int], capacity: int) -> bool:
+    """Whether prompts needing `rows` tokens each finish in one call of `capacity` tokens
+    (summed over rows, padding included)."""
+    return not rows or len(rows) * max(rows) <= capacity
+
+
 def can_join(rows: list[int], remaining: int, capacity: int, min_chunk: int) -> bool:
     """Whether a prompt needing `remaining` tokens may start its prefill beside `rows` (the
     remaining tokens of those already in prefill) this step: it finishes within its share of

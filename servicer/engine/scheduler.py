@@ -28,6 +28,8 @@ from .prefill import (
     Widening,
     can_join,
     chunk_for,
+    finish_budget,
+    finishes_within,
     step_budget,
     step_capacity,
 )
@@ -151,6 +153,10 @@ class Scheduler:
         capacity = step_capacity(
             policy, self.cost, batch.decoding, context, self.budget_s, batch.starting
         )
+        # What the step may take instead to finish every prompt in prefill at once (see
+        # prefill.FINISH_DECODE_STEPS): one call, not several weight reads.
+        finish_s = finish_budget(self.budget_s, batch.decode_step_s)
+        finish = step_capacity(policy, self.cost, batch.decoding, context, finish_s, batch.starting)
         min_chunk = policy.min_chunk
         rows = [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
@@ -174,7 +180,12 @@ class Scheduler:
             if looked is None:
                 continue  # its prefix is still being read from disk
             need, remaining = looked
-            if policy.budgeted and rows and not can_join(rows, remaining, capacity, min_chunk):
+            if (
+                policy.budgeted
+                and rows
+                and not finishes_within([*rows, remaining], finish)
+                and not can_join(rows, remaining, capacity, min_chunk)
+            ):
                 continue  # too long to start beside the prompts in prefill now
             self._leave_line(request)
             self._reserved += need
@@ -182,7 +193,12 @@ class Scheduler:
             rows.append(remaining)
         if not policy.budgeted:
             return StepChoice(admits, policy.step_tokens, False, failed)
-        chunk = chunk_for([r for r in rows if r > 0], capacity, min_chunk)
+        left = [r for r in rows if r > 0]
+        if left and finishes_within(left, finish):
+            if batch.decoding:
+                self.budget_s = finish_s  # planned past the base budget, on purpose
+            return StepChoice(admits, max(left), widen > 1.0 and batch.decoding, failed)
+        chunk = chunk_for(left, capacity, min_chunk)
         return StepChoice(admits, chunk, widen > 1.0 and batch.decoding, failed)
 
     def _look(self, request: GenerationRequest, occupied: bool) -> tuple[int, int] | object | None:
