@@ -135,6 +135,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the sweep also measures our worker with --max-prefill-stall-ms 0, in the same run",
     )
     parser.add_argument(
+        "--sweep-cache-off",
+        action="store_true",
+        help="the sweep also measures our worker with --prompt-cache-size 0, in the same run",
+    )
+    parser.add_argument(
         "--worker-flags",
         default="",
         help="extra flags for our worker, e.g. '--stream-interval 4' (recorded in the report)",
@@ -251,6 +256,8 @@ class Suite:
             self.run["sweep"]["smg"] = []
         if args.sweep_budget_off:
             self.run["sweep"]["ours_off"] = []
+        if args.sweep_cache_off:
+            self.run["sweep"]["ours_nocache"] = []
 
     # ----- workers -----
 
@@ -262,6 +269,10 @@ class Suite:
             found.append(
                 ("ours_off", our_worker(self.model, self.batch, self.log_dir, f"{tag}-off", off))
             )
+        if "ours_nocache" in self.run["sweep"]:
+            nocache = [*flags, "--prompt-cache-size", "0"]
+            worker = our_worker(self.model, self.batch, self.log_dir, f"{tag}-nocache", nocache)
+            found.append(("ours_nocache", worker))
         if self.smg_python is not None:
             found.append(
                 ("smg", smg_worker(self.smg_python, self.model, self.batch, self.log_dir, tag))

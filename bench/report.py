@@ -29,9 +29,16 @@ LABELS = {
     RAW: "raw BatchGenerator",
     "ours": "mlx-grpc-worker",
     "ours_off": "mlx-grpc-worker, budget off",
+    "ours_nocache": "mlx-grpc-worker, prompt cache off",
     "smg": "smg-grpc-servicer",
 }
-COLORS = {RAW: "#555555", "ours": "#1f77b4", "ours_off": "#9ecae1", "smg": "#d62728"}
+COLORS = {
+    RAW: "#555555",
+    "ours": "#1f77b4",
+    "ours_off": "#9ecae1",
+    "ours_nocache": "#2ca02c",
+    "smg": "#d62728",
+}
 
 Run = dict[str, Any]
 
@@ -107,7 +114,8 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def _workers(run: Run) -> list[str]:
-    return [name for name in ("ours", "ours_off", "smg") if name in run["sweep"]]
+    names = ("ours", "ours_off", "ours_nocache", "smg")
+    return [name for name in names if name in run["sweep"]]
 
 
 def _ratio(value: float | None, ceiling: float | None) -> float | None:
