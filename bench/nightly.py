@@ -8,11 +8,11 @@
 
 The scenario set is fixed: genai-bench D(100,100) and D(1000,100) at concurrency 1, 4 and 16
 through the real `smg` router to our worker (bench/genai.py's router and genai-bench runner).
-`--quick` runs D(100,100) at 1 and 4 with a few requests.
+`--quick` runs D(100,100) at 1 and 4 with 32 requests each (about 1.5 minutes on the demo model).
 
-Before each (scenario, level) the raw engine (bench/raw.py: mlx-lm's BatchGenerator with the
-worker's batch settings, no server) runs the same shape and concurrency, so every number of
-ours also has a ratio to a reference measured a minute apart on the same machine; with
+Before and after each (scenario, level) the raw engine (bench/raw.py: mlx-lm's BatchGenerator
+with the worker's batch settings, no server) runs the same shape and concurrency, so every
+number of ours also has a ratio to a reference measured seconds apart on the same machine; with
 `--side-by-side` smg-grpc-servicer's MLX servicer, behind its own router, runs right after
 ours. The ratios (bench/history.py) are what the verdict judges: they cancel the drift of the
 machine's speed from night to night.
