@@ -1,6 +1,6 @@
 """Speculative decoding through the real server: outputs exactly as without it (greedy, seeded,
 stop tokens and strings, max_tokens, grammars, aborts), rows joining while others speculate,
-a draft model that must share the tokenizer, and models that keep it off."""
+a draft model that must share the tokenizer, and sliding-window and recurrent models."""
 
 from __future__ import annotations
 
@@ -166,19 +166,23 @@ def test_a_draft_model_with_another_tokenizer_is_refused_at_startup(demo_dir, tm
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "gemma3"])
-def test_models_whose_state_cannot_roll_back_keep_it_off_and_say_why(kind, caplog):
+def test_sliding_window_and_recurrent_models_speculate_with_identical_output(kind, caplog):
+    """No startup refusal: the demo gemma3 (window 16, crossed by every prompt) and hybrid
+    speculate through the server, the same prompt twice (the second a prefix-cache hit
+    with the window's and the recurrent state's snapshots), as without speculation."""
     model_dir = demo_model_path(kind)
     reference = Reference(model_dir)
-    prompt = _copying_prompts(reference)[0]
+    prompts = _copying_prompts(reference)[:2]
     caplog.set_level(logging.WARNING, logger="servicer.engine")
     config = replace(
         demo_config(model_dir, speculate="ngram", speculate_costed=False), engine_mode="thread"
     )
     with ServerThread(config) as running, running.channel() as chan:
-        outcome = _greedy(chan, prompt)
-        assert running.server.servicer.figures().speculation is None
-    assert outcome.tokens == reference.greedy(prompt, N)
-    assert any("speculative decoding stays off" in r.getMessage() for r in caplog.records)
+        outcomes = [_greedy(chan, p) for p in (*prompts, prompts[0])]
+        figures = running.server.servicer.figures().speculation
+    assert [o.tokens for o in outcomes] == [reference.greedy(p, N) for p in (*prompts, prompts[0])]
+    assert figures is not None and figures.drafted > 0
+    assert not any("stays off" in r.getMessage() for r in caplog.records)
 
 
 def test_stream_interval_and_concurrency_with_speculation(demo_dir, reference, copying):
