@@ -267,3 +267,25 @@ def test_the_best_width_has_no_side_effects_and_waits_for_both_measurements():
     assert clock.best(1, 3, tokens) == 1  # the widest is measured, a plain step is not
     clock.record(1, 1, 0.01)
     assert [clock.best(1, 3, tokens) for _ in range(3)] == [1, 1, 1]  # no probing here
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_speculate_max_batch_below_one_is_an_error_naming_the_flag(value, capsys):
+    from servicer.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--speculate", "ngram", "--speculate-max-batch", value])
+    assert "--speculate-max-batch" in capsys.readouterr().err
+
+
+def test_the_startup_line_says_the_cap_counts_every_decoding_row(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from servicer.engine.parts import _speculation
+    from servicer.engine_config import EngineConfig
+
+    caplog.set_level(logging.INFO, logger="servicer.engine")
+    loaded = SimpleNamespace(model=SimpleNamespace(make_cache=lambda: [KVCache()]))
+    assert _speculation(EngineConfig(speculate="ngram"), loaded) is not None
+    assert any("counts every decoding row" in r.getMessage() for r in caplog.records)
