@@ -277,3 +277,24 @@ def test_on_a_fast_model_the_allowance_leaves_a_long_prompt_split():
     scheduler.enqueue([_prompt(1, 400)])
     choice = scheduler.schedule(BatchView(rows=4, first_tokens_due=False, decode_step_s=0.003))
     assert 32 <= choice.chunk <= 110
+
+
+def test_on_a_memory_bound_model_a_burst_as_large_as_the_batch_is_prefilled_whole():
+    scheduler = _budgeted(_memory_bound_cost())
+    scheduler.enqueue([_prompt(t, 129) for t in range(1, 25)])
+    # 8 rows just started decoding, 24 prompts wait: one call takes the next 8, as if idle.
+    choice = scheduler.schedule(BatchView(rows=8, first_tokens_due=False, decode_step_s=0.23))
+    assert [a.request.ticket for a in choice.admits] == list(range(1, 9))
+    assert choice.chunk == 128 and scheduler.bulk  # every one of them finishes in the call
+    assert not scheduler.over_budget(PrefillSample(8, 128, 0, 3.0))
+
+
+def test_a_lone_arrival_or_a_fast_model_keeps_the_budget():
+    lone = _budgeted(_memory_bound_cost())
+    lone.enqueue([_prompt(1, 4000)])
+    choice = lone.schedule(BatchView(rows=1, first_tokens_due=False, decode_step_s=0.23))
+    assert choice.chunk < 300 and not lone.bulk
+    fast = _budgeted(_linear_cost(5e-4))
+    fast.enqueue([_prompt(t, 400) for t in range(1, 25)])
+    choice = fast.schedule(BatchView(rows=8, first_tokens_due=False, decode_step_s=0.003))
+    assert choice.chunk < 399 and not fast.bulk  # split, the budget widened by the queue

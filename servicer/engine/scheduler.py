@@ -35,6 +35,7 @@ from .prefill import (
 )
 
 _MEMORY_FULL = object()
+BULK_MIN_WAITING = 2  # a lone arrival never stalls the decoding rows past the budget
 
 
 def _describe(exc: Exception) -> str:
@@ -112,6 +113,7 @@ class Scheduler:
         self.cost = PrefillCost()
         self.widening = Widening()
         self.budget_s = self._policy.max_stall_s  # the budget the last step was planned with
+        self.bulk = False  # the last step was planned without it (see `_bulk`)
 
     @property
     def waiting(self) -> int:
@@ -150,13 +152,15 @@ class Scheduler:
         widen = self._widen(batch, now)
         self.budget_s = step_budget(policy, widen, batch.decode_step_s)
         context = max((row.context for row in batch.prefilling), default=0)
+        decoding = batch.decoding and not self._bulk(batch)
+        self.bulk = batch.decoding and not decoding
         capacity = step_capacity(
-            policy, self.cost, batch.decoding, context, self.budget_s, batch.starting
+            policy, self.cost, decoding, context, self.budget_s, batch.starting
         )
         # What the step may take instead to finish every prompt in prefill at once (see
         # prefill.FINISH_DECODE_STEPS): one call, not several weight reads.
         finish_s = finish_budget(self.budget_s, batch.decode_step_s)
-        finish = step_capacity(policy, self.cost, batch.decoding, context, finish_s, batch.starting)
+        finish = step_capacity(policy, self.cost, decoding, context, finish_s, batch.starting)
         min_chunk = policy.min_chunk
         rows = [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
@@ -195,11 +199,23 @@ class Scheduler:
             return StepChoice(admits, policy.step_tokens, False, failed)
         left = [r for r in rows if r > 0]
         if left and finishes_within(left, finish):
-            if batch.decoding:
+            if decoding:
                 self.budget_s = finish_s  # planned past the base budget, on purpose
-            return StepChoice(admits, max(left), widen > 1.0 and batch.decoding, failed)
+            return StepChoice(admits, max(left), widen > 1.0 and decoding, failed)
         chunk = chunk_for(left, capacity, min_chunk)
-        return StepChoice(admits, chunk, widen > 1.0 and batch.decoding, failed)
+        return StepChoice(admits, chunk, widen > 1.0 and decoding, failed)
+
+    def _bulk(self, batch: BatchView) -> bool:
+        """Whether this step prefills as if nothing decoded: on a model whose decode step
+        outlasts the budget (memory-bound: a step takes about as long for 1 row as for 32,
+        so the budget bounds no stall there anyway) while at least as many prompts wait as
+        rows decode. Every split then costs another read of the weights, and every step a
+        prompt waits costs it a token the step would have made for nothing; the stall the
+        decoding rows take is the same prefill work either way."""
+        policy = self._policy
+        decoding_rows = batch.rows - len(batch.prefilling)
+        slow = batch.decode_step_s >= policy.max_stall_s
+        return policy.budgeted and slow and self.waiting >= max(BULK_MIN_WAITING, decoding_rows)
 
     def _look(self, request: GenerationRequest, occupied: bool) -> tuple[int, int] | object | None:
         """(bytes it reserves, prompt tokens it must prefill) for a request that may join;
@@ -230,7 +246,7 @@ class Scheduler:
 
     def over_budget(self, sample: PrefillSample) -> bool:
         """Whether a step's prefill took longer than the budget it was planned with."""
-        return self._policy.budgeted and sample.seconds > self.budget_s
+        return self._policy.budgeted and not self.bulk and sample.seconds > self.budget_s
 
     def release(self, reserved: int) -> None:
         """An admitted request left the batch."""
