@@ -222,7 +222,8 @@ def test_one_real_night_through_the_router(tmp_path: Path) -> None:
     assert nightly.main(argv) == 0
     (night,) = history.read_history(tmp_path / "h.jsonl")
     (only,) = night["results"]
-    assert only["ours"]["errors"] == 0 and only["ours"]["requests"] == 2
+    # genai-bench stops at the limit, but requests already under way finish and count.
+    assert only["ours"]["errors"] == 0 and only["ours"]["requests"] >= 2
     assert 0 < only["ratio"]["raw"]["tok_s"] < 10
 
 
