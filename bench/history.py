@@ -39,12 +39,13 @@ class Metric:
 
 
 # The margins: how much worse than the worst of the recent nights a ratio may be, as a share of
-# it. Set from the spread seen on the shared 2-core test machine, where two back-to-back quick
-# runs of one commit moved tok/s, TPOT and E2E ratios by up to 35 % (ours is three processes,
-# router and client included, and feels the neighbours' load more than the raw engine does);
-# TTFT, one prefill per request, swings more, and its p99 (the worst of a few dozen) most. A
-# slower worker still shows: 3 ms more per step cut these ratios by 70-78 %. On a quiet
-# dedicated machine `--margin 0.15` catches smaller regressions.
+# it. Set from the spread seen on the shared 2-core test machine: two back-to-back quick runs
+# of one commit moved tok/s, TPOT and E2E ratios by up to 35 % while neighbours ran (ours is
+# three processes, router and client included, and feels their load more than the raw engine
+# does), by 5 % on a quiet machine; TTFT, one prefill per request, swings more, and its p99
+# (the worst of a few dozen) most (38 % on the quiet one). A slower worker still shows: 3 ms
+# more per step cut these ratios by 67-79 %. On a quiet dedicated machine `--margin 0.15`
+# catches smaller regressions.
 METRICS: dict[str, Metric] = {
     "tok_s": Metric("tok/s", True, 0.40),
     "ttft_p50": Metric("TTFT p50", False, 0.50),
