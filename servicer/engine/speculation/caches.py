@@ -215,6 +215,29 @@ class RaggedKVCache(_BaseCache):
         self._mark = list(self._end)
         self._sync()
 
+    def put_row(self, idx: int, row: KVCache | None) -> None:
+        """Row idx holds `row`'s tokens (a single-sequence cache, as `extract` gives), or
+        none: a row that catches up on its own leaves and rejoins the batch this way."""
+        n = 0 if row is None or row.keys is None else row.offset
+        if n:
+            new = (row.keys[..., :n, :], row.values[..., :n, :])
+            rows, width = len(self._end), 0 if self.keys is None else _width(self.keys)
+            if n > width:
+                room = (n + self.step - 1) // self.step * self.step
+
+                def widen(b: mx.array | None, x: mx.array) -> mx.array:
+                    shape = (rows, x.shape[1], room - (0 if b is None else b.shape[2]), x.shape[3])
+                    pad = mx.zeros(shape, x.dtype)
+                    return pad if b is None else mx.concatenate([b, pad], axis=2)
+
+                self.keys, self.values = widen(self.keys, new[0]), widen(self.values, new[1])
+            self.keys[idx : idx + 1, :, :n, :] = new[0]
+            self.values[idx : idx + 1, :, :n, :] = new[1]
+            self._start[idx] = 0
+        self._end[idx] = self._start[idx] + n
+        self._mark[idx] = self._end[idx]
+        self._sync()
+
     def _row(self, idx: int) -> tuple[KV, KV]:
         start, end = self._start[idx], self._end[idx]
         return tree_map(
@@ -540,7 +563,3 @@ def adopt(layer: Any, extra: int, padding_inert: bool = True) -> Any:
     if isinstance(layer, ArraysCache):
         return RecurrentCache.adopt(layer, padding_inert)
     raise TypeError(f"{type(layer).__name__} cannot roll back per row")
-
-
-ROLLS_BACK = (KVCache, QuantizedRowCache, RotatingKVCache, ArraysCache)
-"""Single-sequence kinds whose batches `adopt` turns into caches that roll back."""
