@@ -52,6 +52,17 @@ def test_stops_are_at_least_the_gap_apart_and_a_shared_prefix_still_counts() -> 
     assert points == [300]
 
 
-def test_the_generation_prompts_markers_make_no_stop() -> None:
-    prompt = [BOS, *range(1000, 1400), END, TURN, 7, 8]
-    assert snapshot_points(prompt, 0, 4096, shared=0, specials=SPECIALS, min_gap=GAP) == []
+def test_the_last_turns_markers_make_no_stop_but_the_first_message_end_does() -> None:
+    prompt = [BOS, TURN, *range(1000, 1300), END, *range(2000, 2200), END, TURN, 7, 8]
+    first = 2 + 300 + 1
+    points = snapshot_points(prompt, 0, 4096, shared=0, specials=SPECIALS, min_gap=GAP)
+    assert points == [first]
+
+
+def test_a_system_message_before_a_short_question_still_ends_in_a_snapshot() -> None:
+    # What a second conversation with the same system message resumes from, however close
+    # to the prompt's end (the bench's "Question 0?" is a few tokens).
+    prompt = [BOS, TURN, *range(1000, 2500), END, TURN, 3000, 3001, END, TURN, 7, 8]
+    system_end = 2 + 1500 + 2
+    points = snapshot_points(prompt, 0, 4096, shared=0, specials=SPECIALS, min_gap=GAP)
+    assert points == [system_end]

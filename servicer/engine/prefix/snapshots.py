@@ -12,9 +12,9 @@ a rule) and the last two (the latest turns) are taken.
 Every point also costs a prefill call of its own: the prompt's prefill stops there, and on a
 memory-bound model each call reads all the weights (about a decode step), and rows that stop
 at different points fall out of step with each other. So a point must save at least `min_gap`
-tokens over the one before it (or the cached prefix), and a message end within MESSAGE_TAIL
-tokens of the prompt's end (the last turn's markers) is left to the finished request, which
-keeps the whole prompt and its output anyway.
+tokens over the one before it (or the cached prefix), and a message end other than the first
+within MESSAGE_TAIL tokens of the prompt's end (the last turn's markers) is left to the
+finished request, which keeps the whole prompt and its output anyway.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ def snapshot_points(
     points = set(range(interval, end, interval))
     if 0 < shared < end:
         points.add(shared)
-    points.update(p for p in message_ends(prompt, start, end, specials) if p + MESSAGE_TAIL < end)
+    ends = message_ends(prompt, start, end, specials)
+    # The first message end stays even right before the prompt's end: a system message
+    # followed by a short question is what a second conversation resumes from.
+    points.update(p for i, p in enumerate(ends) if i == 0 or p + MESSAGE_TAIL < end)
     chosen: list[int] = []
     for point in sorted(p for p in points if start < p < end):
         if point - (chosen[-1] if chosen else start) >= min_gap:
