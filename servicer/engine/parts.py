@@ -51,12 +51,13 @@ class Speculation:
     k_max: int = 4
     max_rows: int = 4
     costed: bool = True
+    catch_up_s: float = 0.0  # a draft model's catch-up a step (the prefill budget; 0: none)
 
     def source(self) -> DraftSource:
         """A fresh draft source (it keeps per-row state: one per generator)."""
         if self.kind == "draft":
             assert self.draft is not None
-            return DraftModel(self.draft)
+            return DraftModel(self.draft, catch_up_s=self.catch_up_s)
         return PromptLookup()
 
     def settings(self) -> SpeculationConfig:
@@ -210,6 +211,7 @@ def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | Non
         config.speculate_k,
         config.speculate_max_batch,
         config.speculate_costed,
+        config.max_prefill_stall_ms / 1000,
     )
 
 

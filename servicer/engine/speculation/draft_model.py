@@ -3,7 +3,9 @@ tokenizer, with its own batched cache beside the target's rows."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -11,33 +13,60 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .caches import RaggedKVCache
 
+_IN_BATCH = 32  # a row at most this far behind catches up in the batched draft pass
+_MIN_CHUNK = 16  # a lagging row's catch-up moves at least this much in a step
+
+
+@dataclass(slots=True)
+class _Lane:
+    """A row catching up on its own: its draft cache and the tokens it holds."""
+
+    cache: list[Any]
+    held: int
+
 
 class DraftModel:
     """Drafts K tokens for every row in K batched forwards of the draft model (its argmax,
     so the draft is deterministic and verification is exact for sampled rows too).
 
-    Its cache rolls back per row like the target's. A row's draft cache is built when
-    it joins (the draft runs over the row's tokens); steps without drafts do not run the
-    draft, so a row may lag: the next draft first runs it over what it missed.
+    Its cache rolls back per row like the target's. Rows join empty and steps without drafts
+    do not run the draft, so a row may lag: the next draft first runs it over what it
+    missed. A row a few tokens behind does so in the batched draft pass. One further behind
+    (one that just joined with its whole prompt) catches up alone, within the prefill budget:
+    at most `catch_up_s` of draft forwards a step, none in a step whose target prefills
+    prompts (the budget is theirs), and drafts nothing until it is through. It decodes as
+    without speculation meanwhile, so the running streams never wait for a long context's
+    catch-up. `catch_up_s = 0`: no budget, a row catches up at its first draft.
     """
 
-    def __init__(self, model: Any, prefill_step_size: int = 512) -> None:
+    def __init__(self, model: Any, prefill_step_size: int = 512, catch_up_s: float = 0.0) -> None:
         supported, reason = draft_supported(model)
         if not supported:
             raise ValueError(f"the draft model cannot speculate: {reason}")
         self.model = model
         self._step = prefill_step_size
+        self._catch_up_s = catch_up_s
         self._cache: list[Any] = []
-        self._held: list[int] = []  # tokens of each row the draft cache holds
-        self._fed: list[int] = []  # ... after the last `draft`, before `accepted`
-        self._k = 0  # draft length of the last `draft`
+        self._held: list[int] = []  # tokens of each row the batched draft cache holds
+        self._lanes: list[_Lane | None] = []  # rows catching up alone
+        self._base: list[int] = []  # each row's `_held` before the last `draft`'s drafts
+        self._drafting: list[bool] = []  # rows the last `draft` drafted for
+        self._k = 0  # draft length of the last `draft` (0: it fed no drafts)
+        self._paused = False  # this step prefills prompts: no catch-up
+        self._rate = 0.0  # seconds per catch-up token, lately (0: not measured yet)
+        self.catch_up_tokens = 0  # catch-up tokens the last `draft` ran alone
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self._cache)
+        lanes = sum(c.nbytes for lane in self._lanes if lane is not None for c in lane.cache)
+        return sum(c.nbytes for c in self._cache) + lanes
+
+    def begin_step(self, prefilling: bool) -> None:
+        """A generator step begins; `prefilling`: it prefills prompts too."""
+        self._paused = prefilling
 
     def extend(self, tokens: Sequence[list[int]]) -> None:
-        """Rows join empty: the draft runs over a row's tokens at its first draft (the
+        """Rows join empty: the draft runs over a row's tokens once it drafts (the
         catch-up), so a row that never drafts (the batch too large, drafts not paying)
         costs the draft nothing."""
         if not tokens:
@@ -49,6 +78,7 @@ class DraftModel:
             for mine, theirs in zip(self._cache, empty, strict=True):
                 mine.extend(theirs)
         self._held.extend(0 for _ in tokens)
+        self._lanes.extend(None for _ in tokens)
 
     def filter(self, keep: Sequence[int]) -> None:
         if not keep:
@@ -57,13 +87,26 @@ class DraftModel:
             for layer in self._cache:
                 layer.filter(list(keep))
         self._held = [self._held[i] for i in keep]
+        self._lanes = [self._lanes[i] for i in keep]
 
     def draft(
         self, tokens: Sequence[list[int]], pending: Sequence[int], ks: Sequence[int]
     ) -> list[list[int]]:
-        k = max(ks)
-        missing = [[*t[held:], y] for t, held, y in zip(tokens, self._held, pending, strict=True)]
+        self._catch_up_alone(tokens, ks)
+        ready = [
+            k > 0 and lane is None and len(t) - held <= _IN_BATCH
+            for t, held, lane, k in zip(tokens, self._held, self._lanes, ks, strict=True)
+        ]
+        self._base, self._drafting, self._k = list(self._held), ready, 0
+        if not any(ready):
+            return [[] for _ in tokens]
+        k = max(n for n, r in zip(ks, ready, strict=True) if r)
+        missing = [
+            [*t[held:], y] if r else []
+            for t, held, y, r in zip(tokens, self._held, pending, ready, strict=True)
+        ]
         token = mx.argmax(self._catch_up(missing), axis=-1)
+        self._base = [held + len(m) for held, m in zip(self._held, missing, strict=True)]
         for layer in self._cache:
             layer.checkpoint([k - 1] * len(missing))
         drafted = [token]
@@ -73,20 +116,73 @@ class DraftModel:
             drafted.append(token)
         rows = mx.stack(drafted, axis=1)
         mx.eval(rows)
-        # The cache now holds each context, its pending token and all drafts but the last.
-        self._fed = [len(t) + k for t in tokens]
+        # The ready rows' caches now hold each context, its pending token and all drafts
+        # but the last; the others' drafts-to-be are padding, rolled back in `accepted`.
         self._k = k
-        return [row[:n] for row, n in zip(rows.tolist(), ks, strict=True)]
+        return [row[:n] if r else [] for row, n, r in zip(rows.tolist(), ks, ready, strict=True)]
+
+    def _catch_up_alone(self, tokens: Sequence[list[int]], ks: Sequence[int]) -> None:
+        """Rows that want drafts but lag too far run their missing tokens alone (batch of
+        one, no padding), within this step's budget; a row that is through rejoins the
+        batched cache."""
+        budgeted = self._catch_up_s > 0
+        spent, ran = 0.0, 0
+        for i, (context, k) in enumerate(zip(tokens, ks, strict=True)):
+            lane = self._lanes[i]
+            if k == 0 or (lane is None and len(context) - self._held[i] <= _IN_BATCH):
+                continue
+            if lane is None:  # it leaves the batched cache with what it holds there
+                held = self._held[i]
+                caches = [layer.extract(i) for layer in self._cache] if held else None
+                lane = _Lane(caches or make_prompt_cache(self.model), held)
+                for layer in self._cache:
+                    layer.put_row(i, None)
+                self._held[i], self._lanes[i] = 0, lane
+            while lane.held < len(context):
+                if budgeted and self._paused:
+                    break
+                n = (
+                    self._chunk(self._catch_up_s - spent, first=ran == 0)
+                    if budgeted
+                    else self._step
+                )
+                n = min(n, len(context) - lane.held)
+                if n <= 0:
+                    break
+                started = time.perf_counter()
+                chunk = mx.array([context[lane.held : lane.held + n]], dtype=mx.uint32)
+                self.model(chunk, cache=lane.cache)
+                mx.eval([c.state for c in lane.cache])
+                took = time.perf_counter() - started
+                self._rate = took / n if self._rate == 0 else 0.5 * (self._rate + took / n)
+                spent, ran, lane.held = spent + took, ran + n, lane.held + n
+            if lane.held == len(context):  # through: back into the batched cache
+                for layer, mine in zip(self._cache, lane.cache, strict=True):
+                    layer.put_row(i, mine)
+                self._held[i], self._lanes[i] = lane.held, None
+        self.catch_up_tokens = ran
+
+    def _chunk(self, left_s: float, first: bool) -> int:
+        """Tokens the next catch-up forward may take in `left_s` seconds (at least a small
+        chunk in a step that ran none yet, so a lagging row always moves)."""
+        if self._rate == 0:
+            return _MIN_CHUNK
+        n = min(self._step, int(left_s / self._rate))
+        if n < _MIN_CHUNK:
+            return _MIN_CHUNK if first else 0
+        return n
 
     def _catch_up(self, missing: list[list[int]]) -> mx.array:
-        """Run each row's missing tokens (right-padded, in chunks); the logits after each
-        row's last one, (B, V)."""
+        """Run each row's missing tokens (right-padded, in chunks; a row with none feeds
+        only padding); the logits after each row's last one, (B, V)."""
         lengths = [len(m) for m in missing]
         width = max(lengths)
-        inputs = mx.array([m + m[-1:] * (width - len(m)) for m in missing], dtype=mx.uint32)
+        inputs = mx.array(
+            [m + (m[-1:] or [0]) * (width - len(m)) for m in missing], dtype=mx.uint32
+        )
         for layer in self._cache:
             layer.checkpoint(lengths)
-        last = mx.array([n - 1 for n in lengths])
+        last = mx.array([max(n - 1, 0) for n in lengths])
         picked = None
         for start in range(0, width, self._step):
             logits = self.model(inputs[:, start : start + self._step], cache=self._cache)
@@ -103,12 +199,14 @@ class DraftModel:
         return picked
 
     def accepted(self, kept: Sequence[int]) -> None:
+        if self._k == 0:  # the last `draft` fed no drafts
+            return
         # Drafts past the first k-1 were never run through the draft model.
-        fed = [min(n, self._k - 1) for n in kept]
+        fed = [min(n, self._k - 1) if r else 0 for n, r in zip(kept, self._drafting, strict=True)]
         for layer in self._cache:
             layer.rollback(fed)
-        drop = self._k - 1
-        self._held = [f - drop + n for f, n in zip(self._fed, fed, strict=True)]
+        self._held = [base + f for base, f in zip(self._base, fed, strict=True)]
+        self._k = 0
 
 
 def draft_supported(model: Any) -> tuple[bool, str]:

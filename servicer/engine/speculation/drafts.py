@@ -3,6 +3,10 @@
 Rows are positional, as in mlx-lm's `GenerationBatch`: `extend` appends rows, `filter` keeps
 some, in the batch's own order. A row's context is `tokens` (what the target's cache holds,
 prompt included) followed by its pending token, which the target has sampled but not run.
+
+A source may also have `begin_step(prefilling: bool)`: the generator calls it at the start of
+every step, saying whether that step also prefills prompts (a draft model's catch-up then
+waits: the prefill budget is theirs).
 """
 
 from __future__ import annotations

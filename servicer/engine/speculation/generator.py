@@ -49,6 +49,14 @@ class SpeculativeBatchGenerator(BatchGenerator):
             self.model, self.sampler, self._speculator
         )
 
+    def _next(self) -> Any:
+        # A step that prefills prompts spends the prefill budget on them: a draft model's
+        # catch-up waits for a step without (see DraftModel).
+        begin = getattr(self._speculator.source, "begin_step", None)
+        if begin is not None:
+            begin(bool(self._unprocessed_sequences) or len(self._prompt_batch) > 0)
+        return super()._next()
+
     @property
     def speculation(self) -> SpeculationFigures:
         """The counters so far (a snapshot; read it on the engine thread)."""
