@@ -368,8 +368,7 @@ def run_round(
     Returns one row per run (a failed run has `failed` and no metrics) and the router's
     record: its log and its vetoes in all and within runs.
     """
-    tag = f"{system}-r{round_no}"
-    tag = f"genai-r{round_no}"
+    tag = f"{system}-r{round_no}"  # each system's runs and logs apart
     worker = make_worker(system, smg_python, model_dir, out / "logs", tag, args.worker_flags)
     router = Router(worker, out / "logs" / f"router-{tag}.log")
     runs: list[dict[str, Any]] = []
@@ -592,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model_dir = args.model.expanduser().resolve()
     machine = report.machine_info()
-    out = args.out / time.strftime("%Y%m%d-%H%M%S")
+    # Absolute: genai-bench runs in its experiment's folder and would nest a relative path.
+    out = args.out.resolve() / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     routers: list[dict[str, Any]] = []
