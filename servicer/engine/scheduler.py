@@ -157,12 +157,10 @@ class Scheduler:
         capacity = step_capacity(
             policy, self.cost, decoding, context, self.budget_s, batch.starting
         )
-        # What the step may take instead to finish every prompt in prefill at once (see
-        # prefill.FINISH_DECODE_STEPS): one call, not several weight reads.
+        # It may take more to finish every prompt in one call (prefill.FINISH_DECODE_STEPS).
         finish_s = finish_budget(self.budget_s, batch.decode_step_s)
         finish = step_capacity(policy, self.cost, decoding, context, finish_s, batch.starting)
-        min_chunk = policy.min_chunk
-        rows = [row.remaining for row in batch.prefilling]
+        min_chunk, rows = policy.min_chunk, [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
         failed: list[tuple[GenerationRequest, str]] = []
         # Widened (prompts are queueing): new prompts wait out a step whose first tokens are
@@ -184,12 +182,10 @@ class Scheduler:
             if looked is None:
                 continue  # its prefix is still being read from disk
             need, remaining = looked
-            if (
-                policy.budgeted
-                and rows
-                and not finishes_within([*rows, remaining], finish)
-                and not can_join(rows, remaining, capacity, min_chunk)
-            ):
+            joins = finishes_within([*rows, remaining], finish) or can_join(
+                rows, remaining, capacity, min_chunk
+            )
+            if policy.budgeted and rows and not joins:
                 continue  # too long to start beside the prompts in prefill now
             self._leave_line(request)
             self._reserved += need
@@ -197,13 +193,13 @@ class Scheduler:
             rows.append(remaining)
         if not policy.budgeted:
             return StepChoice(admits, policy.step_tokens, False, failed)
+        widened = widen > 1.0 and decoding
         left = [r for r in rows if r > 0]
         if left and finishes_within(left, finish):
             if decoding:
                 self.budget_s = finish_s  # planned past the base budget, on purpose
-            return StepChoice(admits, max(left), widen > 1.0 and decoding, failed)
-        chunk = chunk_for(left, capacity, min_chunk)
-        return StepChoice(admits, chunk, widen > 1.0 and decoding, failed)
+            return StepChoice(admits, max(left), widened, failed)
+        return StepChoice(admits, chunk_for(left, capacity, min_chunk), widened, failed)
 
     def _bulk(self, batch: BatchView) -> bool:
         """Whether this step prefills as if nothing decoded: on a model whose decode step
