@@ -249,7 +249,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             async for keepalive in waiting:
                 yield keepalive
         try:
-            job, text = await self._build(request, context)
+            job, text = await self._build(request)
             stream = self._accept(job)
         except RequestError as error:
             log.debug("refused request %r: %s", request.request_id, error.message)
@@ -279,7 +279,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             self._release(job, stream)
 
     async def _build(
-        self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: mlx_engine_pb2.GenerateRequest
     ) -> tuple[GenerationRequest, TextOptions | None]:
         """Validate into a GenerationRequest; text encoding and grammar compilation, which can
         take a while, run off the loop."""
