@@ -45,31 +45,18 @@ LIVE_ANSWER = 256
 def real_shape_bytes() -> dict[str, Any]:
     """Bytes per token and 2,000-token requests under ADMISSION_LIMIT, for each variant, on a
     llama of real shape (2 layers suffice: every layer is alike)."""
-    import mlx.core as mx
-    from mlx_lm.models import llama
+    from fixtures import real_shape_llama
 
     from servicer.admission import Admission
     from servicer.engine.memory import measure
     from servicer.engine.quantized_kv import make_row_cache
 
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=1024,
-        num_hidden_layers=2,
-        intermediate_size=2048,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        vocab_size=512,
-    )
-    model = llama.Model(args)
-    model.set_dtype(mx.float16)
+    model, layers = real_shape_llama()
     found = {}
     for name, bits in (("fp", None), ("q8", 8), ("q4", 4)):
         caches = make_row_cache(model, bits, 64) if bits else None
         memory = measure(model, caches)
-        per_token = sum(b for b, _ in memory.per_token) / args.num_hidden_layers
+        per_token = sum(b for b, _ in memory.per_token) / layers
         need = memory.estimate(REQUEST_TOKENS)
         found[name] = {
             "bytes_per_token_per_layer": per_token,
