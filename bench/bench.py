@@ -38,13 +38,14 @@ from arrival import long_prompt_arrival
 from load import Client, Sampling, burst_summary, summarize_bursts
 from workers import (
     BENCH,
-    SMG_SERVICER_VERSION,
     BatchConfig,
-    RawProcess,
     Worker,
+    add_common_args,
     free_port,
     log,
+    model_or_demo,
     our_worker,
+    raw_process,
     resolve_model,
     smg_servicer_python,
     smg_worker,
@@ -72,22 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--model",
-        help="mlx-lm model directory, or `real` for the real model (google/gemma-3-270m, "
-        "built by ../shared/tools/real_model.sh; default: the demo model)",
-    )
     parser.add_argument("--levels", help="concurrency levels, e.g. 1,8,32 (default 1,8,32,64)")
     parser.add_argument("--quick", action="store_true", help="levels 1,8,32 and short runs")
-    parser.add_argument(
-        "--side-by-side",
-        action="store_true",
-        help="also run smg-grpc-servicer's MLX servicer (installed into bench/.venv-smg)",
-    )
-    parser.add_argument(
-        "--smg-version",
-        default=SMG_SERVICER_VERSION,
-        help=f"smg-grpc-servicer version for --side-by-side (default {SMG_SERVICER_VERSION})",
+    add_common_args(
+        parser, "also run smg-grpc-servicer's MLX servicer (installed into bench/.venv-smg)"
     )
     parser.add_argument(
         "--requests-per-client",
@@ -129,21 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated parts to leave out: {', '.join(PARTS)}",
     )
     parser.add_argument("--only", help="comma-separated parts to run (the others are left out)")
-    parser.add_argument(
-        "--sweep-budget-off",
-        action="store_true",
-        help="the sweep also measures our worker with --max-prefill-stall-ms 0, in the same run",
-    )
-    parser.add_argument(
-        "--sweep-cache-off",
-        action="store_true",
-        help="the sweep also measures our worker with --prompt-cache-size 0, in the same run",
-    )
-    parser.add_argument(
-        "--worker-flags",
-        default="",
-        help="extra flags for our worker, e.g. '--stream-interval 4' (recorded in the report)",
-    )
+    for part, flags in (("budget", "--max-prefill-stall-ms 0"), ("cache", "--prompt-cache-size 0")):
+        help = f"the sweep also measures our worker with {flags}, in the same run"
+        parser.add_argument(f"--sweep-{part}-off", action="store_true", help=help)
     parser.add_argument("--device-note", help="free text about the machine, kept in the report")
     parser.add_argument(
         "--results-md",
@@ -181,14 +158,10 @@ class Suite:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.model = model_or_demo(args.model)
+        self.model_name = self.model.name
         if args.model is None:
-            from servicer.demo_model import demo_model_path
-
-            self.model = demo_model_path()
             self.model_name = f"demo llama, 2 layers, d=128 ({self.model.name})"
-        else:
-            self.model = args.model.expanduser().resolve()
-            self.model_name = self.model.name
         self.vocab_size = model_vocab_size(self.model)
         self.shape = Shape(args.prompt_tokens, args.max_tokens)
         self.batch = BatchConfig(args.completion_batch_size, args.prefill_batch_size)
@@ -198,27 +171,16 @@ class Suite:
         self.smg_python: Path | None = None
         if args.side_by_side:
             self.smg_python = smg_servicer_python(args.smg_version)
-        self.burst = {
-            "clients": 4,
-            "per_client": 4,
-            "stagger_s": 0.3,
-            "max_tokens": 64,
-            "repeats": 2 if args.quick else 5,
-        }
-        self.cancel = {
-            "repeats": 3 if args.quick else 5,
-            "cancel_after": 10,
-            "long_tokens": 2048,
-            "max_tokens": 64,
-        }
-        self.prefix_settings = {
-            "repeats": 3,
-            "prefix_tokens": prefix.SYSTEM_TOKENS,
-            "suffix_tokens": prefix.TURN_TOKENS,
-            "max_tokens": prefix.MAX_TOKENS,
-            "shared_tokens": prefix.SHARED_TOKENS,
-            "conversations": prefix.CONVERSATIONS,
-        }
+        quick = args.quick
+        self.burst = dict(clients=4, per_client=4, stagger_s=0.3, max_tokens=64)
+        self.burst["repeats"] = 2 if quick else 5
+        self.cancel = dict(repeats=3 if quick else 5, cancel_after=10, long_tokens=2048)
+        self.cancel["max_tokens"] = 64
+        self.prefix_settings = dict(repeats=3, prefix_tokens=prefix.SYSTEM_TOKENS)
+        self.prefix_settings.update(suffix_tokens=prefix.TURN_TOKENS, max_tokens=prefix.MAX_TOKENS)
+        self.prefix_settings.update(
+            shared_tokens=prefix.SHARED_TOKENS, conversations=prefix.CONVERSATIONS
+        )
         self.arrival = {"streams": [1, 4, 16], "prompt_tokens": [1000, 4000]}
         self.run: dict[str, Any] = {
             "date": time.strftime("%Y-%m-%d %H:%M %Z"),
@@ -243,13 +205,8 @@ class Suite:
                 "arrival": self.arrival,
             },
             "sweep": {report.RAW: [], "ours": []},
-            "burst": {},
-            "cancel": {},
-            "prefix": {},
-            "prefix_disk": {},
-            "prefix_bytes": {},
-            "prefix_chat": {},
-            "arrival": {},
+            **{part: {} for part in ("burst", "cancel", "prefix", "prefix_disk")},
+            **{part: {} for part in ("prefix_bytes", "prefix_chat", "arrival")},
             "failures": [],
         }
         if self.smg_python is not None:
@@ -319,7 +276,7 @@ class Suite:
     def _sweep_level(self, level: int) -> dict[str, list[LevelStats]]:
         rounds: dict[str, list[LevelStats]] = {name: [] for name in self.run["sweep"]}
         with contextlib.ExitStack() as stack:
-            raw = stack.enter_context(RawProcess(self.raw_command()))
+            raw = stack.enter_context(raw_process(self.model, self.batch))
             # The calibration run warms the raw engine up and sets the requests per run:
             # at least `requests_per_client` per client and `min_seconds` of work.
             calibration = raw.run(
@@ -375,37 +332,18 @@ class Suite:
                 worker.resume()
         return rounds
 
-    def raw_command(self) -> list[str]:
-        return [
-            sys.executable,
-            str(BENCH / "raw.py"),
-            "--serve",
-            "--model",
-            str(self.model),
-            "--completion-batch-size",
-            str(self.batch.completion_batch_size),
-            "--prefill-batch-size",
-            str(self.batch.prefill_batch_size),
-        ]
-
     async def _warm_up(self, worker: Worker, level: int) -> None:
-        client = self.client(worker)
-        try:
+        async with self.client(worker) as client:
             await client.warm_up(level, self.shape)
-        finally:
-            await client.close()
 
     async def served_level(
         self, worker: Worker, level: int, requests: int, seed: int
     ) -> LevelStats:
-        client = self.client(worker)
-        try:
+        async with self.client(worker) as client:
             cpu, start, steal = worker.cpu_seconds(), time.perf_counter(), StealMeter()
             records, client_cpu = await client.closed_loop(level, requests, self.shape, seed)
             worker_cpu = (worker.cpu_seconds() - cpu) / (time.perf_counter() - start)
             steal_share = steal.share()
-        finally:
-            await client.close()
         return LevelStats.from_records(
             level,
             records,
@@ -425,9 +363,8 @@ class Suite:
                 self.fail(f"{report.LABELS[name]} burst/cancel: {exc}")
 
     async def burst_and_cancel_on(self, name: str, worker: Worker) -> None:
-        client = self.client(worker)
         label = report.LABELS[name]
-        try:
+        async with self.client(worker) as client:
             await client.warm_up(self.burst["clients"], self.shape)
             if "burst" not in self.args.skip:
                 shape = Shape(self.shape.prompt_tokens, self.burst["max_tokens"])
@@ -461,8 +398,6 @@ class Suite:
                 )
                 self.run["cancel"][name] = cancel
                 log(f"cancel and reuse: {label} follow-up ÷ idle {cancel['ratio']:.2f}")
-        finally:
-            await client.close()
 
     def prefixes(self) -> None:
         """Prefix reuse on the llama and hybrid demos (or the model given), on fresh workers:
@@ -491,12 +426,9 @@ class Suite:
         return found
 
     async def _on(self, worker: Worker, part: Any, seed: str) -> dict[str, Any]:
-        client = self.client(worker)
-        try:
+        async with self.client(worker) as client:
             await client.warm_up(2, self.shape)
             return await part(client, seed)
-        finally:
-            await client.close()
 
     def _disk_restart(self, model: Path, kind: str) -> dict[str, Any]:
         directory = Path(tempfile.mkdtemp(prefix="bench-prompt-cache-"))
@@ -535,11 +467,8 @@ class Suite:
         with worker:
 
             async def measure() -> dict[str, Any]:
-                client = self.client(worker)
-                try:
+                async with self.client(worker) as client:
                     return await prefix.shared_conversations(client, metrics_port, kind)
-                finally:
-                    await client.close()
 
             result = asyncio.run(measure())
         log(f"prefix {kind}: 16 conversations ÷ one, bytes {result['ratio'] or 0:.2f}")
@@ -584,9 +513,8 @@ class Suite:
                 self.fail(f"{report.LABELS[name]} long prompt arrival: {exc}")
 
     async def _arrivals_on(self, name: str, worker: Worker) -> list[dict[str, Any]]:
-        client = self.client(worker)
         cases = []
-        try:
+        async with self.client(worker) as client:
             await client.warm_up(4, self.shape)
             for streams in self.arrival["streams"]:
                 for tokens in self.arrival["prompt_tokens"]:
@@ -598,8 +526,6 @@ class Suite:
                         f"gap max {case['gap_max_during_ms'] or 0:.0f} ms, "
                         f"TTFT {case['ttft_ms'] or 0:.0f} ms"
                     )
-        finally:
-            await client.close()
         return cases
 
     def fail(self, message: str) -> None:

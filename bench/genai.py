@@ -49,12 +49,13 @@ import report
 from workers import (
     BENCH,
     OFFLINE_ENV,
-    SMG_SERVICER_VERSION,
     BatchConfig,
     Worker,
+    add_common_args,
     ensure_venv,
     free_port,
     log,
+    model_or_demo,
     our_worker,
     resolve_model,
     smg_servicer_python,
@@ -79,11 +80,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--model",
-        help="mlx-lm model directory, or `real` for the real model (google/gemma-3-270m, "
-        "built by ../shared/tools/real_model.sh; default: the demo model)",
-    )
-    parser.add_argument(
         "--scenario",
         action="append",
         help='genai-bench traffic scenario, repeatable (default "D(100,100)" and "D(1000,100)")',
@@ -103,10 +99,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "`openai` drops ignore_eos, so outputs end at EOS and fall short of the scenario's "
         "output length (default sglang, which sends ignore_eos)",
     )
-    parser.add_argument(
-        "--side-by-side",
-        action="store_true",
-        help="also run smg-grpc-servicer's MLX servicer (installed on first use into "
+    add_common_args(
+        parser,
+        "also run smg-grpc-servicer's MLX servicer (installed on first use into "
         "bench/.venv-smg), alternating with ours round by round",
     )
     parser.add_argument(
@@ -115,17 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="rounds of every system over every scenario and level, each on a fresh worker "
         "and router (default 2 with --side-by-side, else 1)",
     )
-    parser.add_argument(
-        "--smg-version",
-        default=SMG_SERVICER_VERSION,
-        help=f"smg-grpc-servicer version for --side-by-side (default {SMG_SERVICER_VERSION})",
-    )
     parser.add_argument("--genai-bench-version", default=GENAI_BENCH_VERSION)
-    parser.add_argument(
-        "--worker-flags",
-        default="",
-        help="extra flags for our worker, e.g. '--max-prefill-stall-ms 100'",
-    )
     parser.add_argument(
         "--from-start",
         action="store_true",
@@ -213,7 +198,7 @@ class Router:
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
-        model = None
+        model = self.model = None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the router exited; see {self.log_path}")
@@ -221,7 +206,7 @@ class Router:
                 if model is None:
                     status, body = _http_json("GET", f"{self.base}/v1/models")
                     if status == 200 and body and body.get("data"):
-                        model = body["data"][0]["id"]
+                        model = self.model = body["data"][0]["id"]
                 if model is not None and not probe:
                     return model
                 if model is not None:
@@ -237,6 +222,34 @@ class Router:
                 pass
             time.sleep(0.25)
         raise RuntimeError(f"the router did not come up in {timeout:.0f} s; see {self.log_path}")
+
+    def genai_bench(
+        self,
+        python: Path,
+        args: argparse.Namespace,
+        model_dir: Path,
+        scenario: str,
+        level: int,
+        experiment: Path,
+    ) -> tuple[str | None, dict[str, int]]:
+        """One genai-bench run through this router: its failure (None when it ran), and the
+        router's liveness vetoes and re-admissions while it ran."""
+        start = self.log_size()
+        failure = None
+        try:
+            assert self.model is not None, "start the router first"
+            run_genai_bench(
+                python, args, self.base, self.model, model_dir, scenario, level, experiment
+            )
+        except RuntimeError as error:
+            failure = str(error)
+            log(f"  failed: {failure}")
+        time.sleep(SETTLE_S)
+        end = self.log_size()
+        return failure, {
+            "vetoes": count_lines(self.log_path, VETO, start, end),
+            "readmits": count_lines(self.log_path, READMIT, start, end),
+        }
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -259,42 +272,26 @@ def run_genai_bench(
 ) -> None:
     """One genai-bench invocation: one scenario at one concurrency, into `experiment`."""
     experiment.parent.mkdir(parents=True, exist_ok=True)
-    command = [
-        str(python.parent / "genai-bench"),
-        "benchmark",
-        "--api-backend",
-        args.api_backend,
-        "--api-base",
-        base,
-        "--api-key",
-        "unused",
-        "--task",
-        "text-to-text",
-        "--api-model-name",
-        model,
-        "--model-tokenizer",
-        str(model_dir),
-        "--model",
-        "mlx-grpc-worker",
-        "--additional-request-params",
-        json.dumps({"ignore_eos": True, "temperature": 0.0}),
-        "--max-time-per-run",
-        str(args.max_minutes),
-        "--max-requests-per-run",
-        str(args.max_requests),
-        "--metrics-time-unit",
-        "ms",
-        "--experiment-base-dir",
-        str(experiment.parent),
-        "--experiment-folder-name",
-        experiment.name,
-        "--log-dir",
-        str(experiment.parent / "logs"),
-        "--traffic-scenario",
-        scenario,
-        "--num-concurrency",
-        str(level),
-    ]
+    options = {
+        "api-backend": args.api_backend,
+        "api-base": base,
+        "api-key": "unused",
+        "task": "text-to-text",
+        "api-model-name": model,
+        "model-tokenizer": model_dir,
+        "model": "mlx-grpc-worker",
+        "additional-request-params": json.dumps({"ignore_eos": True, "temperature": 0.0}),
+        "max-time-per-run": args.max_minutes,
+        "max-requests-per-run": args.max_requests,
+        "metrics-time-unit": "ms",
+        "experiment-base-dir": experiment.parent,
+        "experiment-folder-name": experiment.name,
+        "log-dir": experiment.parent / "logs",
+        "traffic-scenario": scenario,
+        "num-concurrency": level,
+    }
+    command = [str(python.parent / "genai-bench"), "benchmark"]
+    command += [part for key, value in options.items() for part in (f"--{key}", str(value))]
     output_path = experiment.parent / f"{experiment.name}.out"
     with open(output_path, "wb") as output:
         done = subprocess.run(
@@ -325,6 +322,7 @@ def summarise(experiment: Path) -> list[dict[str, Any]]:
                 "requests_per_s": agg["requests_per_second"],
                 "ttft_p50_ms": stats["ttft"]["p50"],
                 "ttft_p90_ms": stats["ttft"]["p90"],
+                "ttft_p99_ms": stats["ttft"].get("p99"),
                 "tpot_p50_ms": stats["tpot"]["p50"],
                 "e2e_p50_ms": stats["e2e_latency"]["p50"],
                 "output_tokens_mean": stats["num_output_tokens"]["mean"],
@@ -378,32 +376,14 @@ def run_round(
         worker.start(wait=not args.from_start)
         if args.from_start:
             worker.wait_metadata()
-        model = router.start(timeout=300, probe=not args.from_start)
+        router.start(timeout=300, probe=not args.from_start)
         for scenario in args.scenario:
             for level in args.concurrency:
                 log(f"round {round_no}, {system}: genai-bench {scenario} at concurrency {level}")
                 experiment = out / tag / f"{_slug(scenario)}-c{level}"
-                start = router.log_size()
-                failure = None
-                try:
-                    run_genai_bench(
-                        genai_python,
-                        args,
-                        router.base,
-                        model,
-                        model_dir,
-                        scenario,
-                        level,
-                        experiment,
-                    )
-                except RuntimeError as error:
-                    failure = str(error)
-                    log(f"  failed: {failure}")
-                time.sleep(SETTLE_S)
-                counts = {
-                    "vetoes": count_lines(router.log_path, VETO, start, router.log_size()),
-                    "readmits": count_lines(router.log_path, READMIT, start, router.log_size()),
-                }
+                failure, counts = router.genai_bench(
+                    genai_python, args, model_dir, scenario, level, experiment
+                )
                 rows = [] if failure else summarise(experiment)
                 if not rows:
                     failure = failure or f"genai-bench wrote no results into {experiment}"
@@ -580,16 +560,61 @@ def runs_table(runs: list[dict[str, Any]], systems: list[str], rounds: int) -> s
     return report.markdown_table(headers, rows)
 
 
+def write_summary(
+    args: argparse.Namespace,
+    model_dir: Path,
+    machine: dict[str, Any],
+    runs: list[dict[str, Any]],
+    routers: list[dict[str, Any]],
+    out: Path,
+) -> str:
+    """summary.md and summary.json in `out`; the table to print."""
+    entries = compare(runs, args.systems)
+    table = every = runs_table(runs, args.systems, args.rounds)
+    systems = " and ".join(
+        f"{SYSTEMS[s]}" + (f" {args.smg_version}" if s == "smg" else "") for s in args.systems
+    )
+    parts = [
+        f"genai-bench {args.genai_bench_version} ({args.api_backend} client) through the smg "
+        f"router to {systems}, {time.strftime('%Y-%m-%d %H:%M %Z')}, model {model_dir.name}, "
+        f"{args.rounds} round(s), at most {args.max_requests} requests per run",
+        f"Machine: {report.machine_line({'machine': machine})}",
+    ]
+    if len(args.systems) > 1 or args.rounds > 1:
+        table = compare_table(entries, args.systems, args.rounds)
+        explain = "TTFT and TPOT p50 in ms, output tokens/s; median over rounds, (min-max) "
+        explain += "over rounds"
+        if len(args.systems) == 2:
+            explain += (
+                "; ours ÷ smg is the median of the per-round ratios (below 1: ours is faster "
+                "for TTFT and TPOT, slower for tok/s)"
+            )
+        explain += "; vetoes: the router's liveness vetoes in each round's run."
+        parts += [explain, table, "Every run:", every]
+    outside = [
+        f"{SYSTEMS[r['system']]} round {r['round']}: {r['vetoes_total'] - r['vetoes_in_runs']}"
+        for r in routers
+        if r["vetoes_total"] != r["vetoes_in_runs"]
+    ]
+    if outside:
+        parts.append(f"Vetoes outside the runs (start-up, probe, shut-down): {', '.join(outside)}")
+    (out / "summary.md").write_text("\n\n".join(parts) + "\n")
+    names = ("systems", "rounds", "concurrency", "max_requests", "max_minutes", "api_backend")
+    settings = {name: getattr(args, name) for name in names} | {"scenarios": args.scenario}
+    settings["genai_bench_version"] = args.genai_bench_version
+    settings["smg_version"] = args.smg_version if args.side_by_side else None
+    settings["model"] = str(model_dir)
+    summary = dict(settings=settings, machine=machine, comparison=entries, runs=runs)
+    summary["routers"] = routers
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     genai_python = ensure_venv(GENAI_VENV, [f"genai-bench=={args.genai_bench_version}"])
     smg_python = smg_servicer_python(args.smg_version) if args.side_by_side else None
-    if args.model is None:
-        from servicer.demo_model import demo_model_path
-
-        model_dir = demo_model_path()
-    else:
-        model_dir = args.model.expanduser().resolve()
+    model_dir = model_or_demo(args.model)
     machine = report.machine_info()
     # Absolute: genai-bench runs in its experiment's folder and would nest a relative path.
     out = args.out.resolve() / time.strftime("%Y%m%d-%H%M%S")
@@ -605,61 +630,7 @@ def main(argv: list[str] | None = None) -> int:
             runs += round_runs
             routers.append(record)
     machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-
-    entries = compare(runs, args.systems)
-    every = runs_table(runs, args.systems, args.rounds)
-    systems = " and ".join(
-        f"{SYSTEMS[s]}" + (f" {args.smg_version}" if s == "smg" else "") for s in args.systems
-    )
-    header = (
-        f"genai-bench {args.genai_bench_version} ({args.api_backend} client) through the smg "
-        f"router to {systems}, {time.strftime('%Y-%m-%d %H:%M %Z')}, model {model_dir.name}, "
-        f"{args.rounds} round(s), at most {args.max_requests} requests per run"
-    )
-    parts = [header, f"Machine: {report.machine_line({'machine': machine})}"]
-    table = every
-    if len(args.systems) > 1 or args.rounds > 1:
-        table = compare_table(entries, args.systems, args.rounds)
-        explain = (
-            "TTFT and TPOT p50 in ms, output tokens/s; median over rounds, (min-max) over rounds"
-        )
-        if len(args.systems) == 2:
-            explain += (
-                "; ours ÷ smg is the median of the per-round ratios (below 1: ours is faster "
-                "for TTFT and TPOT, slower for tok/s)"
-            )
-        explain += "; vetoes: the router's liveness vetoes in each round's run."
-        parts += [explain, table, "Every run:", every]
-    outside = [r for r in routers if r["vetoes_total"] != r["vetoes_in_runs"]]
-    if outside:
-        parts.append(
-            "Vetoes outside the runs (start-up, probe or shut-down): "
-            + ", ".join(
-                f"{SYSTEMS[r['system']]} round {r['round']}: "
-                f"{r['vetoes_total'] - r['vetoes_in_runs']}"
-                for r in outside
-            )
-        )
-    (out / "summary.md").write_text("\n\n".join(parts) + "\n")
-    summary = {
-        "settings": {
-            "systems": args.systems,
-            "rounds": args.rounds,
-            "scenarios": args.scenario,
-            "concurrency": args.concurrency,
-            "max_requests": args.max_requests,
-            "max_minutes": args.max_minutes,
-            "api_backend": args.api_backend,
-            "genai_bench_version": args.genai_bench_version,
-            "smg_version": args.smg_version if args.side_by_side else None,
-            "model": str(model_dir),
-        },
-        "machine": machine,
-        "comparison": entries,
-        "runs": runs,
-        "routers": routers,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    table = write_summary(args, model_dir, machine, runs, routers, out)
     print(table)
     print(f"\nsummary, genai-bench's JSON, xlsx and plots: {out}")
     ok = runs and not any("failed" in run or run["errors"] for run in runs)

@@ -1,6 +1,4 @@
-"""What a quantized KV cache costs: fidelity and decode speed on the demo models.
-
-    python bench/kv_fidelity.py [--out bench/results/kv_fidelity.json] [--prompt-len 128]
+"""What a quantized KV cache costs in fidelity, on the demo models (kv-quant's fidelity rows).
 
 For the demo llama and the hybrid demo (group size 32 = their head_dim), 8 and 4 bits against
 the full-precision cache, all through this project's BatchQuantizedKVCache (batch caches built
@@ -13,43 +11,30 @@ by merging per-row caches, as BatchGenerator does):
 - the largest logprob difference (any vocabulary entry, any position) on those same texts;
 - greedy agreement over NEW_TOKENS-token continuations of the demo TEST_PROMPTS run as one
   batch in BatchGenerator: the fraction of positions equal before the first divergence, and of
-  all positions;
-- decode tokens/s of a BatchGenerator (demo llama) with quantized vs plain caches at batch 1,
-  8, 32: three generators (fp, 8, 4 bits) decode the same prompts taking turns step by step,
-  and each step is timed; ratios are of steps milliseconds apart. Absolute numbers mean
-  little on this shared 2-core CPU.
-
-Prints a table and writes JSON (--out).
+  all positions.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import statistics
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from servicer.demo_model import TEST_PROMPTS, demo_model_path
+from servicer.engine.quantized_kv import make_row_cache
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's servicer, not the installed one
-
-import mlx.core as mx  # noqa: E402
-from mlx_lm import load  # noqa: E402
-from mlx_lm.generate import BatchGenerator  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-
-from servicer.demo_model import TEST_PROMPTS, demo_model_path  # noqa: E402
-from servicer.engine.quantized_kv import make_row_cache  # noqa: E402
 
 GROUP = 32
 BITS: tuple[int | None, ...] = (None, 8, 4)  # None: full precision
 HELD_OUT = 8
 NEW_TOKENS = 64
-BATCHES = (1, 8, 32)
-SPEED_TOKENS = 128  # decode steps per speed run
 UNSEEN_TEXT = (
     "The lighthouse keeper kept a notebook of every ship that passed, with the weather, the "
     "hour, and a guess at where it was going. After forty years the notebooks filled a shelf, "
@@ -148,61 +133,6 @@ def agreement(model: Any, prompts: list[list[int]]) -> dict[str, dict[str, float
     return out
 
 
-def ready_generator(model: Any, prompts: list[list[int]], bits: int | None) -> Any:
-    """A BatchGenerator with every prompt prefilled and every row decoding."""
-    batch = len(prompts)
-    gen = BatchGenerator(
-        model,
-        max_tokens=SPEED_TOKENS + 8,
-        completion_batch_size=batch,
-        prefill_batch_size=batch,
-    )
-    caches = None if bits is None else [make_row_cache(model, bits, GROUP) for _ in prompts]
-    gen.insert(prompts, caches=caches)
-    while True:
-        prompt_responses, responses = gen.next()
-        if not prompt_responses and len(responses) == batch:
-            return gen
-
-
-def step_times(model: Any, prompts: list[list[int]]) -> dict[str, list[float]]:
-    """Seconds per decode step of one generator per cache kind, taking turns step by step (in
-    a rotating order) so that a burst of others' load on the machine hits all alike. Each step
-    is timed up to a sync: it is the whole step, without the loop's overlap of Python work and
-    compute, so absolute rates sit a little below the pipelined loop's."""
-    gens = {label(bits): ready_generator(model, prompts, bits) for bits in BITS}
-    names = list(gens)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for step in range(SPEED_TOKENS):
-        turn = step % len(names)
-        for name in names[turn:] + names[:turn]:
-            gen = gens[name]
-            mx.synchronize(gen.stream)
-            tic = time.perf_counter()
-            gen.next()
-            mx.synchronize(gen.stream)
-            times[name].append(time.perf_counter() - tic)
-    return times
-
-
-def speed(model: Any, corpus: list[int], prompt_len: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    step_times(model, [corpus[:prompt_len]])  # warm-up
-    for batch in BATCHES:
-        prompts = [corpus[i * 7 : i * 7 + prompt_len] for i in range(batch)]
-        times = step_times(model, prompts)
-        plain = times["fp"]
-        out[str(batch)] = {
-            name: {
-                "tok_s": batch / statistics.median(t),
-                "ratio": statistics.median(t_fp / t_q for t_fp, t_q in zip(plain, t, strict=True)),
-                "step_ms_median": 1e3 * statistics.median(t),
-            }
-            for name, t in times.items()
-        }
-    return {"steps": SPEED_TOKENS, "batches": out}
-
-
 def fidelity(kind: str) -> dict[str, Any]:
     model, tokenizer = load(str(demo_model_path(kind)))
 
@@ -218,61 +148,3 @@ def fidelity(kind: str) -> dict[str, Any]:
         "unseen_tokens": sum(len(t) for t in unseen),
         "greedy": agreement(model, [encode(p) for p in TEST_PROMPTS]),
     }
-
-
-def print_tables(results: dict[str, Any]) -> None:
-    print(f"\nFidelity at group {GROUP} (ppl change vs fp; gap = largest |logprob diff|)")
-    head = "model   bits  ppl held-out      ppl unseen        max gap  greedy until/total  gap"
-    print(head)
-    for kind, r in results["fidelity"].items():
-        base_h, base_u = r["held_out"]["fp"]["ppl"], r["unseen"]["fp"]["ppl"]
-        print(f"{kind:7} fp    {base_h:7.3f}           {base_u:7.3f}")
-        for name in ("q8", "q4"):
-            h, u, g = r["held_out"][name], r["unseen"][name], r["greedy"][name]
-            print(
-                f"{kind:7} {name:5} {h['ppl']:7.3f} ({h['ppl'] / base_h - 1:+6.2%})"
-                f"  {u['ppl']:7.3f} ({u['ppl'] / base_u - 1:+6.2%})"
-                f"  {max(h['gap'], u['gap']):6.3f}"
-                f"  {g['until_divergence']:6.1%} / {g['total']:6.1%}   {g['gap']:6.3f}"
-            )
-    print("\nGreedy divergences: prompts diverged, median fp top-2 logprob margin there")
-    for kind, r in results["fidelity"].items():
-        for name in ("q8", "q4"):
-            g = r["greedy"][name]
-            margin = g["margin_at_divergence"]
-            shown = "-" if margin is None else f"{margin:.3f}"
-            print(f"{kind:7} {name:5} {g['diverged']}/{len(TEST_PROMPTS)}  {shown}")
-    print(f"\nDecode tok/s, demo llama, prompts of {results['prompt_len']} tokens (median)")
-    print("tok/s = batch / median step time; ratio = median over steps of fp step / this step")
-    print("batch   fp tok/s   q8 tok/s (ratio)   q4 tok/s (ratio)")
-    for batch, r in results["speed"].get("batches", {}).items():
-        fp, q8, q4 = r["fp"], r["q8"], r["q4"]
-        print(
-            f"{batch:>5}  {fp['tok_s']:9.0f}  {q8['tok_s']:9.0f} ({q8['ratio']:.2f})"
-            f"  {q4['tok_s']:9.0f} ({q4['ratio']:.2f})"
-        )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "kv_fidelity.json")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--no-speed", action="store_true")
-    args = parser.parse_args()
-    results: dict[str, Any] = {"group_size": GROUP, "prompt_len": args.prompt_len}
-    results["fidelity"] = {kind: fidelity(kind) for kind in ("llama", "hybrid")}
-    if not args.no_speed:
-        model, tokenizer = load(str(demo_model_path("llama")))
-        text = (ROOT / "servicer" / "demo_corpus.txt").read_text(encoding="utf-8")
-        corpus = list(tokenizer.encode(text, add_special_tokens=False))
-        results["speed"] = speed(model, corpus, args.prompt_len)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    if "speed" not in results:
-        results["speed"] = {}
-    print_tables(results)
-    print(f"\nwrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
 import sys
@@ -26,9 +25,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from load import Client, Sampling
+from load import served_run
 from workers import BatchConfig, Worker, log, our_worker, resolve_model
-from workload import LevelStats, RequestRecord, make_prompts, percentile
+from workload import make_prompts, percentile
 
 from servicer.demo_model import demo_model_path
 from servicer.sysinfo import free_port
@@ -151,36 +150,12 @@ def live_admission(model: Path, flags: tuple[str, ...], log_dir: Path, tag: str)
     watcher.start()
     try:
         prompts = make_prompts(LIVE_REQUESTS, REQUEST_TOKENS, 512, f"admission-{tag}")
-        asyncio.run(_together(worker.address, prompts, LIVE_ANSWER))
+        served_run(worker.address, prompts, len(prompts), LIVE_ANSWER)
     finally:
         done.set()
         watcher.join()
         worker.stop()
     return int(peak)
-
-
-async def _together(address: str, prompts: list[list[int]], max_tokens: int) -> list[Any]:
-    client = Client(address, 512, Sampling("router"))
-    try:
-        return await asyncio.gather(*(client.generate(p, max_tokens) for p in prompts))
-    finally:
-        await client.close()
-
-
-async def _closed_loop(address: str, prompts: list[list[int]], concurrency: int) -> LevelStats:
-    client = Client(address, 512, Sampling("router"))
-    queue = iter(prompts)
-    records: list[RequestRecord] = []
-
-    async def one() -> None:
-        for prompt in queue:
-            records.append(await client.generate(prompt, 64))
-
-    try:
-        await asyncio.gather(*(one() for _ in range(concurrency)))
-    finally:
-        await client.close()
-    return LevelStats.from_records(concurrency, records, expected_tokens=64)
 
 
 def throughput(levels: tuple[int, ...], rounds: int, log_dir: Path) -> dict[str, Any]:
@@ -202,7 +177,7 @@ def throughput(levels: tuple[int, ...], rounds: int, log_dir: Path) -> dict[str,
             for round_ in range(rounds + 1):  # the first round warms up
                 prompts = make_prompts(max(4, 2 * level), 128, 512, f"kv-{level}-{round_}")
                 for name, worker in workers.items():
-                    stats = asyncio.run(_closed_loop(worker.address, prompts, level))
+                    stats = served_run(worker.address, prompts, level, 64)
                     if round_:
                         runs[name].append(stats.tokens_per_s)
             fp = percentile(runs["fp"], 50) or 0.0
@@ -216,8 +191,7 @@ def throughput(levels: tuple[int, ...], rounds: int, log_dir: Path) -> dict[str,
             )
         long = make_prompts(2, 4000, 512, "kv-ttft")
         for name, worker in workers.items():
-            records = [asyncio.run(_together(worker.address, [p], 8))[0] for p in long]
-            result["ttft_4000_ms"][name] = 1000 * (percentile([r.ttft for r in records], 50) or 0)
+            result["ttft_4000_ms"][name] = served_run(worker.address, long, 1, 8).ttft_p50_ms or 0
     finally:
         for worker in workers.values():
             worker.stop()

@@ -61,6 +61,12 @@ class Client:
     async def close(self) -> None:
         await self._channel.close()
 
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     def request(self, prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
         """A streamed request with this client's sampling settings."""
         return pb.GenerateRequest(
@@ -111,17 +117,24 @@ class Client:
     # ----- workloads -----
 
     async def closed_loop(
-        self, concurrency: int, requests: int, shape: Shape, seed: int | str = 0
+        self,
+        concurrency: int,
+        requests: int,
+        shape: Shape,
+        seed: int | str = 0,
+        prompts: Sequence[list[int]] = (),
     ) -> tuple[list[RequestRecord], float]:
-        """`concurrency` clients send back to back until `requests` are done; returns the
-        records and the driver's CPU seconds per wall second over the run."""
-        prompts = self._prompts(requests, shape, seed)
+        """The closed loop: `concurrency` clients send back to back until `requests` are
+        done, on the seed's random prompts or on `prompts` in turn; returns the records and
+        the driver's CPU seconds per wall second over the run."""
+        prompts = prompts or self._prompts(requests, shape, seed)
         queue = iter(range(requests))
         records: list[RequestRecord] = []
 
         async def client() -> None:
             for index in queue:
-                records.append(await self.generate(prompts[index], shape.max_tokens))
+                prompt = prompts[index % len(prompts)]
+                records.append(await self.generate(prompt, shape.max_tokens))
 
         cpu, wall = cpu_seconds(), time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -167,6 +180,27 @@ class Client:
 
     def _prompts(self, count: int, shape: Shape, seed: int | str) -> list[list[int]]:
         return make_prompts(count, shape.prompt_tokens, self.vocab_size, seed)
+
+
+def served_run(
+    address: str,
+    prompts: Sequence[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    requests: int | None = None,
+) -> LevelStats:
+    """One closed-loop run of `prompts` (in turn, `requests` of them, default one each) on
+    the worker at `address`, with the router's sampling."""
+
+    async def run() -> list[RequestRecord]:
+        async with Client(address, 0, Sampling()) as client:
+            shape = Shape(0, max_tokens)
+            count = requests or len(prompts)
+            records, _ = await client.closed_loop(concurrency, count, shape, prompts=prompts)
+            return records
+
+    records = asyncio.run(run())
+    return LevelStats.from_records(concurrency, records, expected_tokens=max_tokens)
 
 
 def _median_ms(values: Sequence[float]) -> float | None:

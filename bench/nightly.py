@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import html
-import importlib.metadata
 import json
-import os
 import platform
 import re
 import subprocess
@@ -45,7 +43,19 @@ from urllib.parse import quote
 
 import genai
 import history
-from workers import BENCH, ROOT, RawProcess, Worker, log, resolve_model
+import report
+from workers import (
+    BENCH,
+    ROOT,
+    SMG_SERVICER_VERSION,
+    BatchConfig,
+    Worker,
+    add_common_args,
+    log,
+    model_or_demo,
+    raw_process,
+    resolve_model,
+)
 from workload import Shape
 
 DEFAULT_HISTORY = BENCH / "results" / "nightly-history.jsonl"
@@ -66,20 +76,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="D(100,100) at c=1,4 with a few requests"
     )
     parser.add_argument(
-        "--model",
-        help="mlx-lm model directory, or `real` for ../shared/tools/real_model.sh's "
-        "(default: the demo model)",
-    )
-    parser.add_argument(
         "--history",
         type=Path,
         default=DEFAULT_HISTORY,
         help=f"JSON-lines history (default {DEFAULT_HISTORY.relative_to(ROOT)})",
     )
-    parser.add_argument(
-        "--side-by-side",
-        action="store_true",
-        help="also run smg-grpc-servicer behind its own router, as a second reference",
+    add_common_args(
+        parser,
+        "also run smg-grpc-servicer behind its own router, as a second reference",
+        peer_version=False,
     )
     parser.add_argument(
         "--max-requests",
@@ -102,9 +107,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--margin",
         type=float,
         help="one margin for every metric instead of the documented per-metric ones",
-    )
-    parser.add_argument(
-        "--worker-flags", default="", help="extra flags for our worker (recorded in the history)"
     )
     parser.add_argument(
         "--slow-ms",
@@ -133,57 +135,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- the machine
 
 
-def pick_model(name: str | None) -> Path:
-    """`--model`: the demo model by default, `real`, or a directory (bench/workers.py)."""
-    path = resolve_model(name)
-    if path is None:
-        from servicer.demo_model import demo_model_path
-
-        return demo_model_path()
-    return path
-
-
-def _gpu() -> str:
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        if done.returncode == 0 and done.stdout.strip():
-            return ", ".join(done.stdout.strip().splitlines())
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    if platform.system() == "Darwin":
-        return "Apple GPU (Metal, in the chip)"
-    return "none"
-
-
 def machine() -> dict[str, Any]:
-    import report
-
-    info = report.machine_info()
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        memory = 0.0
-    return {
-        "cpu": info["cpu"],
-        "cores": info["cores"],
-        "gpu": _gpu(),
-        "memory_gib": round(memory),
-        "os": info["os"],
-        "mlx_device": info["mlx_device"],
-        "load_average": info["load_average"],
-    }
-
-
-def _version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    """What the verdict compares nights on (and the load the night started under)."""
+    keep = ("cpu", "cores", "gpu", "memory_gib", "os", "mlx_device", "load_average")
+    return {key: report.machine_info()[key] for key in keep}
 
 
 def commit() -> dict[str, Any]:
@@ -234,13 +189,6 @@ def _raw_metrics(runs: list[Any]) -> dict[str, Any]:
     }
 
 
-def _ttft_p99(experiment: Path) -> float | None:
-    for path in sorted(experiment.glob("*_num_concurrency_*.json")):
-        stats = json.loads(path.read_text())["aggregated_metrics"]["stats"]
-        return stats["ttft"].get("p99")
-    return None
-
-
 def _served_metrics(experiment: Path, failure: str | None, vetoes: int) -> dict[str, Any]:
     rows = [] if failure else genai.summarise(experiment)
     if not rows:
@@ -249,7 +197,7 @@ def _served_metrics(experiment: Path, failure: str | None, vetoes: int) -> dict[
     return {
         "tok_s": row["output_tokens_per_s"],
         "ttft_p50": row["ttft_p50_ms"],
-        "ttft_p99": _ttft_p99(experiment),
+        "ttft_p99": row["ttft_p99_ms"],
         "tpot": row["tpot_p50_ms"],
         "e2e": row["e2e_p50_ms"],
         "errors": row["errors"],
@@ -267,7 +215,6 @@ class Served:
     system: str  # "ours" or "smg"
     worker: Worker
     router: genai.Router
-    model: str = ""  # the name the router lists it under
 
 
 def measure(args: argparse.Namespace, model_dir: Path, out: Path) -> list[dict[str, Any]]:
@@ -284,7 +231,6 @@ def measure(args: argparse.Namespace, model_dir: Path, out: Path) -> list[dict[s
     logs = out / "logs"
     started: list[Served] = []
     results: list[dict[str, Any]] = []
-    raw_command = [sys.executable, str(BENCH / "raw.py"), "--model", str(model_dir), "--serve"]
     try:
         for system in systems:
             flags = args.worker_flags.split() if system == "ours" else []
@@ -295,8 +241,8 @@ def measure(args: argparse.Namespace, model_dir: Path, out: Path) -> list[dict[s
             log(f"starting {genai.SYSTEMS[system]} on {model_dir.name}, then its router")
             started.append(served)
             worker.start()
-            served.model = served.router.start()
-        with RawProcess(raw_command) as raw:
+            served.router.start()
+        with raw_process(model_dir, BatchConfig()) as raw:
             for scenario in args.scenarios:
                 shape = _shape(scenario)
                 for level in args.levels:
@@ -344,29 +290,14 @@ def _run_served(
     out: Path,
 ) -> dict[str, Any]:
     """One genai-bench run through `served`'s router, with the router's vetoes meanwhile."""
-    router = served.router
     log(f"{genai.SYSTEMS[served.system]}: genai-bench {scenario} at concurrency {level}")
     here = copy.copy(gargs)
     here.max_requests = requests
     experiment = out / served.system / f"{genai._slug(scenario)}-c{level}"
-    start = router.log_size()
-    failure = None
-    try:
-        genai.run_genai_bench(
-            genai_python,
-            here,
-            router.base,
-            served.model,
-            model_dir,
-            scenario,
-            level,
-            experiment,
-        )
-    except RuntimeError as error:
-        failure = str(error)
-        log(f"  failed: {failure}")
-    time.sleep(genai.SETTLE_S)
-    vetoes = genai.count_lines(router.log_path, genai.VETO, start, router.log_size())
+    failure, counts = served.router.genai_bench(
+        genai_python, here, model_dir, scenario, level, experiment
+    )
+    vetoes = counts["vetoes"]
     return _served_metrics(experiment, failure, vetoes)
 
 
@@ -399,11 +330,11 @@ def build_record(
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **commit(),
         "versions": {
-            "mlx": _version("mlx"),
-            "mlx_lm": _version("mlx-lm"),
-            "smg": _version("smg"),
+            "mlx": report.version("mlx"),
+            "mlx_lm": report.version("mlx-lm"),
+            "smg": report.version("smg"),
             "genai_bench": genai.GENAI_BENCH_VERSION,
-            "smg_grpc_servicer": genai.SMG_SERVICER_VERSION if args.side_by_side else None,
+            "smg_grpc_servicer": SMG_SERVICER_VERSION if args.side_by_side else None,
             "python": platform.python_version(),
         },
         "machine": machine_info,
@@ -433,11 +364,9 @@ def trend_pictures(
     """One PNG per metric: top, ours' speed ratio to the raw engine per night (the judged
     number); bottom, ours' own value. One line per scenario and level; tonight (the last
     record) ringed, its regressions crossed in red."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
+    if plt is None:
+        return []
     records = records[-TREND_NIGHTS:]
     keys = sorted(
         {k for r in records for k in history.results_by_key(r)},
@@ -545,7 +474,7 @@ this night: <a href="record.json">record.json</a>, <a href="verdict.md">verdict.
 
 def main(argv: list[str] | None = None, measure_fn: Measure = measure) -> int:
     args = parse_args(argv)
-    model_path = pick_model(args.model)
+    model_path = model_or_demo(resolve_model(args.model))
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     machine_info = machine()

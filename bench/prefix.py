@@ -38,13 +38,18 @@ async def hit_and_cold(client: Client, seed: str, repeats: int = 3) -> dict[str,
             await client.generate(system + turn[:TURN_TOKENS], MAX_TOKENS)
         cold.append(await client.generate(prompts[4 * i + 3], MAX_TOKENS))
         hit.append(await client.generate(system + prompts[4 * i + 3][:TURN_TOKENS], MAX_TOKENS))
-    ratios = [h.ttft / c.ttft for c, h in zip(cold, hit, strict=True) if h.ttft and c.ttft]
+    return _against_cold(cold, hit, "hit")
+
+
+def _against_cold(cold: list[Any], other: list[Any], name: str) -> dict[str, Any]:
+    """The median TTFTs, the median of the pairs' ratios, `other`'s fewest cached tokens."""
+    ratios = [o.ttft / c.ttft for c, o in zip(cold, other, strict=True) if o.ttft and c.ttft]
     return {
         "cold_ttft_ms": _median_ms([r.ttft for r in cold if r.ttft]),
-        "hit_ttft_ms": _median_ms([r.ttft for r in hit if r.ttft]),
+        f"{name}_ttft_ms": _median_ms([r.ttft for r in other if r.ttft]),
         "ratio": percentile(ratios, 50),
-        "hit_cached_tokens": min((r.cached_tokens for r in hit), default=0),
-        "errors": sum(1 for r in cold + hit if r.error is not None),
+        f"{name}_cached_tokens": min((r.cached_tokens for r in other), default=0),
+        "errors": sum(1 for r in cold + other if r.error is not None),
     }
 
 
@@ -160,12 +165,4 @@ async def second_conversation(client: Client, model: Path, seed: str, repeats: i
         )
         message = [{"role": "system", "content": shared}]
         lengths.append(len(tokenizer.apply_chat_template(message, add_generation_prompt=False)))
-    ratios = [s.ttft / c.ttft for c, s in zip(cold, second, strict=True) if s.ttft and c.ttft]
-    return {
-        "cold_ttft_ms": _median_ms([r.ttft for r in cold if r.ttft]),
-        "second_ttft_ms": _median_ms([r.ttft for r in second if r.ttft]),
-        "ratio": percentile(ratios, 50),
-        "second_cached_tokens": min((r.cached_tokens for r in second), default=0),
-        "system_message_tokens": min(lengths),
-        "errors": sum(1 for r in cold + second if r.error is not None),
-    }
+    return {**_against_cold(cold, second, "second"), "system_message_tokens": min(lengths)}

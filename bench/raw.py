@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
@@ -80,9 +80,11 @@ class RawEngine:
         min_requests: int = 1,
         min_seconds: float = 0.0,
         seed: int | str = 0,
+        prompts: Sequence[list[int]] = (),
     ) -> LevelStats:
         """With `requests`, exactly that many; otherwise keep inserting until both
-        `min_requests` and `min_seconds` are reached, then let the ones in flight finish."""
+        `min_requests` and `min_seconds` are reached, then let the ones in flight finish.
+        The seed's random prompts, or `prompts` in turn."""
         start = time.perf_counter()
 
         def want_more(inserted: int) -> bool:
@@ -92,7 +94,7 @@ class RawEngine:
 
         cpu, wall, steal = cpu_seconds(), time.perf_counter(), StealMeter()
         cap = requests if requests is not None else 1 << 20
-        records = self._drive(shape, concurrency, cap, shape.max_tokens, seed, want_more)
+        records = self._drive(shape, concurrency, cap, shape.max_tokens, seed, want_more, prompts)
         worker_cpu = (cpu_seconds() - cpu) / (time.perf_counter() - wall)
         return LevelStats.from_records(
             concurrency,
@@ -112,6 +114,7 @@ class RawEngine:
         max_tokens: int,
         seed: int | str,
         want_more: Callable[[int], bool],
+        prompts: Sequence[list[int]] = (),
     ) -> list[RequestRecord]:
         """Keep `concurrency` sequences in flight (a finished one is replaced by the next
         prompt at once, as a server with back-to-back clients would) until no more are wanted."""
@@ -122,7 +125,10 @@ class RawEngine:
 
         def insert(k: int) -> None:
             nonlocal inserted
-            batch = make_prompts(k, shape.prompt_tokens, self.vocab, seed, start=inserted)
+            if prompts:
+                batch = [prompts[(inserted + i) % len(prompts)] for i in range(k)]
+            else:
+                batch = make_prompts(k, shape.prompt_tokens, self.vocab, seed, start=inserted)
             now = time.perf_counter()
             for uid in generator.insert(batch, max_tokens=[max_tokens] * k):
                 records[uid] = RequestRecord(start=now)

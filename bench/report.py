@@ -13,8 +13,9 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,33 @@ def _os_name() -> str:
     return platform.platform()
 
 
-def _version(package: str) -> str | None:
+def version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _gpu() -> str:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        if done.returncode == 0 and done.stdout.strip():
+            return ", ".join(done.stdout.strip().splitlines())
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "Apple GPU (Metal, in the chip)" if platform.system() == "Darwin" else "none"
+
+
+def _memory_gib() -> int:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
+    except (ValueError, OSError):
+        return 0
 
 
 def machine_info(note: str | None = None) -> dict[str, Any]:
@@ -80,11 +103,13 @@ def machine_info(note: str | None = None) -> dict[str, Any]:
     return {
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
+        "gpu": _gpu(),
+        "memory_gib": _memory_gib(),
         "os": _os_name(),
         "python": platform.python_version(),
-        "mlx": _version("mlx"),
-        "mlx_lm": _version("mlx-lm"),
-        "grpcio": _version("grpcio"),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "grpcio": version("grpcio"),
         "mlx_device": str(mx.default_device()),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "note": note,
@@ -170,23 +195,21 @@ def _rounds(rounds: list[dict[str, Any]]) -> str:
     return " / ".join(parts)
 
 
+def _keyed_table(lead: Sequence[str], columns: str, rows: Sequence[tuple[list, dict]]) -> str:
+    """A table whose cells after the `lead` ones are keys of each row's dict. `columns` is
+    "header=key:digits | ..." (digits 1 when left out)."""
+    spec = []
+    for column in columns.split(" | "):
+        header, _, key = column.partition("=")
+        key, _, digits = key.partition(":")
+        spec.append((header, key, int(digits or 1)))
+    headers = [*lead, *(header for header, _, _ in spec)]
+    cells = [[*first, *(_fmt(data.get(key), d) for _, key, d in spec)] for first, data in rows]
+    return markdown_table(headers, cells)
+
+
 def sweep_table(run: Run) -> str:
     raw = _by_level(run["sweep"].get(RAW, []))
-    headers = [
-        "conc",
-        "worker",
-        "tok/s",
-        "÷ raw",
-        "TTFT p50 ms",
-        "TTFT p90 ms",
-        "ITL p50 ms",
-        "ITL p99 ms",
-        "requests",
-        "errors",
-        "each pair: tok/s (÷ its raw)",
-        "client CPU",
-        "worker CPU",
-    ]
     rows = []
     for concurrency in run["settings"]["levels"]:
         ceiling = raw.get(concurrency, {}).get("tokens_per_s")
@@ -195,36 +218,24 @@ def sweep_table(run: Run) -> str:
             if level is None:
                 continue
             extra = level.get("extra", {})
-            rows.append(
-                [
-                    concurrency,
-                    LABELS[name],
-                    level["tokens_per_s"],
-                    _fmt(_ratio(level["tokens_per_s"], ceiling), 2),
-                    level["ttft_p50_ms"],
-                    level["ttft_p90_ms"],
-                    _fmt(level["itl_p50_ms"], 2),
-                    _fmt(level["itl_p99_ms"], 2),
-                    level["requests"],
-                    extra.get("errors_all_rounds", level["errors"]),
-                    _rounds(extra.get("rounds", [])),
-                    _fmt(extra.get("client_cpu"), 2),
-                    _fmt(extra.get("worker_cpu"), 2),
-                ]
-            )
-    return markdown_table(headers, rows)
+            data = {
+                **level,
+                **extra,
+                "errors": extra.get("errors_all_rounds", level["errors"]),
+                "pairs": _rounds(extra.get("rounds", [])),
+            }
+            served = level["tokens_per_s"]
+            lead = [concurrency, LABELS[name], served, _fmt(_ratio(served, ceiling), 2)]
+            rows.append((lead, data))
+    columns = (
+        "TTFT p50 ms=ttft_p50_ms | TTFT p90 ms=ttft_p90_ms | ITL p50 ms=itl_p50_ms:2 | "
+        "ITL p99 ms=itl_p99_ms:2 | requests=requests | errors=errors | "
+        "each pair: tok/s (÷ its raw)=pairs | client CPU=client_cpu:2 | worker CPU=worker_cpu:2"
+    )
+    return _keyed_table(["conc", "worker", "tok/s", "÷ raw"], columns, rows)
 
 
 def burst_table(run: Run) -> str:
-    headers = [
-        "worker",
-        "TTFT p50 ms",
-        "TTFT p90 ms",
-        "TTFT max ms",
-        "max ÷ p50",
-        "each burst: max ÷ p50",
-        "errors",
-    ]
     rows = []
     for name, burst in run.get("burst", {}).items():
         each = []
@@ -233,132 +244,74 @@ def burst_table(run: Run) -> str:
             if disturbed(b.get("steal_share")):
                 text = f"{text} (steal {b['steal_share']:.0%})"
             each.append(text)
-        rows.append(
-            [
-                LABELS[name],
-                burst["ttft_p50_ms"],
-                burst["ttft_p90_ms"],
-                burst["ttft_max_ms"],
-                _fmt(burst["max_over_p50"], 2),
-                " / ".join(each),
-                burst["errors"],
-            ]
-        )
-    return markdown_table(headers, rows)
+        rows.append(([LABELS[name]], {**burst, "each": " / ".join(each)}))
+    columns = (
+        "TTFT p50 ms=ttft_p50_ms | TTFT p90 ms=ttft_p90_ms | TTFT max ms=ttft_max_ms | "
+        "max ÷ p50=max_over_p50:2 | each burst: max ÷ p50=each | errors=errors"
+    )
+    return _keyed_table(["worker"], columns, rows)
 
 
 def cancel_table(run: Run) -> str:
-    headers = [
-        "worker",
-        "idle latency ms",
-        "after cancel ms",
-        "ratio",
-        "idle TTFT ms",
-        "after cancel TTFT ms",
-        "errors",
-    ]
-    rows = [
-        [
-            LABELS[name],
-            cancel["idle_latency_ms"],
-            cancel["follow_up_latency_ms"],
-            _fmt(cancel["ratio"], 2),
-            cancel["idle_ttft_ms"],
-            cancel["follow_up_ttft_ms"],
-            cancel["errors"],
-        ]
-        for name, cancel in run.get("cancel", {}).items()
-    ]
-    return markdown_table(headers, rows)
+    rows = [([LABELS[name]], cancel) for name, cancel in run.get("cancel", {}).items()]
+    columns = (
+        "idle latency ms=idle_latency_ms | after cancel ms=follow_up_latency_ms | ratio=ratio:2 "
+        "| idle TTFT ms=idle_ttft_ms | after cancel TTFT ms=follow_up_ttft_ms | errors=errors"
+    )
+    return _keyed_table(["worker"], columns, rows)
 
 
 def prefix_table(run: Run) -> str:
-    headers = [
-        "model",
-        "worker",
-        "cold TTFT ms",
-        "TTFT on a hit ms",
-        "hit ÷ cold",
-        "cached tokens",
-        "errors",
-    ]
     rows = [
-        [
-            kind,
-            LABELS[name],
-            prefix["cold_ttft_ms"],
-            prefix["hit_ttft_ms"],
-            _fmt(prefix["ratio"], 3),
-            prefix["hit_cached_tokens"],
-            prefix["errors"],
-        ]
+        ([kind, LABELS[name]], prefix)
         for kind, workers in run.get("prefix", {}).items()
         if isinstance(workers, dict) and "ratio" not in workers
         for name, prefix in workers.items()
     ]
-    return markdown_table(headers, rows)
+    columns = "cold TTFT ms=cold_ttft_ms | TTFT on a hit ms=hit_ttft_ms | hit ÷ cold=ratio:3"
+    columns += " | cached tokens=hit_cached_tokens | errors=errors"
+    return _keyed_table(["model", "worker"], columns, rows)
 
 
 def prefix_store_table(run: Run) -> str:
-    headers = [
-        "model",
-        "cold TTFT ms",
-        "disk hit after a restart ms",
-        "disk hit ÷ cold",
-        "cached tokens",
-        "one conversation, bytes",
-        "16 sharing its prompt, bytes",
-        "16 ÷ one",
-        "2nd chat conversation ÷ cold (interval 4096)",
-        "its cached tokens / system message",
-    ]
     rows = []
     for kind, disk in run.get("prefix_disk", {}).items():
         shared = run.get("prefix_bytes", {}).get(kind, {})
         chat = run.get("prefix_chat", {}).get(kind, {})
-        rows.append(
-            [
-                kind,
-                disk["cold_ttft_ms"],
-                disk["disk_hit_ttft_ms"],
-                _fmt(disk["ratio"], 3),
-                disk["hit_cached_tokens"],
-                shared.get("one_bytes"),
-                shared.get("many_bytes"),
-                _fmt(shared.get("ratio"), 2),
-                _fmt(chat.get("ratio"), 3),
-                f"{chat.get('second_cached_tokens')} / {chat.get('system_message_tokens')}",
-            ]
-        )
-    return markdown_table(headers, rows)
+        tokens = f"{chat.get('second_cached_tokens')} / {chat.get('system_message_tokens')}"
+        data = {**shared, **disk, "bytes_ratio": shared.get("ratio"), "chat_tokens": tokens}
+        rows.append(([kind], {**data, "chat_ratio": chat.get("ratio")}))
+    columns = (
+        "cold TTFT ms=cold_ttft_ms | disk hit after a restart ms=disk_hit_ttft_ms | "
+        "disk hit ÷ cold=ratio:3 | cached tokens=hit_cached_tokens | "
+        "one conversation, bytes=one_bytes | 16 sharing its prompt, bytes=many_bytes | "
+        "16 ÷ one=bytes_ratio:2 | 2nd chat conversation ÷ cold (interval 4096)=chat_ratio:3 | "
+        "its cached tokens / system message=chat_tokens"
+    )
+    return _keyed_table(["model"], columns, rows)
 
 
 def arrival_table(run: Run) -> str:
-    headers = [
-        "worker",
-        "streams",
-        "arriving tokens",
-        "gap p50 before ms",
-        "gap p99 during ms",
-        "gap max during ms",
-        "arrival TTFT ms",
-        "errors",
-    ]
-    rows = [
-        [
-            LABELS[name],
-            case["streams"],
-            case["prompt_tokens"],
-            case["gap_p50_before_ms"],
-            case["gap_p99_during_ms"],
-            case["gap_max_during_ms"],
-            case["ttft_ms"],
-            case["errors"],
-        ]
-        for name, cases in run.get("arrival", {}).items()
-        for case in cases
-    ]
-    return markdown_table(headers, rows)
+    cases = run.get("arrival", {}).items()
+    rows = [([LABELS[name]], case) for name, found in cases for case in found]
+    columns = (
+        "streams=streams | arriving tokens=prompt_tokens | gap p50 before ms=gap_p50_before_ms "
+        "| gap p99 during ms=gap_p99_during_ms | gap max during ms=gap_max_during_ms | "
+        "arrival TTFT ms=ttft_ms | errors=errors"
+    )
+    return _keyed_table(["worker"], columns, rows)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot without a display, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 def plot_arrival(run: Run, path: Path, streams: int = 4, tokens: int = 4000) -> bool:
@@ -369,14 +322,8 @@ def plot_arrival(run: Run, path: Path, streams: int = 4, tokens: int = 4000) -> 
         for case in found
         if case["streams"] == streams and case["prompt_tokens"] == tokens
     }
-    if not cases:
-        return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if not cases or plt is None:
         return False
     fig, axis = plt.subplots(figsize=(9, 4))
     for name, case in cases.items():
@@ -413,10 +360,75 @@ def machine_line(run: Run) -> str:
     return line
 
 
+def _parts(s: dict[str, Any]) -> dict[str, tuple[Callable[[], str], Callable[[Run], str]]]:
+    """The parts after the sweep, by their key in a run: a title (from the settings) and
+    a table."""
+    import kv_quant
+    import speculation
+
+    shape, burst, cancel = s["shape"], s.get("burst", {}), s.get("cancel", {})
+    prefix = s.get("prefix", {})
+    return {
+        "burst": (
+            lambda: (
+                f"### Staggered burst ({burst['clients']} clients {burst['stagger_s']} s "
+                f"apart, {burst['per_client']} requests each back to back, {burst['max_tokens']} "
+                f"new tokens; {burst.get('repeats', 1)} bursts per worker, the one with the median "
+                "max ÷ p50 shown)"
+            ),
+            burst_table,
+        ),
+        "cancel": (
+            lambda: (
+                f"### Cancel and reuse (a stream cancelled after {cancel['cancel_after']} "
+                f"tokens, then a {shape['prompt_tokens']}+{cancel['max_tokens']}-token request; "
+                f"median of {cancel['repeats']})"
+            ),
+            cancel_table,
+        ),
+        "prefix": (
+            lambda: (
+                f"### Prefix reuse (a {prefix['prefix_tokens']}-token system prompt with a "
+                f"{prefix['suffix_tokens']}-token turn, then the same system prompt with a new "
+                f"turn, against a new system prompt; median of {prefix['repeats']})"
+            ),
+            prefix_table,
+        ),
+        "prefix_disk": (
+            lambda: (
+                "### Prefix store (ours): the same system prompt after a restart on the "
+                "same --prompt-cache-dir, and the RAM bytes of 16 conversations sharing a "
+                f"{prefix.get('shared_tokens', 1024)}-token prompt against one"
+            ),
+            prefix_store_table,
+        ),
+        "arrival": (
+            lambda: (
+                "### Long prompt arrival (k streams decoding, then one long prompt "
+                "arrives; the streams' gaps between chunks before it and while it prefills, and "
+                "its TTFT)"
+            ),
+            arrival_table,
+        ),
+        "speculation": (
+            lambda: (
+                "### Speculation (our worker with speculation on and off, the raw "
+                "BatchGenerator without it, on the fixtures bench/spec_models.py builds; "
+                f"{speculation.MAX_TOKENS} new tokens, K = {speculation.K})"
+            ),
+            lambda run: speculation.render(run["speculation"]),
+        ),
+        "kv_quant": (
+            lambda: "### Quantized KV cache (--kv-bits)",
+            lambda run: kv_quant.render(run["kv_quant"]),
+        ),
+    }
+
+
 def render(run: Run) -> str:
     """The whole report as markdown (what the terminal shows and RESULTS.md holds)."""
     s = run["settings"]
-    shape, burst, cancel = s["shape"], s["burst"], s["cancel"]
+    shape = s["shape"]
     parts = [
         f"Run {run['date']} (`{run['command']}`), model `{s['model_name']}`",
         "",
@@ -463,67 +475,9 @@ def render(run: Run) -> str:
             "prompts share a first token now and then, so a few per level are expected): "
             + ", ".join(f"{name} {count}" for name, count in cached.items()),
         ]
-    if run.get("burst"):
-        parts += [
-            "",
-            f"### Staggered burst ({burst['clients']} clients {burst['stagger_s']} s apart, "
-            f"{burst['per_client']} requests each back to back, {burst['max_tokens']} new tokens; "
-            f"{burst.get('repeats', 1)} bursts per worker, the one with the median max ÷ p50 "
-            "shown)",
-            "",
-            burst_table(run),
-        ]
-    if run.get("cancel"):
-        parts += [
-            "",
-            f"### Cancel and reuse (a stream cancelled after {cancel['cancel_after']} tokens, "
-            f"then a {shape['prompt_tokens']}+{cancel['max_tokens']}-token request; median of "
-            f"{cancel['repeats']})",
-            "",
-            cancel_table(run),
-        ]
-    if run.get("prefix"):
-        prefix = s["prefix"]
-        parts += [
-            "",
-            f"### Prefix reuse (a {prefix['prefix_tokens']}-token system prompt with a "
-            f"{prefix['suffix_tokens']}-token turn, then the same system prompt with a new "
-            f"turn, against a new system prompt; median of {prefix['repeats']})",
-            "",
-            prefix_table(run),
-        ]
-    if run.get("prefix_disk"):
-        parts += [
-            "",
-            "### Prefix store (ours): the same system prompt after a restart on the same "
-            "--prompt-cache-dir, and the RAM bytes of 16 conversations sharing a "
-            f"{s['prefix'].get('shared_tokens', 1024)}-token prompt against one",
-            "",
-            prefix_store_table(run),
-        ]
-    if run.get("arrival"):
-        parts += [
-            "",
-            "### Long prompt arrival (k streams decoding, then one long prompt arrives; the "
-            "streams' gaps between chunks before it and while it prefills, and its TTFT)",
-            "",
-            arrival_table(run),
-        ]
-    if run.get("speculation"):
-        import speculation
-
-        parts += [
-            "",
-            "### Speculation (our worker with speculation on and off, the raw BatchGenerator "
-            "without it, on the fixtures bench/spec_models.py builds; "
-            f"{speculation.MAX_TOKENS} new tokens, K = {speculation.K})",
-            "",
-            speculation.render(run["speculation"]),
-        ]
-    if run.get("kv_quant"):
-        import kv_quant
-
-        parts += ["", "### Quantized KV cache (--kv-bits)", "", kv_quant.render(run["kv_quant"])]
+    for key, (title, table) in _parts(s).items():
+        if run.get(key):
+            parts += ["", title(), "", table(run)]
     return "\n".join(parts)
 
 
@@ -538,16 +492,11 @@ def write_json(run: Run, path: Path) -> None:
 def plot(run: Run, path: Path) -> bool:
     """Tokens/s and TTFT p50 against concurrency; False when matplotlib is missing or
     there is no sweep to draw."""
-    if not any(run["sweep"].values()):
+    plt = pyplot()
+    if not any(run["sweep"].values()) or plt is None:
         return False
-    try:
-        import matplotlib
+    import matplotlib.ticker
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        return False
     levels = run["settings"]["levels"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in (RAW, *_workers(run)):

@@ -8,6 +8,7 @@ ready when `MlxEngine/HealthCheck` says healthy (both workers answer it).
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -55,6 +56,36 @@ def blas_env(library: Path = OPENBLAS) -> dict[str, str]:
 def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """A measured process's environment: ours, offline, OpenBLAS preloaded when it exists."""
     return {**os.environ, **OFFLINE_ENV, **blas_env(), **(extra or {})}
+
+
+def add_common_args(parser: argparse.ArgumentParser, side_by_side: str, peer_version=True) -> None:
+    """The options every part that starts workers takes: the model, the peer, our flags."""
+    parser.add_argument(
+        "--model",
+        help="mlx-lm model directory, or `real` for the real model (google/gemma-3-270m, "
+        "built by ../shared/tools/real_model.sh; default: the demo model)",
+    )
+    parser.add_argument("--side-by-side", action="store_true", help=side_by_side)
+    if peer_version:
+        parser.add_argument(
+            "--smg-version",
+            default=SMG_SERVICER_VERSION,
+            help=f"smg-grpc-servicer version for --side-by-side (default {SMG_SERVICER_VERSION})",
+        )
+    parser.add_argument(
+        "--worker-flags",
+        default="",
+        help="extra flags for our worker, e.g. '--stream-interval 4' (recorded in the report)",
+    )
+
+
+def model_or_demo(model: Path | None) -> Path:
+    """A resolved `--model`, or the demo model when none was given."""
+    if model is None:
+        from servicer.demo_model import demo_model_path
+
+        return demo_model_path()
+    return model.expanduser().resolve()
 
 
 def resolve_model(model: str | None, script: Path = REAL_MODEL_SCRIPT) -> Path | None:
@@ -281,6 +312,12 @@ class BatchConfig:
             "--prefill-batch-size",
             str(self.prefill_batch_size),
         ]
+
+
+def raw_process(model: Path, batch: BatchConfig) -> RawProcess:
+    """bench/raw.py --serve on `model` with the workers' batch settings."""
+    command = [sys.executable, str(BENCH / "raw.py"), "--serve", "--model", str(model)]
+    return RawProcess([*command, *batch.flags()])
 
 
 def our_worker(
