@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import threading
@@ -25,6 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import report
 from load import served_run
 from workers import BatchConfig, Worker, log, our_worker, resolve_model
 from workload import make_prompts, percentile
@@ -293,17 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is not None:
         found = model_bytes(resolve_model(args.model))
         print(render_model_bytes(found))
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"kv-bytes-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps(found, indent=1))
-        print(f"JSON: {path}")
+        report.save_json(args.out, "kv-bytes", found)
         return 0
     result = run_part(args.quick, args.out / "logs")
     print(render(result))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kv-quant-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=1, default=str))
-    print(f"JSON: {path}")
+    report.save_json(args.out, "kv-quant", result)
     return 0
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from load import Client, _median_ms
 from workers import Worker
-from workload import make_prompts, percentile
+from workload import chat_prompt, make_prompts, percentile, system_texts
 
 SYSTEM_TOKENS = 1500
 TURN_TOKENS = 20
@@ -125,27 +125,6 @@ def model_dirs(model: Path | None) -> dict[str, Path]:
 
 CHAT_SYSTEM_TOKENS = 1500
 LONG_INTERVAL = 4096  # a real hybrid's automatic snapshot interval is in the thousands
-
-
-def chat_prompt(tokenizer: Any, system: str, question: str) -> list[int]:
-    """Token ids as the router sends them: the model's own chat template."""
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-
-def system_texts(tokenizer: Any, count: int, tokens: int, seed: str) -> list[str]:
-    """`count` different system prompts of about `tokens` tokens of demo text."""
-    import random
-
-    from servicer.demo_model import TEST_PROMPTS
-
-    texts = []
-    for i in range(count):
-        rng, words = random.Random(f"{seed}-{i}"), []
-        while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < tokens:
-            words.append(rng.choice(TEST_PROMPTS))
-        texts.append(" ".join(words))
-    return texts
 
 
 async def second_conversation(client: Client, model: Path, seed: str, repeats: int = 3):

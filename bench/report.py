@@ -15,6 +15,7 @@ import platform
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -487,6 +488,15 @@ def render(run: Run) -> str:
 def write_json(run: Run, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(run, indent=2) + "\n")
+
+
+def save_json(directory: Path, stem: str, data: Any) -> Path:
+    """`data` as directory/STEM-STAMP.json (a part run alone); prints where it went."""
+    path = directory / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str))
+    print(f"JSON: {path}")
+    return path
 
 
 def plot(run: Run, path: Path) -> bool:

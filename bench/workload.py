@@ -1,8 +1,10 @@
 """The benchmark's workload: prompts, request shapes and the statistics it reports.
 
-Shared by the raw-engine loop (raw.py) and the gRPC load driver (load.py), so both run
-exactly the same prompts. Imports nothing heavy: raw.py runs it next to MLX, load.py next
-to grpc.
+Prompt sources: random token ids (`make_prompts`, any length: the sweep's and the long
+prompts), copy-heavy text (`copy_prompts`), chat and genai-style text (`chat_prompts`,
+`chat_prompt`, `system_texts`). Shared by the raw-engine loop (raw.py) and the gRPC load
+driver (load.py), so both run exactly the same prompts. Imports nothing heavy: raw.py runs
+it next to MLX, load.py next to grpc.
 """
 
 from __future__ import annotations
@@ -56,6 +58,66 @@ def make_prompts(
         rng = random.Random(f"{seed}/{index}")
         prompts.append([rng.randrange(low, vocab_size) for _ in range(length)])
     return prompts
+
+
+# Held-out text: none of it is in the demo corpus, so copying it takes induction, not memory.
+PASSAGES: tuple[str, ...] = (
+    "The lighthouse keeper wrote the weather in a green notebook every evening, even when "
+    "nothing changed, because his father had done the same for forty years.",
+    "Maria planted tomatoes along the fence, basil between them, and marigolds at the ends "
+    "to keep the beetles away from the young leaves.",
+    "The committee met on Thursday and agreed to paint the town hall blue, although nobody "
+    "could say who had suggested blue in the first place.",
+    "A bicycle chain needs oil every few hundred miles, more often in the rain, and it will "
+    "tell you with a dry squeak when you have forgotten.",
+    "Our neighbour keeps bees on the roof of his garage and sells the honey in small jars "
+    "with hand written labels that say the month it was taken.",
+    "The museum closed its east wing for repairs, so the dinosaur skeleton was moved into "
+    "the lobby where children now eat their lunch beneath it.",
+)
+
+
+def copy_prompts(tokenizer: Any) -> list[list[int]]:
+    """Copy-heavy prompts (the answer repeats spans of the prompt): each passage then its
+    first words again, then each passage in a chat request to repeat it."""
+    start_again, repeat_request = [], []
+    for passage in PASSAGES:
+        opening = " ".join(passage.split()[:4])
+        start_again.append(tokenizer.encode(f"{passage}\n\n{opening}", add_special_tokens=False))
+        request = f"{passage}\n\nRepeat the text above."
+        repeat_request.append(chat_prompt(tokenizer, None, request))
+    return start_again + repeat_request
+
+
+def chat_prompts(tokenizer: Any) -> list[list[int]]:
+    """Genai-style prompts on the demo text: the demo test prompts, openings of every 5th
+    corpus paragraph, and the first chat questions (in the chat template)."""
+    from servicer.demo_model import TEST_PROMPTS, _read_corpus
+
+    prose, chats = _read_corpus()
+    texts = [*TEST_PROMPTS, *(" ".join(p.split()[:5]) for p in prose[::5])]
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    return prompts + [chat_prompt(tokenizer, None, user) for user, _ in chats[:6]]
+
+
+def chat_prompt(tokenizer: Any, system: str | None, question: str) -> list[int]:
+    """Token ids as the router sends them: the model's own chat template."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": question})
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def system_texts(tokenizer: Any, count: int, tokens: int, seed: str) -> list[str]:
+    """`count` different system prompts of about `tokens` tokens of demo text."""
+    from servicer.demo_model import TEST_PROMPTS
+
+    texts = []
+    for i in range(count):
+        rng, words = random.Random(f"{seed}-{i}"), []
+        while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < tokens:
+            words.append(rng.choice(TEST_PROMPTS))
+        texts.append(" ".join(words))
+    return texts
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
