@@ -10,6 +10,13 @@ Each setup, workload and concurrency measures in one run, interleaved: the raw B
 without speculation (in this process), our worker without and with speculation, and with
 --side-by-side smg-grpc-servicer; the worker's own metrics give the tokens per target step
 and the acceptance. `python bench/speculation.py [--quick]` runs the part alone.
+
+`--model real` (google/gemma-3-270m, built by ../shared/tools/real_model.sh) or `--model DIR`
+measures a real model instead, on natural text through its tokenizer (with BOS, as the worker
+receives it): code continuation, a passage then its start again, and plain prose. Our worker
+with prompt lookup against the same worker without speculation, in one run, interleaved (the
+raw BatchGenerator is left out: a second copy of a real model in this process only slows the
+run down).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 from load import Client, Sampling
 from spec_fixtures import copy_prompts, corpus_prompts, step_times
 from spec_models import spec_model_path
-from workers import BatchConfig, Worker, log, our_worker, smg_worker
+from workers import BatchConfig, Worker, log, our_worker, resolve_model, smg_worker
 from workload import LevelStats, RequestRecord, note_token, percentile
 
 from servicer.demo_model import demo_model_path
@@ -46,6 +53,7 @@ class Setup:
     model: Path
     flags: tuple[str, ...]
     draft: Path | None = None  # the draft model, whose step the ideal speed-up counts
+    real: bool = False  # a real model: natural-text workloads, no raw reference
 
 
 def setups() -> list[Setup]:
@@ -69,6 +77,121 @@ def workloads(model: Path) -> dict[str, list[list[int]]]:
     tokenizer = load_tokenizer(model)
     copy = [p for prompts in copy_prompts(tokenizer).values() for p in prompts]
     return {"copy-heavy": copy, "genai-style": corpus_prompts(tokenizer)}
+
+
+# --------------------------------------------------------------------------- a real model
+
+# The start of a module whose continuation repeats identifiers from the prompt.
+REAL_CODE: tuple[str, ...] = (
+    '''"""Inventory management: items, stock levels and orders."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Item:
+    sku: str
+    name: str
+    price: float
+    quantity: int = 0
+
+
+class Inventory:
+    """Items by SKU."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, Item] = {}
+
+    def add_item(self, item: Item) -> None:
+        self.items[item.sku] = item
+
+    def remove_item(self, sku: str) -> None:
+        del self.items[sku]
+
+    def get_item(self, sku: str) -> Item:
+        return self.items[sku]
+
+    def restock(self, sku: str, amount: int) -> None:
+        item = self.get_item(sku)
+        item.quantity += amount
+
+''',
+    '''import math
+
+
+class Vector:
+    """A vector in three dimensions."""
+
+    def __init__(self, x: float, y: float, z: float) -> None:
+        self.x = x
+        self.y = y
+        self.z = z
+
+    def __add__(self, other: "Vector") -> "Vector":
+        return Vector(self.x + other.x, self.y + other.y, self.z + other.z)
+
+    def __sub__(self, other: "Vector") -> "Vector":
+        return Vector(self.x - other.x, self.y - other.y, self.z - other.z)
+
+    def __mul__(self, scale: float) -> "Vector":
+        return Vector(self.x * scale, self.y * scale, self.z * scale)
+
+''',
+    '''class BankAccount:
+    """A bank account with deposits, withdrawals and a history."""
+
+    def __init__(self, owner: str, balance: float = 0.0) -> None:
+        self.owner = owner
+        self.balance = balance
+        self.history: list[tuple[str, float]] = []
+
+    def deposit(self, amount: float) -> None:
+        if amount <= 0:
+            raise ValueError("deposit must be positive")
+        self.balance += amount
+        self.history.append(("deposit", amount))
+
+''',
+)
+# Openings of prose the model continues freely (nothing in the prompt to copy).
+REAL_PROSE: tuple[str, ...] = (
+    "The first snow of the year came early to the village, and",
+    "When I was twelve my grandmother taught me how to",
+    "The history of the printing press begins in",
+)
+REAL_LEVELS = {"code": (1,), "passage, then its start": (1,), "prose": (1, 4, 16)}
+
+
+def real_passages() -> list[str]:
+    """Two paragraphs of the demo corpus (natural text), then their first 8 words again."""
+    text = (Path(__file__).resolve().parent.parent / "servicer" / "demo_corpus.txt").read_text()
+    paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) >= 200]
+    out = []
+    for i in (0, 2, 4):
+        passage = f"{paragraphs[i]} {paragraphs[i + 1]}"
+        out.append(f"{passage}\n\n{' '.join(passage.split()[:8])}")
+    return out
+
+
+def real_workloads(model: Path) -> dict[str, list[list[int]]]:
+    """Each workload's prompts through the model's tokenizer, BOS first."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    bos = tokenizer.bos_token_id
+
+    def encode(text: str) -> list[int]:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        return ids if bos is None else [bos, *ids]
+
+    texts = {"code": REAL_CODE, "passage, then its start": real_passages(), "prose": REAL_PROSE}
+    return {name: [encode(t) for t in chosen] for name, chosen in texts.items()}
+
+
+def real_setup(model: str) -> Setup:
+    path = resolve_model(model)
+    assert path is not None
+    return Setup(f"{path.name}, prompt lookup", path, ("--speculate", "ngram"), real=True)
 
 
 # --------------------------------------------------------------------------- one run
@@ -259,10 +382,11 @@ def measure_setup(
     setup: Setup, levels: tuple[int, ...], rounds: int, smg_python: Path | None, log_dir: Path
 ) -> dict[str, Any]:
     batch = BatchConfig(completion_batch_size=32, prefill_batch_size=8)
-    prompts = workloads(setup.model)
-    ratio = draft_step_ratio(setup, prompts["genai-style"][0])
-    verify = verify_costs(setup, prompts["genai-style"][0], range(1, K + 2))
-    raw = RawLoop(setup.model, batch)
+    prompts = real_workloads(setup.model) if setup.real else workloads(setup.model)
+    first = next(iter(prompts.values()))[0] if setup.real else prompts["genai-style"][0]
+    ratio = draft_step_ratio(setup, first)
+    verify = verify_costs(setup, first, range(1, K + 2), repeats=10 if setup.real else 30)
+    raw = None if setup.real else RawLoop(setup.model, batch)
     metrics_port = free_port()
     flags = (*setup.flags, "--speculate-k", str(K), "--metrics-port", str(metrics_port))
     tag = re.sub(r"\W+", "-", setup.name)
@@ -277,14 +401,15 @@ def measure_setup(
         for worker in workers.values():
             worker.start()
         for workload, chosen in prompts.items():
-            for level in levels:
+            for level in REAL_LEVELS[workload] if setup.real else levels:
                 cell = measure_cell(raw, workers, chosen, level, rounds, metrics_port)
                 summary = cell.summary(ratio, verify)
                 result["cells"][f"{workload} c={level}"] = {"runs": cell.runs, **summary}
                 log(
                     f"speculation {setup.name}, {workload}, c={level}: on ÷ raw "
                     f"{_fmt(summary['on_to_raw'])}, speed-up {_fmt(summary['speedup'])}, "
-                    f"{_fmt(summary['tokens_per_step'])} tokens/step"
+                    f"{_fmt(summary['tokens_per_step'])} tokens/step, acceptance "
+                    f"{_fmt(summary['acceptance'])}"
                 )
     finally:
         for worker in workers.values():
@@ -293,23 +418,29 @@ def measure_setup(
 
 
 def measure_cell(
-    raw: RawLoop,
+    raw: RawLoop | None,
     workers: dict[str, Worker],
     prompts: list[list[int]],
     level: int,
     rounds: int,
     metrics_port: int,
 ) -> Cell:
-    requests = max(4, 2 * level)
+    """Warm-ups at this batch shape, then `rounds` of each worker in turn (the order flips
+    every round, so a drift in the machine's speed does not favour one side)."""
+    # A real model: each prompt once at c=1, one wave of requests above (its steps are long).
+    requests = max(len(prompts), level) if raw is None else max(4, 2 * level)
     cell = Cell()
-    raw.run(prompts, level, level)  # everyone warms up at this batch shape first
+    if raw is not None:
+        raw.run(prompts, level, level)
     for worker in workers.values():
         asyncio.run(served(worker.address, prompts, level, level))
     before = speculation_metrics(metrics_port)
-    for _ in range(rounds):
-        reference = raw.run(prompts, level, requests)
-        cell.add("raw", reference, reference)
-        for name, worker in workers.items():
+    for round_ in range(rounds):
+        reference = raw.run(prompts, level, requests) if raw is not None else None
+        if reference is not None:
+            cell.add("raw", reference, reference)
+        order = list(workers.items())
+        for name, worker in order[::-1] if round_ % 2 else order:
             stats = asyncio.run(served(worker.address, prompts, level, requests))
             cell.add(name, stats, reference)
     after = speculation_metrics(metrics_port)
@@ -367,9 +498,12 @@ def run_part(
     smg_python: Path | None = None,
     log_dir: Path = Path("bench/results/logs"),
     wanted: list[str] | None = None,
+    model: str | None = None,
 ) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     chosen = [s for s in setups() if wanted is None or any(w in s.name for w in wanted)]
+    if model is not None:
+        chosen = [real_setup(model)]
     return {s.name: measure_setup(s, levels, rounds, smg_python, log_dir) for s in chosen}
 
 
@@ -380,6 +514,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help=f"runs of each worker per level ({ROUNDS})")
     parser.add_argument("--setups", help="only setups whose name contains one of these (a,b)")
     parser.add_argument("--side-by-side", action="store_true")
+    parser.add_argument(
+        "--model",
+        help="`real` (google/gemma-3-270m from ../shared/tools) or a model directory: measure "
+        "it on code, a passage then its start, and prose, instead of the fixtures",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     smg = None
@@ -392,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         levels = tuple(int(x) for x in args.levels.split(","))
     rounds = args.rounds or rounds
     wanted = args.setups.split(",") if args.setups else None
-    results = run_part(levels, rounds, smg, args.out / "logs", wanted)
+    results = run_part(levels, rounds, smg, args.out / "logs", wanted, args.model)
     print(render(results))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"speculation-{time.strftime('%Y%m%d-%H%M%S')}.json"
