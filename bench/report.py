@@ -8,6 +8,7 @@ so a saved JSON can be re-rendered (`python bench/report.py results/bench-....js
 from __future__ import annotations
 
 import argparse
+import html
 import importlib.metadata
 import json
 import os
@@ -19,7 +20,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+import history
 from workload import counted_runs, disturbed
 
 BENCH = Path(__file__).resolve().parent
@@ -537,6 +540,122 @@ def plot(run: Run, path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+# --------------------------------------------------------------------------- the nightly
+
+TREND_NIGHTS = 30  # nights a trend picture shows
+
+
+def trend_pictures(
+    records: list[dict[str, Any]], verdict: history.Verdict, out: Path
+) -> list[Path]:
+    """One PNG per metric: top, ours' speed ratio to the raw engine per night (the judged
+    number); bottom, ours' own value. One line per scenario and level; tonight (the last
+    record) ringed, its regressions crossed in red."""
+    plt = pyplot()
+    if plt is None:
+        return []
+    records = records[-TREND_NIGHTS:]
+    keys = sorted(
+        {k for r in records for k in history.results_by_key(r)},
+        key=lambda k: (history.scenario_order(k[0]), k[1]),
+    )
+    bad = {(r.scenario, r.concurrency, r.metric) for r in verdict.regressions}
+    bad_all = {(r.scenario, r.concurrency) for r in verdict.regressions if r.metric == "errors"}
+    labels = [str(r.get("date", "?"))[5:16].replace("T", " ") for r in records]
+    x = list(range(len(records)))
+    paths = []
+    for name, metric in history.METRICS.items():
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+        for key in keys:
+            results = [history.results_by_key(r).get(key) or {} for r in records]
+            ratio = [history.ratio_of(res, "raw", name) for res in results]
+            value = [(res.get("ours") or {}).get(name) for res in results]
+            label = f"{key[0]} c={key[1]}"
+            (line,) = top.plot(x, [v if v is not None else float("nan") for v in ratio], "o-")
+            line.set_label(label)
+            bottom.plot(
+                x,
+                [v if v is not None else float("nan") for v in value],
+                "o-",
+                color=line.get_color(),
+            )
+            last = len(records) - 1
+            for axis, series in ((top, ratio), (bottom, value)):
+                if series and series[-1] is not None:
+                    axis.plot(
+                        [last], [series[-1]], "o", ms=13, mfc="none", mec=line.get_color(), mew=2
+                    )
+            flagged = (key[0], key[1], name) in bad or key in bad_all
+            if flagged and ratio and ratio[-1] is not None:
+                top.plot([last], [ratio[-1]], "x", ms=16, mew=3, color="red")
+        for axis in (top, bottom):
+            axis.axvline(len(records) - 1, color="grey", ls="--", lw=1)
+            axis.grid(alpha=0.3)
+            axis.set_ylim(bottom=0)  # from zero: a change looks as big as it is
+        top.set_ylabel("speed ÷ raw engine\n(higher is better)")
+        unit = "tokens/s" if metric.higher_is_better else "ms"
+        bottom.set_ylabel(f"ours, {unit}")
+        top.set_title(f"{metric.label}: nightly trend (tonight ringed, regressions crossed)")
+        top.legend(fontsize=8, loc="best")
+        bottom.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
+        fig.tight_layout()
+        path = out / f"trend-{name}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def html_page(
+    record: dict[str, Any],
+    verdict: history.Verdict,
+    summary: str,
+    trends: list[Path],
+    out: Path,
+    history_path: Path,
+) -> Path:
+    """index.html: the verdict, the trend pictures, and links to genai-bench's plots."""
+    e = html.escape
+    rows = []
+    for row, cells in zip(verdict.rows, history.verdict_cells(verdict), strict=True):
+        colour = {"REGRESSION": "#fdd", "improved": "#dfd"}.get(row.mark, "")
+        tds = "".join(f"<td>{e(c)}</td>" for c in cells)
+        rows.append(f'<tr style="background:{colour}">{tds}</tr>')
+    head = "".join(f"<th>{e(h)}</th>" for h in history.HEADERS)
+    plots = sorted(p for p in out.rglob("*.png") if p not in trends)
+    # genai-bench's plot names have spaces: quote them in the links.
+    names = [str(p.relative_to(out)) for p in plots]
+    links = "".join(f'<li><a href="{e(quote(n))}">{e(n)}</a></li>' for n in names)
+    links = links or "<li>genai-bench wrote no plots</li>"
+    images = "".join(
+        f'<p><a href="{e(p.name)}"><img src="{e(p.name)}" style="max-width:100%"></a></p>'
+        for p in trends
+    )
+    m = record["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in record["versions"].items() if v)
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>mlx-grpc-worker nightly {e(record["date"])}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:2px 6px;font-size:90%}}</style></head><body>
+<h1>Nightly {e(record["date"])}: {e(summary)}</h1>
+<p>Commit {e(str(record.get("commit")))}{" (dirty)" if record.get("dirty") else ""};
+model {e(record["model"])}; {"quick" if record.get("quick") else "full"} run;
+{e(str(m.get("cpu")))}, {m.get("cores")} cores, GPU {e(str(m.get("gpu")))},
+{m.get("memory_gib")} GiB; {e(versions)}.</p>
+<p>Ratios are ours' speed ÷ the reference's (higher is better: tok/s ours ÷ reference, times
+reference ÷ ours), judged against the last {verdict.window} nights of this machine, model and
+mode ({verdict.nights} found). History: <code>{e(str(history_path))}</code>;
+this night: <a href="record.json">record.json</a>, <a href="verdict.md">verdict.md</a>.</p>
+<table><tr>{head}</tr>{"".join(rows)}</table>
+<h2>Trends</h2>{images}
+<h2>Tonight's genai-bench plots</h2><ul>{links}</ul>
+</body></html>
+"""
+    path = out / "index.html"
+    path.write_text(page)
+    return path
 
 
 def update_results_md(run: Run, path: Path = RESULTS_MD) -> None:
