@@ -510,54 +510,20 @@ def compare_table(entries: list[dict[str, Any]], systems: list[str], rounds: int
 def runs_table(runs: list[dict[str, Any]], systems: list[str], rounds: int) -> str:
     """Every run's numbers; the system and round columns only when there is more than one."""
     lead = (["system"] if len(systems) > 1 else []) + (["round"] if rounds > 1 else [])
-    headers = [
-        *lead,
-        "scenario",
-        "conc",
-        "output tok/s",
-        "req/s",
-        "TTFT p50 ms",
-        "TTFT p90 ms",
-        "TPOT p50 ms",
-        "e2e p50 ms",
-        "out tokens",
-        "requests",
-        "errors",
-        "vetoes",
-    ]
-    ordered = sorted(
-        runs,
-        key=lambda r: (
-            _key(r["scenario"]),
-            r["scenario"],
-            r["concurrency"],
-            r["round"],
-            r["system"],
-        ),
-    )
+    order = ("scenario", "concurrency", "round", "system")
     rows = []
-    for run in ordered:
-        row: list[Any] = ([SYSTEMS[run["system"]]] if len(systems) > 1 else []) + (
+    for run in sorted(runs, key=lambda r: (_key(r["scenario"]), *(r[k] for k in order))):
+        first = ([SYSTEMS[run["system"]]] if len(systems) > 1 else []) + (
             [run["round"]] if rounds > 1 else []
         )
-        row += [run["scenario"], run["concurrency"]]
-        if "failed" in run:
-            row += ["failed", *["-"] * 8]
-        else:
-            row += [
-                run["output_tokens_per_s"],
-                round(run["requests_per_s"], 2),
-                run["ttft_p50_ms"],
-                run["ttft_p90_ms"],
-                round(run["tpot_p50_ms"], 2),
-                run["e2e_p50_ms"],
-                run["output_tokens_mean"],
-                run["requests"],
-                run["errors"],
-            ]
-        row.append("-" if run.get("vetoes") is None else run["vetoes"])
-        rows.append(row)
-    return report.markdown_table(headers, rows)
+        data = {**run, "output_tokens_per_s": "failed"} if "failed" in run else run
+        rows.append(([*first, run["scenario"], run["concurrency"]], data))
+    columns = (
+        "output tok/s=output_tokens_per_s | req/s=requests_per_s:2 | TTFT p50 ms=ttft_p50_ms | "
+        "TTFT p90 ms=ttft_p90_ms | TPOT p50 ms=tpot_p50_ms:2 | e2e p50 ms=e2e_p50_ms | "
+        "out tokens=output_tokens_mean | requests=requests | errors=errors | vetoes=vetoes"
+    )
+    return report.keyed_table([*lead, "scenario", "conc"], columns, rows)
 
 
 def write_summary(

@@ -199,7 +199,7 @@ def _rounds(rounds: list[dict[str, Any]]) -> str:
     return " / ".join(parts)
 
 
-def _keyed_table(lead: Sequence[str], columns: str, rows: Sequence[tuple[list, dict]]) -> str:
+def keyed_table(lead: Sequence[str], columns: str, rows: Sequence[tuple[list, dict]]) -> str:
     """A table whose cells after the `lead` ones are keys of each row's dict. `columns` is
     "header=key:digits | ..." (digits 1 when left out)."""
     spec = []
@@ -236,7 +236,7 @@ def sweep_table(run: Run) -> str:
         "ITL p99 ms=itl_p99_ms:2 | requests=requests | errors=errors | "
         "each pair: tok/s (÷ its raw)=pairs | client CPU=client_cpu:2 | worker CPU=worker_cpu:2"
     )
-    return _keyed_table(["conc", "worker", "tok/s", "÷ raw"], columns, rows)
+    return keyed_table(["conc", "worker", "tok/s", "÷ raw"], columns, rows)
 
 
 def burst_table(run: Run) -> str:
@@ -253,7 +253,7 @@ def burst_table(run: Run) -> str:
         "TTFT p50 ms=ttft_p50_ms | TTFT p90 ms=ttft_p90_ms | TTFT max ms=ttft_max_ms | "
         "max ÷ p50=max_over_p50:2 | each burst: max ÷ p50=each | errors=errors"
     )
-    return _keyed_table(["worker"], columns, rows)
+    return keyed_table(["worker"], columns, rows)
 
 
 def cancel_table(run: Run) -> str:
@@ -262,7 +262,7 @@ def cancel_table(run: Run) -> str:
         "idle latency ms=idle_latency_ms | after cancel ms=follow_up_latency_ms | ratio=ratio:2 "
         "| idle TTFT ms=idle_ttft_ms | after cancel TTFT ms=follow_up_ttft_ms | errors=errors"
     )
-    return _keyed_table(["worker"], columns, rows)
+    return keyed_table(["worker"], columns, rows)
 
 
 def prefix_table(run: Run) -> str:
@@ -274,7 +274,7 @@ def prefix_table(run: Run) -> str:
     ]
     columns = "cold TTFT ms=cold_ttft_ms | TTFT on a hit ms=hit_ttft_ms | hit ÷ cold=ratio:3"
     columns += " | cached tokens=hit_cached_tokens | errors=errors"
-    return _keyed_table(["model", "worker"], columns, rows)
+    return keyed_table(["model", "worker"], columns, rows)
 
 
 def prefix_store_table(run: Run) -> str:
@@ -292,7 +292,7 @@ def prefix_store_table(run: Run) -> str:
         "16 ÷ one=bytes_ratio:2 | 2nd chat conversation ÷ cold (interval 4096)=chat_ratio:3 | "
         "its cached tokens / system message=chat_tokens"
     )
-    return _keyed_table(["model"], columns, rows)
+    return keyed_table(["model"], columns, rows)
 
 
 def arrival_table(run: Run) -> str:
@@ -303,7 +303,7 @@ def arrival_table(run: Run) -> str:
         "| gap p99 during ms=gap_p99_during_ms | gap max during ms=gap_max_during_ms | "
         "arrival TTFT ms=ttft_ms | errors=errors"
     )
-    return _keyed_table(["worker"], columns, rows)
+    return keyed_table(["worker"], columns, rows)
 
 
 def pyplot() -> Any:
