@@ -417,7 +417,8 @@ def _parts(s: dict[str, Any]) -> dict[str, tuple[Callable[[], str], Callable[[Ru
         "speculation": (
             lambda: (
                 "### Speculation (our worker with speculation on and off, the raw "
-                "BatchGenerator without it, on the fixtures bench/spec_models.py builds; "
+                "BatchGenerator without it: the demo llama, the target bench/fixtures.py "
+                "builds with the demo llama drafting, and the real model when ../shared has it; "
                 f"{speculation.MAX_TOKENS} new tokens, K = {speculation.K})"
             ),
             lambda run: speculation.render(run["speculation"]),

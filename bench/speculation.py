@@ -1,18 +1,18 @@
 """`make bench` part "speculation": speculative decoding on models that show what it does.
 
-The demo llama copies poorly, so the part runs on two fixtures built by bench/spec_models.py
-(cached under ~/.cache/mlx-grpc-worker): a model that copies spans of its prompt as real LLMs
-do ("copier", with prompt lookup), and a target that costs ~10-20x the demo llama per decode
-step with the demo llama as its draft ("target"). Both are constructions, not trained models
-(see their docstrings); the demo llama itself runs too, as the plain case.
+Three setups: the demo llama with prompt lookup (it copies poorly: the plain case), a target
+that costs ~10-20x the demo llama per decode step with the demo llama as its draft (built by
+bench/fixtures.py, cached under ~/.cache/mlx-grpc-worker), and, when ../shared has it, the
+real model (google/gemma-3-270m, ../shared/tools/real_model.sh) with prompt lookup: a real
+pretrained model copies spans of its prompt, which is where prompt lookup pays.
 
 Each setup, workload and concurrency measures in one run, interleaved: the raw BatchGenerator
 without speculation (in this process), our worker without and with speculation, and with
 --side-by-side smg-grpc-servicer; the worker's own metrics give the tokens per target step
 and the acceptance. `python bench/speculation.py [--quick]` runs the part alone.
 
-`--model real` (google/gemma-3-270m, built by ../shared/tools/real_model.sh) or `--model DIR`
-measures a real model instead, on natural text through its tokenizer (with BOS, as the worker
+The real model (or `--model DIR`, which replaces the setups with that model alone) runs on
+natural text through its tokenizer (with BOS, as the worker
 receives it): code continuation, a passage then its start again, and plain prose. Our worker
 with prompt lookup against the same worker without speculation, in one run, interleaved (the
 raw BatchGenerator is left out: a second copy of a real model in this process only slows the
@@ -22,8 +22,6 @@ run down).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import re
 import sys
 import time
@@ -32,11 +30,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from load import Client, Sampling
-from spec_fixtures import copy_prompts, corpus_prompts, step_times
-from spec_models import spec_model_path
-from workers import BatchConfig, Worker, log, our_worker, resolve_model, smg_worker
-from workload import LevelStats, RequestRecord, note_token, percentile
+import report
+from fixtures import target_model_path
+from load import served_run
+from raw import RawEngine
+from workers import (
+    REAL_MODEL_SCRIPT,
+    BatchConfig,
+    Worker,
+    log,
+    our_worker,
+    resolve_model,
+    smg_worker,
+)
+from workload import LevelStats, Shape, chat_prompts, copy_prompts, percentile
 
 from servicer.demo_model import demo_model_path
 from servicer.sysinfo import free_port
@@ -45,6 +52,7 @@ LEVELS = (1, 2, 4, 8, 16)
 MAX_TOKENS = 64
 ROUNDS = 2
 K = 4  # --speculate-k
+SHAPE = Shape(0, MAX_TOKENS)  # the prompts are given; every answer is MAX_TOKENS long
 
 
 @dataclass(frozen=True)
@@ -59,10 +67,9 @@ class Setup:
 def setups() -> list[Setup]:
     llama = demo_model_path()
     return [
-        Setup("copier, prompt lookup", spec_model_path("copier"), ("--speculate", "ngram")),
         Setup(
             "target, demo llama drafting",
-            spec_model_path("target"),
+            target_model_path(),
             ("--speculate", "draft", "--draft-model", str(llama)),
             llama,
         ),
@@ -75,8 +82,7 @@ def workloads(model: Path) -> dict[str, list[list[int]]]:
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(model)
-    copy = [p for prompts in copy_prompts(tokenizer).values() for p in prompts]
-    return {"copy-heavy": copy, "genai-style": corpus_prompts(tokenizer)}
+    return {"copy-heavy": copy_prompts(tokenizer), "genai-style": chat_prompts(tokenizer)}
 
 
 # --------------------------------------------------------------------------- a real model
@@ -197,65 +203,6 @@ def real_setup(model: str) -> Setup:
 # --------------------------------------------------------------------------- one run
 
 
-class RawLoop:
-    """The raw BatchGenerator on given prompts, closed loop (the reference, no speculation)."""
-
-    def __init__(self, model: Path, batch: BatchConfig) -> None:
-        import mlx.core as mx
-        from mlx_lm import load
-
-        from servicer.engine import EngineConfig
-        from servicer.engine.parts import new_generator
-
-        self.model, _ = load(str(model))
-        config = EngineConfig(
-            completion_batch_size=batch.completion_batch_size,
-            prefill_batch_size=batch.prefill_batch_size,
-        )
-        self._generator = new_generator(self.model, config, mx.new_stream(mx.default_device()))
-
-    def run(self, prompts: list[list[int]], concurrency: int, requests: int) -> LevelStats:
-        generator, records, done = self._generator, {}, []
-        queue = iter(range(requests))
-
-        def insert() -> None:
-            index = next(queue, None)
-            if index is not None:
-                (uid,) = generator.insert([prompts[index % len(prompts)]], max_tokens=[MAX_TOKENS])
-                records[uid] = RequestRecord(start=time.perf_counter())
-
-        for _ in range(concurrency):
-            insert()
-        while records:
-            _, responses = generator.next()
-            now = time.perf_counter()
-            for response in responses:
-                record = records.get(response.uid)
-                if record is None:
-                    continue
-                note_token(record, now)
-                if response.finish_reason is not None:
-                    done.append(records.pop(response.uid))
-                    insert()
-        return LevelStats.from_records(concurrency, done, expected_tokens=MAX_TOKENS)
-
-
-async def served(address: str, prompts: list[list[int]], concurrency: int, requests: int):
-    client = Client(address, 512, Sampling("router"))
-    queue = iter(range(requests))
-    records: list[RequestRecord] = []
-
-    async def one_client() -> None:
-        for index in queue:
-            records.append(await client.generate(prompts[index % len(prompts)], MAX_TOKENS))
-
-    try:
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
-    finally:
-        await client.close()
-    return LevelStats.from_records(concurrency, records, expected_tokens=MAX_TOKENS)
-
-
 def speculation_metrics(port: int) -> dict[str, float]:
     """The worker's speculation counters, from its /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -335,6 +282,19 @@ class Cell:
 # --------------------------------------------------------------------------- the part
 
 
+def step_times(model: Any, prompt: list[int], steps: int = 40, warmup: int = 5) -> list[float]:
+    """Seconds per decode step at batch 1 (mlx-lm's generate_step, one yield per token)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    times, last = [], time.perf_counter()
+    for _ in generate_step(mx.array(prompt), model, max_tokens=steps + warmup):
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times[warmup:]
+
+
 def draft_step_ratio(setup: Setup, prompt: list[int]) -> float:
     """A draft decode step ÷ a target decode step at batch 1 (0 for prompt lookup)."""
     if setup.draft is None:
@@ -386,7 +346,7 @@ def measure_setup(
     first = next(iter(prompts.values()))[0] if setup.real else prompts["genai-style"][0]
     ratio = draft_step_ratio(setup, first)
     verify = verify_costs(setup, first, range(1, K + 2), repeats=10 if setup.real else 30)
-    raw = None if setup.real else RawLoop(setup.model, batch)
+    raw = None if setup.real else RawEngine(setup.model)
     metrics_port = free_port()
     flags = (*setup.flags, "--speculate-k", str(K), "--metrics-port", str(metrics_port))
     tag = re.sub(r"\W+", "-", setup.name)
@@ -414,11 +374,13 @@ def measure_setup(
     finally:
         for worker in workers.values():
             worker.stop()
+        if raw is not None:
+            raw.close()
     return result
 
 
 def measure_cell(
-    raw: RawLoop | None,
+    raw: RawEngine | None,
     workers: dict[str, Worker],
     prompts: list[list[int]],
     level: int,
@@ -431,17 +393,19 @@ def measure_cell(
     requests = max(len(prompts), level) if raw is None else max(4, 2 * level)
     cell = Cell()
     if raw is not None:
-        raw.run(prompts, level, level)
+        raw.run(level, SHAPE, requests=level, prompts=prompts)
     for worker in workers.values():
-        asyncio.run(served(worker.address, prompts, level, level))
+        served_run(worker.address, prompts, level, MAX_TOKENS, level)
     before = speculation_metrics(metrics_port)
     for round_ in range(rounds):
-        reference = raw.run(prompts, level, requests) if raw is not None else None
+        reference = None
+        if raw is not None:
+            reference = raw.run(level, SHAPE, requests=requests, prompts=prompts)
         if reference is not None:
             cell.add("raw", reference, reference)
         order = list(workers.items())
         for name, worker in order[::-1] if round_ % 2 else order:
-            stats = asyncio.run(served(worker.address, prompts, level, requests))
+            stats = served_run(worker.address, prompts, level, MAX_TOKENS, requests)
             cell.add(name, stats, reference)
     after = speculation_metrics(metrics_port)
     cell.counters = {key: after[key] - before[key] for key in after}
@@ -504,6 +468,8 @@ def run_part(
     chosen = [s for s in setups() if wanted is None or any(w in s.name for w in wanted)]
     if model is not None:
         chosen = [real_setup(model)]
+    elif REAL_MODEL_SCRIPT.exists() and (wanted is None or "real" in wanted):
+        chosen.append(real_setup("real"))
     return {s.name: measure_setup(s, levels, rounds, smg_python, log_dir) for s in chosen}
 
 
@@ -512,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="levels 1 and 16, one round")
     parser.add_argument("--levels", help="concurrency levels, e.g. 1,4 (default 1,2,4,8,16)")
     parser.add_argument("--rounds", type=int, help=f"runs of each worker per level ({ROUNDS})")
-    parser.add_argument("--setups", help="only setups whose name contains one of these (a,b)")
+    parser.add_argument(
+        "--setups", help="only setups whose name contains one of these (a,b; `real`: real model)"
+    )
     parser.add_argument("--side-by-side", action="store_true")
     parser.add_argument(
         "--model",
@@ -533,10 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = args.setups.split(",") if args.setups else None
     results = run_part(levels, rounds, smg, args.out / "logs", wanted, args.model)
     print(render(results))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"speculation-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"JSON: {path}")
+    report.save_json(args.out, "speculation", results)
     return 0
 
 
