@@ -2,9 +2,10 @@
 
 Prompt sources: random token ids (`make_prompts`, any length: the sweep's and the long
 prompts), copy-heavy text (`copy_prompts`), chat and genai-style text (`chat_prompts`,
-`chat_prompt`, `system_texts`). Shared by the raw-engine loop (raw.py) and the gRPC load
-driver (load.py), so both run exactly the same prompts. Imports nothing heavy: raw.py runs
-it next to MLX, load.py next to grpc.
+`chat_prompt`, `system_texts`), and natural text for a real model (`natural_prompts`).
+Shared by the raw-engine loop (raw.py) and the gRPC load driver (load.py), so both run
+exactly the same prompts. Imports nothing heavy: raw.py runs it next to MLX, load.py next
+to grpc.
 """
 
 from __future__ import annotations
@@ -118,6 +119,114 @@ def system_texts(tokenizer: Any, count: int, tokens: int, seed: str) -> list[str
             words.append(rng.choice(TEST_PROMPTS))
         texts.append(" ".join(words))
     return texts
+
+
+# --------------------------------------------------------------------------- natural text
+# For a real model: what it continues by copying from its prompt (code, a passage again) and
+# what it does not (prose).
+
+# The start of a module whose continuation repeats identifiers from the prompt.
+REAL_CODE: tuple[str, ...] = (
+    '''"""Inventory management: items, stock levels and orders."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Item:
+    sku: str
+    name: str
+    price: float
+    quantity: int = 0
+
+
+class Inventory:
+    """Items by SKU."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, Item] = {}
+
+    def add_item(self, item: Item) -> None:
+        self.items[item.sku] = item
+
+    def remove_item(self, sku: str) -> None:
+        del self.items[sku]
+
+    def get_item(self, sku: str) -> Item:
+        return self.items[sku]
+
+    def restock(self, sku: str, amount: int) -> None:
+        item = self.get_item(sku)
+        item.quantity += amount
+
+''',
+    '''import math
+
+
+class Vector:
+    """A vector in three dimensions."""
+
+    def __init__(self, x: float, y: float, z: float) -> None:
+        self.x = x
+        self.y = y
+        self.z = z
+
+    def __add__(self, other: "Vector") -> "Vector":
+        return Vector(self.x + other.x, self.y + other.y, self.z + other.z)
+
+    def __sub__(self, other: "Vector") -> "Vector":
+        return Vector(self.x - other.x, self.y - other.y, self.z - other.z)
+
+    def __mul__(self, scale: float) -> "Vector":
+        return Vector(self.x * scale, self.y * scale, self.z * scale)
+
+''',
+    '''class BankAccount:
+    """A bank account with deposits, withdrawals and a history."""
+
+    def __init__(self, owner: str, balance: float = 0.0) -> None:
+        self.owner = owner
+        self.balance = balance
+        self.history: list[tuple[str, float]] = []
+
+    def deposit(self, amount: float) -> None:
+        if amount <= 0:
+            raise ValueError("deposit must be positive")
+        self.balance += amount
+        self.history.append(("deposit", amount))
+
+''',
+)
+# Openings of prose the model continues freely (nothing in the prompt to copy).
+REAL_PROSE: tuple[str, ...] = (
+    "The first snow of the year came early to the village, and",
+    "When I was twelve my grandmother taught me how to",
+    "The history of the printing press begins in",
+)
+
+
+def real_passages() -> list[str]:
+    """Two paragraphs of the demo corpus (natural text), then their first 8 words again."""
+    text = (Path(__file__).resolve().parent.parent / "servicer" / "demo_corpus.txt").read_text()
+    paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) >= 200]
+    out = []
+    for i in (0, 2, 4):
+        passage = f"{paragraphs[i]} {paragraphs[i + 1]}"
+        out.append(f"{passage}\n\n{' '.join(passage.split()[:8])}")
+    return out
+
+
+def natural_prompts(tokenizer: Any) -> dict[str, list[list[int]]]:
+    """Code, a passage then its start, and prose, through a real model's tokenizer, BOS first
+    (as the worker receives a prompt)."""
+    bos = tokenizer.bos_token_id
+
+    def encode(text: str) -> list[int]:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        return ids if bos is None else [bos, *ids]
+
+    texts = {"code": REAL_CODE, "passage, then its start": real_passages(), "prose": REAL_PROSE}
+    return {name: [encode(t) for t in chosen] for name, chosen in texts.items()}
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
