@@ -10,7 +10,7 @@ process) sets the ceiling and the request count; each worker is started on the s
 warmed up, and driven over gRPC by that many closed-loop clients with the same prompts, in
 pairs of short runs that alternate raw and workers. Then, on a fresh worker each: a
 staggered burst, cancel-and-reuse and prefix reuse; then speculative decoding on its
-fixtures (bench/speculation.py) and the quantized KV cache (bench/kv_quant.py). Only one of
+setups (bench/speculation.py) and the quantized KV cache (bench/kv_quant.py). Only one of
 the processes being measured runs at a time (the others idle on their input or are stopped
 with SIGSTOP). `--only PARTS` runs some parts alone.
 Prints the tables, writes JSON and a PNG under bench/results/, and (full runs) rewrites the
@@ -475,7 +475,8 @@ class Suite:
         return result
 
     def speculation(self) -> None:
-        """Speculative decoding on its fixtures (bench/speculation.py)."""
+        """Speculative decoding: the demo llama, the target, the real model when ../shared has it
+        (bench/speculation.py)."""
         import speculation
 
         quick = self.args.quick

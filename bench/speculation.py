@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         help="`real` (google/gemma-3-270m from ../shared/tools) or a model directory: measure "
-        "it on code, a passage then its start, and prose, instead of the fixtures",
+        "it alone on code, a passage then its start, and prose",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
