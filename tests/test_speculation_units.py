@@ -289,3 +289,36 @@ def test_the_startup_line_says_the_cap_counts_every_decoding_row(caplog):
     loaded = SimpleNamespace(model=SimpleNamespace(make_cache=lambda: [KVCache()]))
     assert _speculation(EngineConfig(speculate="ngram"), loaded) is not None
     assert any("counts every decoding row" in r.getMessage() for r in caplog.records)
+
+
+def test_the_clock_charges_each_step_its_own_forward(monkeypatch):
+    """mlx-lm's plain step leaves its forward running for the next step to wait on: the
+    clock counts only the intervals that hold one forward (F = 160 ms here, its launch 60 ms
+    of it), so a plain step after a verify does not read as nearly free."""
+    import types
+
+    from servicer.engine.speculation import batch as batch_module
+    from servicer.engine.speculation.batch import SpeculativeGenerationBatch, Speculator
+
+    now = [0.0]
+    monkeypatch.setattr(batch_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    batch = object.__new__(SpeculativeGenerationBatch)
+    batch.speculator = Speculator(source=None)  # type: ignore[arg-type]
+    batch._started, batch._last, batch._drained = None, None, True
+
+    def step(width: int, waited: bool, wait: float, took: float) -> None:
+        now[0] += wait  # a drafting step first waits for the forward still running
+        batch._time_last_step(waited)
+        batch._last = (1, width)
+        now[0] += took
+
+    step(5, True, 0.0, 0.20)  # a verify of 5 tokens: 200 ms, nothing left running
+    step(1, False, 0.0, 0.06)  # plain after it: launches its forward, returns
+    step(1, False, 0.0, 0.16)  # plain: waits for that forward (100 ms more), launches its own
+    step(1, False, 0.0, 0.16)  # steady state: one forward a step
+    step(3, True, 0.10, 0.19)  # drafting: waits out the running forward, then verifies
+    step(1, False, 0.0, 0.06)
+    step(3, True, 0.10, 0.19)  # after a plain step that began with nothing running
+    batch._time_last_step(False)
+    periods = {w: [round(s, 3) for s in p] for (_, w), p in batch.speculator.clock.periods.items()}
+    assert periods == {5: [0.2], 1: [0.16, 0.16], 3: [0.19, 0.19]}
