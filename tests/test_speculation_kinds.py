@@ -143,3 +143,33 @@ def test_quantized_kv_identical(kind_model):
     generator = speculating(model, Oracle(references(jobs(), plain)))
     assert_same(plain, drive(generator, jobs()))
     assert 0 < generator.speculation.accepted < generator.speculation.drafted
+
+
+def test_a_batch_too_large_to_draft_steps_on_mlx_lm_caches(kind_model):
+    """Past the row cap no step drafts, so the batch keeps mlx-lm's caches (a ring or a
+    recurrent copy per row costs a copy to join and more work every step); once few enough
+    rows are left to draft, they become caches that roll back, and the tokens stay exact."""
+    from servicer.engine.speculation.caches import RaggedKVCache, RecurrentCache, RingKVCache
+
+    _, model, tokenizer = kind_model
+    jobs = random_jobs(tokenizer, 7, 6)
+    for i, job in enumerate(jobs):
+        job.join_at, job.remove_after = 0, None
+        job.max_tokens = 10 if i < 5 else 40  # three rows go on
+    plain = drive(plain_generator(model), jobs)
+    generator = speculating(model, Oracle(references(jobs, plain)), max_rows=4)
+    own = (RaggedKVCache, RingKVCache, RecurrentCache)
+    kinds: list[tuple[int, bool]] = []
+
+    def look(step: int) -> None:
+        batch = generator._generation_batch
+        kinds.append((len(batch.uids), any(isinstance(c, own) for c in batch.prompt_cache)))
+
+    assert_same(plain, drive(generator, random_jobs_like(jobs), on_step=look))
+    assert generator.speculation.drafted > 0
+    assert all(not rolls_back for rows, rolls_back in kinds if rows > 4)
+    assert any(rolls_back for rows, rolls_back in kinds if rows <= 4)
+
+
+def random_jobs_like(jobs: list[Job]) -> list[Job]:
+    return [Job(j.name, list(j.prompt), j.max_tokens, join_at=j.join_at) for j in jobs]

@@ -59,6 +59,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._started: float | None = None  # when the last step began
         self._last: tuple[int, int] | None = None  # its rows, and its verify width
         self._drained = True  # whether nothing was running when the last step began
+        self._rolls_back = False  # whether the caches are this package's (see extend)
         super().__init__(*args, **kwargs)
         if self.uids:
             speculator.source.extend(self.tokens)
@@ -84,15 +85,26 @@ class SpeculativeGenerationBatch(GenerationBatch):
         )
 
     def extend(self, batch: GenerationBatch) -> None:
-        # Rows join with caches that roll back per row (mlx-lm's prefill built them).
         speculator = self.speculator
-        batch.prompt_cache = [
-            adopt(layer, speculator.config.k_max, speculator.padding_inert)
-            for layer in batch.prompt_cache
-        ]
+        if not self.uids:
+            self.prompt_cache, self._rolls_back = [], False  # mlx-lm's caches again
+        elif self._rolls_back:
+            batch.prompt_cache = self._adopted(batch.prompt_cache)
         speculator.source.extend(batch.tokens)
         self._paces.extend(RowPace() for _ in batch.uids)
         super().extend(batch)
+
+    def _adopted(self, caches: list[Any]) -> list[Any]:
+        speculator = self.speculator
+        return [adopt(c, speculator.config.k_max, speculator.padding_inert) for c in caches]
+
+    def _roll_back_ready(self) -> None:
+        """The batch's caches as ones that roll back per row, from its first drafting step on.
+        Until then (and while the batch is too large to draft) it steps on mlx-lm's own
+        caches, whose step is cheaper: a ring per row costs a copy of its window to join
+        and a write and mask per row every step."""
+        if not self._rolls_back:
+            self.prompt_cache, self._rolls_back = self._adopted(self.prompt_cache), True
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
@@ -118,6 +130,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             if not probing:
                 drafts = self._worth_verifying(drafts)
             if any(drafts):
+                self._roll_back_ready()
                 self._last = (len(self.uids), 1 + max(len(d) for d in drafts))
                 return self._speculate(pending, drafts)
             source.accepted([0] * len(drafts))

@@ -18,9 +18,9 @@ class SpeculativeBatchGenerator(BatchGenerator):
 
     Prefill is mlx-lm's: prompts that finish it build a plain GenerationBatch, which the
     speculating batch folds in with `extend` (its caches become ones that roll back per
-    row). insert/next/remove/extract_cache behave as in mlx-lm; `next()` may return several
-    responses for one uid in one step, in order, the last one carrying the finish reason,
-    `prompt_cache` and `all_tokens`.
+    row from the batch's first drafting step on). insert/next/remove/extract_cache behave
+    as in mlx-lm; `next()` may return several responses for one uid in one step, in order,
+    the last one carrying the finish reason, `prompt_cache` and `all_tokens`.
     """
 
     def __init__(
