@@ -6,6 +6,7 @@ same tokens as mlx-lm's own BatchGenerator without speculation."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -82,19 +83,30 @@ def references(jobs: list[Job], results: dict) -> list[list[int]]:
     return [job.prompt + results[job.name].tokens for job in jobs]
 
 
+def check_oracle_identical(model: Any, make_jobs: Callable[[], list[Job]]) -> dict:
+    """A source that knows the answers but spoils every third draft (so rows reject and
+    roll back) gives the tokens of speculation off; those tokens."""
+    plain = drive(plain_generator(model), make_jobs())
+    oracle = speculating(model, Oracle(references(make_jobs(), plain)))
+    assert_same(plain, drive(oracle, make_jobs()))
+    stats = oracle.speculation
+    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted  # rollbacks happened
+    return plain
+
+
+def check_greedy_identical(model: Any, make_jobs: Callable[[], list[Job]]) -> None:
+    """The oracle's check, then prompt lookup's: the tokens of speculation off."""
+    plain = check_oracle_identical(model, make_jobs)
+    lookup = speculating(model, PromptLookup())
+    assert_same(plain, drive(lookup, make_jobs()))
+    assert lookup.speculation.drafted > 0
+
+
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_greedy_identical(kind_model, batch, seed):
     _, model, tokenizer = kind_model
-    jobs = random_jobs(tokenizer, seed, batch)
-    plain = drive(plain_generator(model), jobs)
-    oracle = speculating(model, Oracle(references(jobs, plain)))
-    assert_same(plain, drive(oracle, random_jobs(tokenizer, seed, batch)))
-    stats = oracle.speculation
-    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted  # rollbacks happened
-    lookup = speculating(model, PromptLookup())
-    assert_same(plain, drive(lookup, random_jobs(tokenizer, seed, batch)))
-    assert lookup.speculation.drafted > 0
+    check_greedy_identical(model, lambda: random_jobs(tokenizer, seed, batch))
 
 
 def test_seeded_identical_with_rows_joining(kind_model):
@@ -108,11 +120,7 @@ def test_seeded_identical_with_rows_joining(kind_model):
             job.sampler = SeededSampler(spec, 512)
         return out
 
-    plain = drive(plain_generator(model), jobs())
-    generator = speculating(model, Oracle(references(jobs(), plain)))
-    assert_same(plain, drive(generator, jobs()))
-    stats = generator.speculation
-    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
+    check_oracle_identical(model, jobs)
 
 
 def test_finished_rows_carry_caches_that_continue_exactly(kind_model):

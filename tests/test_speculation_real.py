@@ -18,8 +18,11 @@ from typing import Any
 
 import pytest
 from conftest import real_model_env
-from spec_support import Job, Oracle, drive, generator_kwargs, passages, plain_generator
-from test_speculation_kinds import assert_same, references, speculating
+from spec_support import Job, drive, generator_kwargs, passages, plain_generator
+from test_speculation_kinds import (
+    check_greedy_identical,
+    check_oracle_identical,
+)
 
 from servicer.engine.sampling import SeededSampler
 from servicer.engine.speculation import PromptLookup, SpeculationConfig, SpeculativeBatchGenerator
@@ -136,22 +139,13 @@ def random_real_jobs(tokenizer: Any, seed: int, batch: int, **extra: Any) -> lis
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_real_gemma_random_prompts_greedy(gemma: tuple[Any, Any], batch: int) -> None:
-    """Greedy: prompt lookup, and a source that knows the answer but spoils every third
-    draft (so rows reject and roll back), both give the tokens of speculation off."""
+    """Greedy: the tokens of speculation off (see check_greedy_identical)."""
     model, tokenizer = gemma
     seed = 31 + batch
-    jobs = random_real_jobs(tokenizer, seed, batch)
     if batch > 1:
-        crossing = jobs[0]
+        crossing = random_real_jobs(tokenizer, seed, batch)[0]
         assert len(crossing.prompt) < WINDOW < len(crossing.prompt) + crossing.max_tokens
-    plain = drive(plain_generator(model), jobs)
-    oracle = speculating(model, Oracle(references(jobs, plain)))
-    assert_same(plain, drive(oracle, random_real_jobs(tokenizer, seed, batch)))
-    stats = oracle.speculation
-    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted  # rollbacks happened
-    lookup = speculating(model, PromptLookup())
-    assert_same(plain, drive(lookup, random_real_jobs(tokenizer, seed, batch)))
-    assert lookup.speculation.drafted > 0
+    check_greedy_identical(model, lambda: random_real_jobs(tokenizer, seed, batch))
 
 
 def test_real_gemma_seeded_identical_with_rows_joining(gemma: tuple[Any, Any]) -> None:
@@ -165,8 +159,4 @@ def test_real_gemma_seeded_identical_with_rows_joining(gemma: tuple[Any, Any]) -
             job.sampler = SeededSampler(SamplingSpec(temperature=0.8, seed=40 + i, top_k=40), VOCAB)
         return out
 
-    plain = drive(plain_generator(model), jobs())
-    generator = speculating(model, Oracle(references(jobs(), plain)))
-    assert_same(plain, drive(generator, jobs()))
-    stats = generator.speculation
-    assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
+    check_oracle_identical(model, jobs)
