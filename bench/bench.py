@@ -475,16 +475,17 @@ class Suite:
         return result
 
     def speculation(self) -> None:
-        """Speculative decoding: the demo llama, the target, the real model when ../shared has it
-        (bench/speculation.py)."""
+        """Speculative decoding: the demo llama and the target, or the model given with
+        --model on code, a passage then its start, and prose (bench/speculation.py)."""
         import speculation
 
         quick = self.args.quick
         levels = (1, 16) if quick else speculation.LEVELS
         rounds = 1 if quick else speculation.ROUNDS
         try:
+            model = None if self.args.model is None else str(self.args.model)
             self.run["speculation"] = speculation.run_part(
-                levels, rounds, self.smg_python, self.log_dir
+                levels, rounds, self.smg_python, self.log_dir, model=model
             )
         except RuntimeError as exc:
             self.fail(f"speculation: {exc}")
