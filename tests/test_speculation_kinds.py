@@ -160,12 +160,16 @@ def test_a_batch_too_large_to_draft_steps_on_mlx_lm_caches(kind_model):
     from servicer.engine.speculation.caches import RaggedKVCache, RecurrentCache, RingKVCache
 
     _, model, tokenizer = kind_model
-    jobs = random_jobs(tokenizer, 7, 6)
-    for i, job in enumerate(jobs):
-        job.join_at, job.remove_after = 0, None
-        job.max_tokens = 10 if i < 5 else 40  # three rows go on
-    plain = drive(plain_generator(model), jobs)
-    generator = speculating(model, Oracle(references(jobs, plain)), max_rows=4)
+
+    def jobs() -> list[Job]:
+        out = random_jobs(tokenizer, 7, 6)
+        for i, job in enumerate(out):
+            job.join_at, job.remove_after = 0, None
+            job.max_tokens = 10 if i < 5 else 40  # three rows go on
+        return out
+
+    plain = drive(plain_generator(model), jobs())
+    generator = speculating(model, Oracle(references(jobs(), plain)), max_rows=4)
     own = (RaggedKVCache, RingKVCache, RecurrentCache)
     kinds: list[tuple[int, bool]] = []
 
@@ -173,11 +177,7 @@ def test_a_batch_too_large_to_draft_steps_on_mlx_lm_caches(kind_model):
         batch = generator._generation_batch
         kinds.append((len(batch.uids), any(isinstance(c, own) for c in batch.prompt_cache)))
 
-    assert_same(plain, drive(generator, random_jobs_like(jobs), on_step=look))
+    assert_same(plain, drive(generator, jobs(), on_step=look))
     assert generator.speculation.drafted > 0
     assert all(not rolls_back for rows, rolls_back in kinds if rows > 4)
     assert any(rolls_back for rows, rolls_back in kinds if rows <= 4)
-
-
-def random_jobs_like(jobs: list[Job]) -> list[Job]:
-    return [Job(j.name, list(j.prompt), j.max_tokens, join_at=j.join_at) for j in jobs]

@@ -151,8 +151,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         when it began with nothing running and a drafting step followed (its launch and its
         wait), or when it began with one running and a plain step followed (the wait for
         its predecessor's and its launch, steady state); otherwise it held half of one
-        forward or one and a half, and is not counted. Before, a plain step after a verify
-        read as ~65 ms against ~165 on the real Gemma, and the clock turned drafting off."""
+        forward or one and a half, and is not counted."""
         now = time.perf_counter()
         last = self._last
         if last is not None and self._started is not None:
