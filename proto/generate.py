@@ -12,7 +12,7 @@ from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
 PACKAGE_DIR = PROTO_DIR.parent / "servicer" / "proto"
-PROTO_FILES = ("common.proto", "mlx_engine.proto")
+PROTO_FILES = ("common.proto", "mlx_engine.proto", "vllm_engine.proto")
 MODULES = [f"{Path(name).stem}_pb2" for name in PROTO_FILES]
 
 

@@ -13,24 +13,28 @@ from google.protobuf import descriptor_pb2, json_format, message_factory
 from support import ROOT
 from wire_samples import FIRST_EXTENSION, sample_dicts, strip_extensions
 
-from servicer.proto import common_pb2, mlx_engine_pb2
+from servicer.proto import common_pb2, mlx_engine_pb2, vllm_engine_pb2
 
 sys.path.insert(0, str(ROOT / "proto"))
 from generate import PACKAGE_DIR, generate
 
-OUR_FILES = {"mlx_engine.proto": mlx_engine_pb2.DESCRIPTOR, "common.proto": common_pb2.DESCRIPTOR}
+OUR_FILES = {
+    "mlx_engine.proto": mlx_engine_pb2.DESCRIPTOR,
+    "vllm_engine.proto": vllm_engine_pb2.DESCRIPTOR,
+    "common.proto": common_pb2.DESCRIPTOR,
+}
 
 # Runs in its own interpreter: smg_grpc_proto registers the same proto names as ours.
 REFERENCE_SIDE = textwrap.dedent(
     """
     import json, sys
     from google.protobuf import descriptor_pool, json_format, message_factory
-    from smg_grpc_proto.generated import common_pb2, mlx_engine_pb2
+    from smg_grpc_proto.generated import common_pb2, mlx_engine_pb2, vllm_engine_pb2
 
     job = json.load(sys.stdin)
     pool = descriptor_pool.Default()
     out = {"files": {}, "messages": {}}
-    for module in (common_pb2, mlx_engine_pb2):
+    for module in (common_pb2, mlx_engine_pb2, vllm_engine_pb2):
         out["files"][module.DESCRIPTOR.name] = module.DESCRIPTOR.serialized_pb.hex()
     for name, item in job.items():
         cls = message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
@@ -122,6 +126,8 @@ def test_every_message_and_the_service_match_the_reference_definitions(reference
             view = _router_view(message)
             assert view == their_messages[message.name], f"{name}: {message.name} differs"
         assert list(our_proto.service) == list(theirs.service)
+        assert list(our_proto.enum_type) == list(theirs.enum_type)
+        assert [m.name for m in our_proto.message_type] == [m.name for m in theirs.message_type]
     mlx = descriptor_pb2.FileDescriptorProto.FromString(
         bytes.fromhex(reference_side["files"]["mlx_engine.proto"])
     )

@@ -24,15 +24,67 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x0fsmg.grpc.common\"\x15\n\x13GetTokenizerRequest\"1\n\x11GetTokenizerChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x0fsmg.grpc.common\"\x15\n\x13GetTokenizerRequest\"1\n\x11GetTokenizerChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06sha256\x18\x02 \x01(\t\"b\n\x18SubscribeKvEventsRequest\x12\x1d\n\x15start_sequence_number\x18\x01 \x01(\x04\x12\'\n\x1fload_records_before_first_batch\x18\x02 \x01(\x08\"\xf6\x01\n\x0cKvEventBatch\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12-\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1d.smg.grpc.common.KvCacheEvent\x12\x14\n\x07\x64p_rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x32\n\x08snapshot\x18\x07 \x01(\x0b\x32 .smg.grpc.common.KvSnapshotChunk\x12)\n\x04load\x18\x08 \x01(\x0b\x32\x1b.smg.grpc.common.EngineLoadB\n\n\x08_dp_rankJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"\xe4\x07\n\nEngineLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12$\n\x17waiting_uncached_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btoken_usage\x18\x04 \x01(\x01\x12\x1f\n\x12\x61\x63tive_token_usage\x18\x12 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\x0egen_throughput\x18\x05 \x01(\x01\x12\x1c\n\x14max_running_requests\x18\x06 \x01(\r\x12\x0e\n\x06\x61ge_ms\x18\x07 \x01(\r\x12\x0e\n\x06sample\x18\x08 \x01(\x04\x12\x11\n\tload_only\x18\t \x01(\x08\x12\x1b\n\x0e\x63\x61\x63he_hit_rate\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x1c\n\x0fnum_used_tokens\x18\x0b \x01(\x05H\x03\x88\x01\x01\x12!\n\x14max_total_num_tokens\x18\x0c \x01(\x05H\x04\x88\x01\x01\x12\x32\n\x06memory\x18\r \x01(\x0b\x32\x1d.smg.grpc.common.EngineMemoryH\x05\x88\x01\x01\x12\x32\n\x06queues\x18\x0e \x01(\x0b\x32\x1d.smg.grpc.common.EngineQueuesH\x06\x88\x01\x01\x12<\n\x0bspeculative\x18\x0f \x01(\x0b\x32\".smg.grpc.common.EngineSpeculativeH\x07\x88\x01\x01\x12.\n\x04lora\x18\x10 \x01(\x0b\x32\x1b.smg.grpc.common.EngineLoraH\x08\x88\x01\x01\x12\x42\n\x0e\x64isaggregation\x18\x11 \x01(\x0b\x32%.smg.grpc.common.EngineDisaggregationH\t\x88\x01\x01\x12\x1e\n\x11\x65ngine_silence_ms\x18\x13 \x01(\rH\n\x88\x01\x01\x12!\n\x14\x65ngine_reports_steps\x18\x14 \x01(\x08H\x0b\x88\x01\x01\x12#\n\x16prefill_pending_tokens\x18\x15 \x01(\rH\x0c\x88\x01\x01\x42\x1a\n\x18_waiting_uncached_tokensB\x15\n\x13_active_token_usageB\x11\n\x0f_cache_hit_rateB\x12\n\x10_num_used_tokensB\x17\n\x15_max_total_num_tokensB\t\n\x07_memoryB\t\n\x07_queuesB\x0e\n\x0c_speculativeB\x07\n\x05_loraB\x11\n\x0f_disaggregationB\x14\n\x12_engine_silence_msB\x17\n\x15_engine_reports_stepsB\x19\n\x17_prefill_pending_tokens\"`\n\x0c\x45ngineMemory\x12\x11\n\tweight_gb\x18\x01 \x01(\x01\x12\x13\n\x0bkv_cache_gb\x18\x02 \x01(\x01\x12\x10\n\x08graph_gb\x18\x03 \x01(\x01\x12\x16\n\x0etoken_capacity\x18\x04 \x01(\x05\"S\n\x0c\x45ngineQueues\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x0f\n\x07grammar\x18\x02 \x01(\x05\x12\x0e\n\x06paused\x18\x03 \x01(\x05\x12\x11\n\tretracted\x18\x04 \x01(\x05\"?\n\x11\x45ngineSpeculative\x12\x15\n\raccept_length\x18\x01 \x01(\x01\x12\x13\n\x0b\x61\x63\x63\x65pt_rate\x18\x02 \x01(\x01\"J\n\nEngineLora\x12\x12\n\nslots_used\x18\x01 \x01(\x05\x12\x13\n\x0bslots_total\x18\x02 \x01(\x05\x12\x13\n\x0butilization\x18\x03 \x01(\x01\"\x9b\x02\n\x14\x45ngineDisaggregation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12#\n\x1bprefill_prealloc_queue_reqs\x18\x02 \x01(\x05\x12#\n\x1bprefill_inflight_queue_reqs\x18\x03 \x01(\x05\x12\"\n\x1a\x64\x65\x63ode_prealloc_queue_reqs\x18\x04 \x01(\x05\x12\"\n\x1a\x64\x65\x63ode_transfer_queue_reqs\x18\x05 \x01(\x05\x12#\n\x1b\x64\x65\x63ode_retracted_queue_reqs\x18\x06 \x01(\x05\x12\x1e\n\x16kv_transfer_speed_gb_s\x18\x07 \x01(\x01\x12\x1e\n\x16kv_transfer_latency_ms\x18\x08 \x01(\x01\"W\n\x0fKvSnapshotChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x16\n\x0eunknown_before\x18\x04 \x01(\x04\"\xc4\x01\n\x0cKvCacheEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12\x31\n\x06stored\x18\x02 \x01(\x0b\x32\x1f.smg.grpc.common.KvBlocksStoredH\x00\x12\x33\n\x07removed\x18\x03 \x01(\x0b\x32 .smg.grpc.common.KvBlocksRemovedH\x00\x12\x32\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1f.smg.grpc.common.KvCacheClearedH\x00\x42\x06\n\x04\x64\x61ta\"\xd6\x04\n\x0eKvBlocksStored\x12(\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x18.smg.grpc.common.KvBlock\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12/\n\x04tier\x18\x03 \x01(\x0e\x32\x1c.smg.grpc.common.KvCacheTierH\x01\x88\x01\x01\x12\x13\n\x06medium\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x16\n\tgroup_idx\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12kv_cache_spec_kind\x18\x06 \x01(\tH\x04\x88\x01\x01\x12)\n\x1ckv_cache_spec_sliding_window\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x37\n\x08locality\x18\x08 \x01(\x0e\x32 .smg.grpc.common.KvCacheLocalityH\x06\x88\x01\x01\x12\x16\n\townership\x18\t \x01(\tH\x07\x88\x01\x01\x12\x17\n\nsession_id\x18\n \x01(\tH\x08\x88\x01\x01\x12\x16\n\tlora_name\x18\x0b \x01(\tH\t\x88\x01\x01\x12\x17\n\ncache_salt\x18\x0c \x01(\tH\n\x88\x01\x01\x42\x14\n\x12_parent_block_hashB\x07\n\x05_tierB\t\n\x07_mediumB\x0c\n\n_group_idxB\x15\n\x13_kv_cache_spec_kindB\x1f\n\x1d_kv_cache_spec_sliding_windowB\x0b\n\t_localityB\x0c\n\n_ownershipB\r\n\x0b_session_idB\x0c\n\n_lora_nameB\r\n\x0b_cache_salt\"\x82\x01\n\x0fKvBlockExtraKey\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0e\n\x04\x62lob\x18\x02 \x01(\x0cH\x00\x12\x10\n\x06number\x18\x03 \x01(\x03H\x00\x12\x36\n\nmultimodal\x18\x04 \x01(\x0b\x32 .smg.grpc.common.KvMultimodalKeyH\x00\x42\x05\n\x03key\"5\n\x0fKvMultimodalKey\x12\x12\n\nidentifier\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\"\xc6\x01\n\x07KvBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x14\n\x07lora_id\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0b\x63\x61\x63he_level\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x34\n\nextra_keys\x18\x06 \x03(\x0b\x32 .smg.grpc.common.KvBlockExtraKeyB\n\n\x08_lora_idB\x0e\n\x0c_cache_level\"\xbd\x02\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x03\x12\x18\n\x0b\x63\x61\x63he_level\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12/\n\x04tier\x18\x03 \x01(\x0e\x32\x1c.smg.grpc.common.KvCacheTierH\x01\x88\x01\x01\x12\x13\n\x06medium\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x16\n\tgroup_idx\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x37\n\x08locality\x18\x06 \x01(\x0e\x32 .smg.grpc.common.KvCacheLocalityH\x04\x88\x01\x01\x12\x16\n\townership\x18\x07 \x01(\tH\x05\x88\x01\x01\x42\x0e\n\x0c_cache_levelB\x07\n\x05_tierB\t\n\x07_mediumB\x0c\n\n_group_idxB\x0b\n\t_localityB\x0c\n\n_ownership\"6\n\x0eKvCacheCleared\x12\x16\n\townership\x18\x01 \x01(\tH\x00\x88\x01\x01\x42\x0c\n\n_ownership\"&\n\x11\x46lushCacheRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x02\"6\n\x12\x46lushCacheResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8f\x02\n\x13StartProfileRequest\x12\x17\n\noutput_dir\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nstart_step\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\tnum_steps\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nactivities\x18\x04 \x03(\t\x12\x17\n\nwith_stack\x18\x05 \x01(\x08H\x03\x88\x01\x01\x12\x1a\n\rrecord_shapes\x18\x06 \x01(\x08H\x04\x88\x01\x01\x12\x18\n\x10profile_by_stage\x18\x07 \x01(\x08\x42\r\n\x0b_output_dirB\r\n\x0b_start_stepB\x0c\n\n_num_stepsB\r\n\x0b_with_stackB\x10\n\x0e_record_shapes\"\x14\n\x12StopProfileRequest\"3\n\x0fProfileResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"K\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08owner_id\x18\x04 \x01(\t\"K\n\x12RemoteTensorHandle\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04*\x92\x01\n\x0bKvCacheTier\x12\x1d\n\x19KV_CACHE_TIER_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_CACHE_TIER_DEVICE\x10\x01\x12\x16\n\x12KV_CACHE_TIER_HOST\x10\x02\x12\x16\n\x12KV_CACHE_TIER_DISK\x10\x03\x12\x1a\n\x16KV_CACHE_TIER_EXTERNAL\x10\x04*o\n\x0fKvCacheLocality\x12!\n\x1dKV_CACHE_LOCALITY_UNSPECIFIED\x10\x00\x12\x1b\n\x17KV_CACHE_LOCALITY_LOCAL\x10\x01\x12\x1c\n\x18KV_CACHE_LOCALITY_REMOTE\x10\x02*E\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\t\n\x05IMAGE\x10\x01\x12\t\n\x05\x41UDIO\x10\x02\x12\t\n\x05VIDEO\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_KVCACHETIER']._serialized_start=4319
+  _globals['_KVCACHETIER']._serialized_end=4465
+  _globals['_KVCACHELOCALITY']._serialized_start=4467
+  _globals['_KVCACHELOCALITY']._serialized_end=4578
+  _globals['_MODALITY']._serialized_start=4580
+  _globals['_MODALITY']._serialized_end=4649
   _globals['_GETTOKENIZERREQUEST']._serialized_start=33
   _globals['_GETTOKENIZERREQUEST']._serialized_end=54
   _globals['_GETTOKENIZERCHUNK']._serialized_start=56
   _globals['_GETTOKENIZERCHUNK']._serialized_end=105
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=107
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=205
+  _globals['_KVEVENTBATCH']._serialized_start=208
+  _globals['_KVEVENTBATCH']._serialized_end=454
+  _globals['_ENGINELOAD']._serialized_start=457
+  _globals['_ENGINELOAD']._serialized_end=1453
+  _globals['_ENGINEMEMORY']._serialized_start=1455
+  _globals['_ENGINEMEMORY']._serialized_end=1551
+  _globals['_ENGINEQUEUES']._serialized_start=1553
+  _globals['_ENGINEQUEUES']._serialized_end=1636
+  _globals['_ENGINESPECULATIVE']._serialized_start=1638
+  _globals['_ENGINESPECULATIVE']._serialized_end=1701
+  _globals['_ENGINELORA']._serialized_start=1703
+  _globals['_ENGINELORA']._serialized_end=1777
+  _globals['_ENGINEDISAGGREGATION']._serialized_start=1780
+  _globals['_ENGINEDISAGGREGATION']._serialized_end=2063
+  _globals['_KVSNAPSHOTCHUNK']._serialized_start=2065
+  _globals['_KVSNAPSHOTCHUNK']._serialized_end=2152
+  _globals['_KVCACHEEVENT']._serialized_start=2155
+  _globals['_KVCACHEEVENT']._serialized_end=2351
+  _globals['_KVBLOCKSSTORED']._serialized_start=2354
+  _globals['_KVBLOCKSSTORED']._serialized_end=2952
+  _globals['_KVBLOCKEXTRAKEY']._serialized_start=2955
+  _globals['_KVBLOCKEXTRAKEY']._serialized_end=3085
+  _globals['_KVMULTIMODALKEY']._serialized_start=3087
+  _globals['_KVMULTIMODALKEY']._serialized_end=3140
+  _globals['_KVBLOCK']._serialized_start=3143
+  _globals['_KVBLOCK']._serialized_end=3341
+  _globals['_KVBLOCKSREMOVED']._serialized_start=3344
+  _globals['_KVBLOCKSREMOVED']._serialized_end=3661
+  _globals['_KVCACHECLEARED']._serialized_start=3663
+  _globals['_KVCACHECLEARED']._serialized_end=3717
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=3719
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=3757
+  _globals['_FLUSHCACHERESPONSE']._serialized_start=3759
+  _globals['_FLUSHCACHERESPONSE']._serialized_end=3813
+  _globals['_STARTPROFILEREQUEST']._serialized_start=3816
+  _globals['_STARTPROFILEREQUEST']._serialized_end=4087
+  _globals['_STOPPROFILEREQUEST']._serialized_start=4089
+  _globals['_STOPPROFILEREQUEST']._serialized_end=4109
+  _globals['_PROFILERESPONSE']._serialized_start=4111
+  _globals['_PROFILERESPONSE']._serialized_end=4162
+  _globals['_SHMHANDLE']._serialized_start=4164
+  _globals['_SHMHANDLE']._serialized_end=4239
+  _globals['_REMOTETENSORHANDLE']._serialized_start=4241
+  _globals['_REMOTETENSORHANDLE']._serialized_end=4316
 # @@protoc_insertion_point(module_scope)
