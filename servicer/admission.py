@@ -36,3 +36,8 @@ class Admission(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     def estimate(self, request: GenerationRequest) -> int:
         return self.memory.estimate(len(request.prompt) + request.max_tokens)
+
+    def token_capacity(self) -> int:
+        """About how many tokens of cache the limit holds (sliding windows counted whole)."""
+        per_token = sum(size for size, _ in self.memory.per_token)
+        return self.limit_bytes // per_token if per_token else 0

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .engine_config import DEFAULT_PREFILL_STEP, EngineConfig
+from .faces import parse_protocols
 from .faults import ENV_VAR as FAULTS_ENV_VAR
 from .faults import FaultPlan
 from .handlers import HandlerOptions
@@ -75,6 +76,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adapter-path", help="LoRA adapter directory to apply")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=50051, help="port to bind (0: any free port)")
+    parser.add_argument(
+        "--protocols",
+        type=_protocols,
+        default=("mlx",),
+        help="router services to answer: mlx (default), vllm, or mlx,vllm. The smg router "
+        "takes a port that answers vllm for a vLLM worker and then sends it n > 1, stop "
+        "strings, structured output, embeddings, load polls and KV event subscriptions",
+    )
+    parser.add_argument(
+        "--embedding-pooling",
+        choices=["last", "mean"],
+        default="last",
+        help="how Embed pools the model's hidden states (default last: the last token's)",
+    )
     parser.add_argument(
         "--completion-batch-size",
         type=_positive,
@@ -294,6 +309,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _protocols(text: str) -> tuple[str, ...]:
+    try:
+        return parse_protocols(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(
         adapter_path=args.adapter_path,
@@ -323,6 +345,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         stream_interval=args.stream_interval,
         prepend_bos=args.prepend_bos,
         max_load_wait_s=args.max_load_wait,
+        embedding_pooling=args.embedding_pooling,
     )
     return ServerConfig(
         model=ModelSpec(args.model, args.served_model_name),
@@ -336,6 +359,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_port=args.metrics_port,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        protocols=args.protocols,
     )
 
 

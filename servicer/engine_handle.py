@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from .messages import EngineCapabilities, GenerationRequest, ModelInfo
+from .messages import EmbedRequest, EngineCapabilities, GenerationRequest, ModelInfo
 
 
 class EngineHandle(Protocol):
@@ -31,6 +31,13 @@ class EngineHandle(Protocol):
     def submit(self, request: GenerationRequest) -> None: ...
 
     def abort(self, tickets: Iterable[int]) -> None: ...
+
+    def embed(self, request: EmbedRequest) -> None:
+        """Its `EmbedResult` comes back in a `StepOutput.embeddings`."""
+
+    def flush_cache(self, ticket: int) -> None:
+        """Empty the prefix store (RAM and disk); `ticket` comes back in a
+        `StepOutput.flushed` once done (a `RowFailure` with it where it cannot be done)."""
 
     def shutdown(self, timeout: float | None = None) -> None:
         """End every request with `abort` and stop."""

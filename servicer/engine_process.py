@@ -26,6 +26,7 @@ import msgspec
 
 from .engine_config import EngineConfig
 from .messages import (
+    EmbedRequest,
     EngineCapabilities,
     EngineStartupError,
     GenerationRequest,
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 LOG_LEVEL_ENV = "MLX_GRPC_WORKER_ENGINE_LOG_LEVEL"
 
 # Frame kinds, server -> child
-CONFIG, SUBMIT, ABORT, STOP = b"C", b"Q", b"A", b"X"
+CONFIG, SUBMIT, ABORT, STOP, EMBED, FLUSH = b"C", b"Q", b"A", b"X", b"E", b"L"
 # child -> server
 READY, FAILED, STEP = b"R", b"F", b"S"
 _HEADER = struct.Struct("<Ic")  # payload length, kind
@@ -96,6 +97,8 @@ DECODE_STEP = msgspec.msgpack.Decoder(StepOutput)
 DECODE_STARTED = msgspec.msgpack.Decoder(Started)
 DECODE_REQUEST = msgspec.msgpack.Decoder(GenerationRequest)
 DECODE_TICKETS = msgspec.msgpack.Decoder(list[int])
+DECODE_EMBED = msgspec.msgpack.Decoder(EmbedRequest)
+DECODE_TICKET = msgspec.msgpack.Decoder(int)
 
 
 class EngineProcess:
@@ -156,6 +159,12 @@ class EngineProcess:
 
     def abort(self, tickets: Iterable[int]) -> None:
         self._send(ABORT, list(tickets))
+
+    def embed(self, request: EmbedRequest) -> None:
+        self._send(EMBED, request)
+
+    def flush_cache(self, ticket: int) -> None:
+        self._send(FLUSH, ticket)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """End every request with `abort` and stop the child (killed if it does not stop)."""

@@ -14,15 +14,21 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
 from .admission import Admission
 from .codec import TextCodec
 from .engine_handle import EngineHandle
+from .faces import MLX_FACE, VLLM_FACE, Face
+from .kv_events import KvEventHub
 from .lifecycle import Lifecycle, Phase
+from .loads import LoadFigures, Throughput
 from .messages import (
+    FINISH_ABORT,
+    FINISH_STOP,
+    EmbedRequest,
     EngineFigures,
     EngineLoad,
     GenerationRequest,
@@ -38,7 +44,16 @@ from .ratelimit import RateLimitedLog
 from .streams import RequestStream, Streams
 from .text import IncrementalDecoder, TextTracker
 from .tokenizer_bundle import TokenizerArchive, build_archive
-from .validation import GrammarCheck, Limits, RequestError, TextOptions, build_request
+from .validation import (
+    GrammarCheck,
+    Limits,
+    RequestError,
+    TextOptions,
+    build_request,
+    embed_prompt,
+    fork,
+    sample_count,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +125,7 @@ class HandlerOptions:
     # A Generate call that arrives while the model loads waits this long for it (within its
     # own deadline) instead of being refused.
     max_load_wait_s: float = 120.0
+    embedding_pooling: str = "last"  # Embed: "last" token's hidden state or their "mean"
 
 
 async def wait_for_model(
@@ -117,9 +133,10 @@ async def wait_for_model(
     limits: Limits | None,
     metrics: WorkerMetrics,
     options: HandlerOptions,
-    request: mlx_engine_pb2.GenerateRequest,
+    request: Any,
     context: grpc.aio.ServicerContext,
-) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
+    face: Face = MLX_FACE,
+) -> AsyncIterator[Any]:
     """A request that comes while the model loads waits for it, up to `max_load_wait_s` and
     within its deadline, so the first clients of a worker the router has just registered are
     served instead of refused. What can be checked already is checked first (a bad request is
@@ -142,9 +159,65 @@ async def wait_for_model(
         while lifecycle.starting and (left := deadline - time.monotonic()) > 0:
             await lifecycle.wait_started(min(left, KEEPALIVE_S))
             if lifecycle.starting and request.stream:
-                yield mlx_engine_pb2.GenerateResponse(chunk=mlx_engine_pb2.GenerateStreamChunk())
+                yield face.pb.GenerateResponse(chunk=face.pb.GenerateStreamChunk())
     finally:
         metrics.load_waiting.dec()
+
+
+def generate_rpc(face: Face) -> Callable[..., AsyncIterator[Any]]:
+    """The Generate handler of one face. gRPC wants an async generator function for a
+    streaming method, and wrapping one shared body in another would cost every message a
+    hop: so each face gets its own function with this body."""
+
+    async def generate(
+        self: MlxEngineServicer, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        if self._lifecycle.starting:
+            waiting = wait_for_model(
+                self._lifecycle, self._limits, self._metrics, self._options, request, context, face
+            )
+            async for keepalive in waiting:
+                yield keepalive
+        try:
+            job, text = await self._build(request)
+            samples = sample_count(request.sampling_params)
+            stream = self._accept(job)
+        except RequestError as error:
+            log.debug("refused request %r: %s", request.request_id, error.message)
+            self._metrics.requests.labels(error.code.name.lower()).inc()
+            await context.abort(error.code, error.message)
+            return
+        if samples > 1:
+            try:
+                rows = self._samples(job, stream, text, samples, request.stream, face)
+                async for response in rows:
+                    yield response
+            except RequestError as error:
+                await context.abort(error.code, error.message)
+            return
+        output = OutputProcessor(job, request.stream, self._tracker(text), face)
+        outcome = "cancelled"  # unless it finishes or fails below
+        try:
+            # The loop lives here, not in a nested generator: one hop less for every message.
+            while stream.finish_reason is None:
+                emission = output.process(await stream.take())
+                if emission.abort:  # a stop string ended it; its row may still be running
+                    self._engine.abort([job.ticket])
+                if emission.tokens:
+                    observe_tokens(self._metrics, stream, emission.tokens)
+                stream.finish_reason = emission.finish_reason
+                for response in emission.responses:
+                    yield response
+            outcome = stream.finish_reason
+        except RequestError as error:
+            outcome = error.code.name.lower()
+            stream.finish_reason = outcome
+            await context.abort(error.code, error.message)
+        finally:
+            self._metrics.requests.labels(outcome).inc()
+            self._release(job, stream)
+
+    return generate
 
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
@@ -158,6 +231,8 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         on_fatal: Callable[[str], None],
         options: HandlerOptions | None = None,
         metrics: WorkerMetrics | None = None,
+        block_size: int = 0,
+        max_running_requests: int = 0,
     ) -> None:
         self._engine = engine
         self._lifecycle = lifecycle
@@ -174,6 +249,12 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._block_size = 0
         self._started = time.monotonic()
         self._figures = EngineFigures()  # the engine's, as it last published them
+        self.kv_events = KvEventHub(block_size)
+        self.max_running_requests = max_running_requests
+        self._throughput = Throughput()
+        self._embedding_size = 0
+        self._prompt_tokens = 0  # of every accepted Generate call, for the cache hit rate
+        self._pending: dict[int, asyncio.Future[Any]] = {}  # embeds and flushes, by ticket
         self._once = RateLimitedLog(log, float("inf"))  # says each thing once
 
     # ----- lifecycle, driven by the server -----
@@ -193,12 +274,16 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         has_thinking: bool = False,
         check_grammar: GrammarCheck | None = None,
         block_size: int = 0,
+        embedding_size: int = 0,
     ) -> None:
         """The engine is warm: requests can be checked against what it supports.
-        `block_size`: its prefix store's tokens per block (0: no prefix reuse)."""
+        `block_size`: its prefix store's tokens per block (0: no prefix reuse);
+        `embedding_size`: its pooled hidden states' size (0: it cannot embed)."""
         assert self._info is not None
         self._admission = admission
         self._block_size = block_size
+        self.kv_events.block_size = block_size
+        self._embedding_size = embedding_size
         self._limits = Limits.for_model(
             self._info,
             self._options.max_prompt_tokens,
@@ -228,6 +313,28 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         """True once no call is in flight, False if `timeout` passes first."""
         return await self._streams.wait_idle(timeout)
 
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started
+
+    def load_figures(self) -> LoadFigures:
+        """The load a router reads (GetLoads), from what the handlers know now."""
+        load = self._streams.load()
+        waiting_tokens, used_tokens = self._streams.token_usage()
+        prefix = self._figures.prefix
+        reused = prefix.ram_tokens + prefix.disk_tokens if prefix is not None else 0
+        prompts = self._prompt_tokens
+        return LoadFigures(
+            running=load.running,
+            waiting=load.waiting,
+            waiting_tokens=waiting_tokens,
+            used_tokens=used_tokens,
+            capacity_tokens=self._admission.token_capacity() if self._admission else 0,
+            gen_throughput=self._throughput.rate(self._streams.generated_total),
+            cache_hit_rate=min(1.0, reused / prompts) if prompts else 0.0,
+            max_running=self.max_running_requests,
+        )
+
     def dispatch(self, out: StepOutput) -> None:
         """Route one engine hand-off (called on the loop thread)."""
         if out.figures is not None:
@@ -236,51 +343,132 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         if out.fatal is not None:
             self._on_fatal(out.fatal)
         self._streams.route(out)
+        if out.kv_events:
+            self.kv_events.publish(out.kv_events)
+        for result in out.embeddings:
+            self._settle(result.ticket, result)
+        for ticket in out.flushed:
+            self._settle(ticket, True)
+        if out.fatal is not None:
+            error = RequestError(grpc.StatusCode.UNAVAILABLE, out.fatal)
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(error)
+
+    def _settle(self, ticket: int, result: Any) -> None:
+        future = self._pending.pop(ticket, None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    async def _engine_call(self, ticket: int, send: Callable[[], None]) -> Any:
+        """Send one embed or flush to the engine and wait for its answer."""
+        if not self._lifecycle.serving:
+            raise RequestError(_refusal_status(self._lifecycle.phase), self._lifecycle.refusal)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[ticket] = future
+        try:
+            send()
+            return await future
+        finally:
+            self._pending.pop(ticket, None)
+
+    async def embed(self, request_id: str, ids: list[int]) -> tuple[list[float], int]:
+        """The prompt's pooled, L2-normalised hidden state, and its length."""
+        if self._limits is None or not self._lifecycle.serving:
+            raise RequestError(_refusal_status(self._lifecycle.phase), self._lifecycle.refusal)
+        if not self._embedding_size:
+            raise RequestError(
+                grpc.StatusCode.UNIMPLEMENTED, "this model cannot embed (no hidden states)"
+            )
+        prompt = embed_prompt(request_id, ids, self._limits)
+        ticket = next(self._tickets)
+        request = EmbedRequest(ticket, prompt, self._options.embedding_pooling)
+        self._metrics.prompt_tokens.inc(len(prompt))
+        result = await self._engine_call(ticket, lambda: self._engine.embed(request))
+        if result.error is not None:
+            raise RequestError(grpc.StatusCode.INTERNAL, result.error)
+        return result.embedding, len(prompt)
+
+    async def flush_cache(self) -> tuple[bool, str]:
+        """Empty the prefix store (RAM and disk); requests in flight go on."""
+        if not self.kv_events.block_size:
+            return True, "this worker keeps no prefix cache"
+        ticket = next(self._tickets)
+        try:
+            await self._engine_call(ticket, lambda: self._engine.flush_cache(ticket))
+        except RequestError as error:
+            return False, error.message
+        return True, "prefix cache flushed"
 
     # ----- Generate -----
 
-    async def Generate(
-        self, request: mlx_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[mlx_engine_pb2.GenerateResponse]:
-        if self._lifecycle.starting:
-            waiting = wait_for_model(
-                self._lifecycle, self._limits, self._metrics, self._options, request, context
-            )
-            async for keepalive in waiting:
-                yield keepalive
-        try:
-            job, text = await self._build(request)
-            stream = self._accept(job)
-        except RequestError as error:
-            log.debug("refused request %r: %s", request.request_id, error.message)
-            self._metrics.requests.labels(error.code.name.lower()).inc()
-            await context.abort(error.code, error.message)
-            return
-        output = OutputProcessor(job, request.stream, self._tracker(text))
-        outcome = "cancelled"  # unless it finishes or fails below
-        try:
-            # The loop lives here, not in a nested generator: one hop less for every message.
-            while stream.finish_reason is None:
-                emission = output.process(await stream.take())
-                if emission.abort:  # a stop string ended it; its row may still be running
-                    self._engine.abort([job.ticket])
-                if emission.tokens:
-                    observe_tokens(self._metrics, stream, emission.tokens)
-                stream.finish_reason = emission.finish_reason
-                for response in emission.responses:
-                    yield response
-            outcome = stream.finish_reason
-        except RequestError as error:
-            outcome = error.code.name.lower()
-            stream.finish_reason = outcome
-            await context.abort(error.code, error.message)
-        finally:
-            self._metrics.requests.labels(outcome).inc()
-            self._release(job, stream)
+    Generate = generate_rpc(MLX_FACE)
+    generate_vllm = generate_rpc(VLLM_FACE)  # VllmEngine's Generate (servicer.vllm_face)
 
-    async def _build(
-        self, request: mlx_engine_pb2.GenerateRequest
-    ) -> tuple[GenerationRequest, TextOptions | None]:
+    async def _samples(
+        self,
+        first: GenerationRequest,
+        first_stream: RequestStream,
+        text: TextOptions | None,
+        n: int,
+        streaming: bool,
+        face: Face,
+    ) -> AsyncIterator[Any]:
+        """n rows from one prompt, their messages merged as they come, each with its `index`.
+        The other rows go to the engine once the first has its first token: its prompt's
+        blocks are in the prefix store by then, so they prefill only what is past them."""
+        jobs = [first, *(fork(first, next(self._tickets), i) for i in range(1, n))]
+        streams = [first_stream, *(self._streams.open(job) for job in jobs[1:])]
+        merged: asyncio.Queue[Any] = asyncio.Queue()
+        ended = asyncio.Event()
+
+        async def row(index: int) -> None:
+            job, stream = jobs[index], streams[index]
+            output = OutputProcessor(job, streaming, self._tracker(text), face, index)
+            try:
+                while stream.finish_reason is None:
+                    emission = output.process(await stream.take())
+                    if index == 0 and not ended.is_set():
+                        ended.set()
+                        for other in jobs[1:]:
+                            self._engine.submit(other)
+                    if emission.abort:
+                        self._engine.abort([job.ticket])
+                    if emission.tokens:
+                        observe_tokens(self._metrics, stream, emission.tokens)
+                    stream.finish_reason = emission.finish_reason
+                    for response in emission.responses:
+                        merged.put_nowait(response)
+            except RequestError as error:
+                merged.put_nowait(error)
+            else:
+                merged.put_nowait(None)  # this row is done
+
+        tasks = [asyncio.ensure_future(row(i)) for i in range(n)]
+        outcome = "cancelled"
+        try:
+            left = n
+            while left:
+                item = await merged.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, RequestError):
+                    outcome = item.code.name.lower()
+                    raise item
+                else:
+                    yield item
+            outcome = first_stream.finish_reason or FINISH_STOP
+        finally:
+            for task in tasks:
+                task.cancel()
+            if not ended.is_set():  # the others never reached the engine
+                for stream in streams[1:]:
+                    stream.finish_reason = FINISH_ABORT
+            self._metrics.requests.labels(outcome).inc()
+            for job, stream in zip(jobs, streams, strict=True):
+                self._release(job, stream)
+
+    async def _build(self, request: Any) -> tuple[GenerationRequest, TextOptions | None]:
         """Validate into a GenerationRequest; text encoding and grammar compilation, which can
         take a while, run off the loop."""
         if not self._lifecycle.serving or self._limits is None:
@@ -325,6 +513,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             )
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         self._metrics.prompt_tokens.inc(len(job.prompt))
+        self._prompt_tokens += len(job.prompt)
         if job.bos_added:
             self._metrics.bos_added.inc()
             self._once.log(
@@ -337,7 +526,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     def _tracker(self, text: TextOptions | None) -> TextTracker | None:
         if text is None or self._codec is None:
             return None
-        return TextTracker(self._codec.decoder(), text.stops)
+        return TextTracker(self._codec.decoder(), text.stops, text.include_stop, text.min_tokens)
 
     def _release(self, job: GenerationRequest, stream: RequestStream) -> None:
         self._streams.close(job)

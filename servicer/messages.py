@@ -86,6 +86,7 @@ class GenerationRequest(Wire):
     # its finish), so the engine may hold them back until then instead of waking the loop.
     tokens_per_handoff: int = 1
     bos_added: bool = False  # the worker put the model's BOS before ids that lacked it
+    min_tokens: int = 0  # its stop tokens are masked until it has generated this many
 
 
 class TokenLogprob(Wire, frozen=True):
@@ -121,6 +122,30 @@ class RowFailure(Wire, frozen=True):
     message: str
 
 
+class EmbedRequest(Wire, frozen=True):
+    """A prompt to embed: its pooled final hidden state, beside generation."""
+
+    ticket: int  # unique per process, from the handlers' ticket counter
+    prompt: list[int]
+    pooling: str = "last"  # "last" (the last token's hidden state) or "mean" (over the prompt)
+
+
+class EmbedResult(Wire, frozen=True):
+    ticket: int
+    embedding: list[float] = []  # L2-normalised pooled final hidden state; empty on error
+    error: str | None = None  # why it failed (the request fails, never the engine)
+
+
+class KvBlockEvent(Wire, frozen=True):
+    """A full prefix-store block entering or leaving a tier, or everything gone ("cleared")."""
+
+    kind: str  # "stored", "removed" or "cleared"
+    block_key: bytes = b""  # the block's key (prefix/keys.py), b"" for cleared
+    parent_key: bytes = b""  # the parent block's key, b"" for a first block
+    tokens: tuple[int, ...] = ()  # the block's token ids (stored only)
+    tier: str = "ram"  # "ram" or "disk": where it was stored / removed from
+
+
 class StepOutput(Wire):
     """Everything the engine produced since its last hand-off, handed over in one call."""
 
@@ -133,6 +158,9 @@ class StepOutput(Wire):
     widened_steps: int = 0  # steps whose prefill ran with a budget widened by a queue
     disk_load_seconds: list[float] = msgspec.field(default_factory=list)  # prompt-cache loads
     figures: EngineFigures | None = None  # the engine's figures, when they changed
+    embeddings: list[EmbedResult] = msgspec.field(default_factory=list)
+    kv_events: list[KvBlockEvent] = msgspec.field(default_factory=list)  # prefix store changes
+    flushed: list[int] = msgspec.field(default_factory=list)  # tickets of flushes done
 
     def __bool__(self) -> bool:
         return bool(
@@ -142,6 +170,9 @@ class StepOutput(Wire):
             or self.step_seconds
             or self.prefill_tokens
             or self.figures
+            or self.embeddings
+            or self.kv_events
+            or self.flushed
         )
 
     def merge(self, later: StepOutput) -> None:
@@ -155,6 +186,9 @@ class StepOutput(Wire):
         self.widened_steps += later.widened_steps
         self.disk_load_seconds.extend(later.disk_load_seconds)
         self.figures = later.figures or self.figures
+        self.embeddings.extend(later.embeddings)
+        self.kv_events.extend(later.kv_events)
+        self.flushed.extend(later.flushed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,3 +268,4 @@ class EngineCapabilities(Wire, frozen=True):
     admission: Admission
     has_thinking: bool  # the tokenizer marks a reasoning section
     block_size: int  # tokens per prefix-store block (0: no prefix reuse)
+    embedding_size: int = 0  # the model's hidden size when it can embed (0: it cannot)

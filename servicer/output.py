@@ -5,9 +5,10 @@ handler must do (send these, abort that row)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from .faces import MLX_FACE, Face
 from .messages import FINISH_ABORT, FINISH_STOP, GenerationRequest, RowEvent
-from .proto import mlx_engine_pb2 as pb
 from .text import TextTracker
 
 
@@ -15,7 +16,7 @@ from .text import TextTracker
 class Emission:
     """What one batch of events means for the client."""
 
-    responses: list[pb.GenerateResponse] = field(default_factory=list)
+    responses: list[Any] = field(default_factory=list)  # the face's GenerateResponses
     tokens: int = 0  # new tokens the client gets
     finish_reason: str | None = None  # set with the last batch
     abort: bool = False  # a stop string ended it while its row still runs in the engine
@@ -25,14 +26,29 @@ class OutputProcessor:
     """One Generate call's output: a chunk per batch and a GenerateComplete for a stream; only
     the GenerateComplete, with every token, for a unary call."""
 
-    __slots__ = ("_collected", "_completion_tokens", "_request", "_stream", "_text")
+    __slots__ = (
+        "_collected",
+        "_completion_tokens",
+        "_face",
+        "_index",
+        "_request",
+        "_stream",
+        "_text",
+    )
 
     def __init__(
-        self, request: GenerationRequest, stream: bool, text: TextTracker | None = None
+        self,
+        request: GenerationRequest,
+        stream: bool,
+        text: TextTracker | None = None,
+        face: Face = MLX_FACE,
+        index: int = 0,
     ) -> None:
         self._request = request
         self._stream = stream
         self._text = text  # decoded text and stop strings, when the request wants them
+        self._face = face
+        self._index = index  # which of the request's n samples this is
         self._completion_tokens = 0
         self._collected: list[RowEvent] = []  # a unary call's tokens so far
 
@@ -60,47 +76,50 @@ class OutputProcessor:
         if emission.finish_reason is not None:
             complete = self._complete(emission.finish_reason, last.cached_tokens)
             if matched_token is not None:
-                complete.complete.matched_stop_token_id = matched_token
+                setattr(complete.complete, self._face.matched_token_field, matched_token)
             if matched_text is not None:
-                complete.complete.matched_stop = matched_text
+                setattr(complete.complete, self._face.matched_text_field, matched_text)
             emission.responses.append(complete)
         return emission
 
-    def _chunk(self, tokens: list[RowEvent], text: str, cached: int) -> pb.GenerateResponse:
-        response = pb.GenerateResponse()
+    def _chunk(self, tokens: list[RowEvent], text: str, cached: int) -> Any:
+        response = self._face.pb.GenerateResponse()
         chunk = response.chunk  # filled in place: building it apart and copying costs twice
         chunk.token_ids.extend([e.token for e in tokens])  # type: ignore[misc]
         chunk.prompt_tokens = len(self._request.prompt)
         chunk.completion_tokens = self._completion_tokens
         chunk.cached_tokens = cached
-        if text:
+        if self._index:
+            chunk.index = self._index
+        if text and self._face.carries_text:
             chunk.text = text
         if self._request.top_logprobs is not None:
-            chunk.output_logprobs.CopyFrom(logprobs_proto(tokens))
+            fill_logprobs(chunk.output_logprobs, tokens)
         return response
 
-    def _complete(self, finish_reason: str, cached: int) -> pb.GenerateResponse:
-        response = pb.GenerateResponse()
+    def _complete(self, finish_reason: str, cached: int) -> Any:
+        response = self._face.pb.GenerateResponse()
         complete = response.complete
         complete.finish_reason = finish_reason
         complete.prompt_tokens = len(self._request.prompt)
         complete.completion_tokens = self._completion_tokens
         complete.cached_tokens = cached
+        if self._index:
+            complete.index = self._index
         if not self._stream:
             complete.output_ids.extend([e.token for e in self._collected])  # type: ignore[misc]
-            if self._text is not None:
+            if self._text is not None and self._face.carries_text:
                 complete.output_text = self._text.text
             if self._request.top_logprobs is not None:
-                complete.output_logprobs.CopyFrom(logprobs_proto(self._collected))
+                fill_logprobs(complete.output_logprobs, self._collected)
         return response
 
 
-def logprobs_proto(events: list[RowEvent]) -> pb.OutputLogProbs:
-    out = pb.OutputLogProbs()
+def fill_logprobs(out: Any, events: list[RowEvent]) -> None:
+    """Fill an OutputLogProbs (either face's) with these events' logprobs."""
     for event in events:
         if event.logprob is None or event.token is None:
             continue
         out.token_ids.append(event.token)
         out.token_logprobs.append(event.logprob.logprob)
         out.top_logprobs.add(values=event.logprob.top_logprobs, token_ids=event.logprob.top_ids)
-    return out

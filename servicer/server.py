@@ -33,11 +33,14 @@ from .messages import EngineLoad, EngineStartupError, ModelInfo, PrefixCacheStat
 from .metrics import WorkerMetrics
 from .model_files import ModelFiles, ModelLoadError, ModelSpec, prepare_model_files
 from .outbox import Outbox
-from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
+from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
+from .vllm_face import VllmEngineFace
 
 log = logging.getLogger(__name__)
 
 ENGINE_SERVICE = mlx_engine_pb2.DESCRIPTOR.services_by_name["MlxEngine"].full_name
+VLLM_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+SERVICES = {"mlx": ENGINE_SERVICE, "vllm": VLLM_SERVICE}
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -57,6 +60,10 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no /metrics endpoint
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # The router's services this port answers: "mlx", "vllm" or both (the smg router takes a
+    # port that answers VllmEngine for vLLM, and sends it n, stop strings, constraints,
+    # embeddings, load polls and KV event subscriptions).
+    protocols: tuple[str, ...] = ("mlx",)
 
 
 def resolve_files(config: ServerConfig) -> ModelFiles:
@@ -85,8 +92,15 @@ class WorkerServer:
         self.outbox = Outbox(self._wake_loop)
         self.engine = make_engine(config, self.outbox)
         self.metrics = WorkerMetrics(self.load, lambda: self.servicer.figures())
+        engine = config.engine
         self.servicer = MlxEngineServicer(
-            self.engine, self.lifecycle, self._on_fatal, config.handlers, self.metrics
+            self.engine,
+            self.lifecycle,
+            self._on_fatal,
+            config.handlers,
+            self.metrics,
+            block_size=engine.prompt_cache_block if engine.prompt_cache_size > 0 else 0,
+            max_running_requests=engine.completion_batch_size,
         )
         self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
@@ -99,6 +113,11 @@ class WorkerServer:
         self._preparing: asyncio.Task[ModelFiles] | None = None
         self._grammar: asyncio.Task[GrammarChecker] | None = None
         self._server: grpc.aio.Server | None = None
+
+    @property
+    def services(self) -> tuple[str, ...]:
+        """The full names of the router services this port answers."""
+        return tuple(SERVICES[name] for name in self.config.protocols)
 
     def load(self) -> EngineLoad:
         """Requests waiting for a first token, and decoding (for metrics and tests)."""
@@ -130,7 +149,7 @@ class WorkerServer:
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
         self.health_status = status
-        for service in ("", ENGINE_SERVICE):
+        for service in ("", *self.services):
             await self.health.set(service, status)
 
     # ----- lifecycle -----
@@ -149,10 +168,14 @@ class WorkerServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ]
         )
-        mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(self.servicer, server)
+        if "mlx" in self.config.protocols:
+            mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(self.servicer, server)
+        if "vllm" in self.config.protocols:
+            face = VllmEngineFace(self.servicer)
+            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(face, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         address = f"{self.config.host}:{self.config.port}"
         try:
@@ -212,6 +235,7 @@ class WorkerServer:
             capabilities.has_thinking,
             grammar.check,
             capabilities.block_size,
+            capabilities.embedding_size,
         )
         self.lifecycle.advance(Phase.SERVING)
         await self._set_health(SERVING)

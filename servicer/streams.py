@@ -37,7 +37,9 @@ class RequestStream:
         "events",
         "failure",
         "finish_reason",
+        "generated",
         "last_token_at",
+        "prompt_tokens",
         "ticket",
     )
 
@@ -51,9 +53,13 @@ class RequestStream:
         self._waiter: asyncio.Future[None] | None = None
         self._per_handoff = request.tokens_per_handoff
         self.ticket = request.ticket
+        self.prompt_tokens = len(request.prompt)
+        self.generated = 0  # tokens the engine has sent it
 
     def push(self, event: RowEvent) -> None:
         self.events.append(event)
+        if event.token is not None:
+            self.generated += 1
         if self._due():
             self._wake()
 
@@ -96,8 +102,9 @@ class Streams:
 
     def __init__(self) -> None:
         self._by_ticket: dict[int, RequestStream] = {}
-        self._by_request_id: dict[str, RequestStream] = {}
+        self._by_request_id: dict[str, list[RequestStream]] = {}  # n > 1: several
         self._decoding = 0  # streams a token has arrived for
+        self.generated_total = 0  # tokens routed to any stream so far
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -111,17 +118,27 @@ class Streams:
         """Requests waiting for their first token, and requests decoding."""
         return EngineLoad(len(self._by_ticket) - self._decoding, self._decoding)
 
+    def token_usage(self) -> tuple[int, int]:
+        """Prompt tokens of the requests waiting for a first token, and the tokens (prompt and
+        generated) that the requests in flight hold in the KV cache."""
+        waiting = used = 0
+        for stream in self._by_ticket.values():
+            used += stream.prompt_tokens + stream.generated
+            if not stream.decoding:
+                waiting += stream.prompt_tokens
+        return waiting, used
+
     def tickets(self, request_ids: list[str] | None = None) -> list[int]:
         """The engine tickets of these request ids (those in flight), or of every stream."""
         if request_ids is None:
             return list(self._by_ticket)
-        found = (self._by_request_id.get(request_id) for request_id in request_ids)
-        return [stream.ticket for stream in found if stream is not None]
+        by_id = self._by_request_id
+        return [s.ticket for request_id in request_ids for s in by_id.get(request_id, ())]
 
     def open(self, request: GenerationRequest) -> RequestStream:
         stream = RequestStream(request)
         self._by_ticket[request.ticket] = stream
-        self._by_request_id[request.request_id] = stream
+        self._by_request_id.setdefault(request.request_id, []).append(stream)
         self._idle.clear()
         return stream
 
@@ -129,8 +146,11 @@ class Streams:
         stream = self._by_ticket.pop(request.ticket, None)
         if stream is not None and stream.decoding:
             self._decoding -= 1
-        if self._by_request_id.get(request.request_id) is stream:
-            del self._by_request_id[request.request_id]
+        siblings = self._by_request_id.get(request.request_id, [])
+        if stream in siblings:
+            siblings.remove(stream)
+            if not siblings:
+                del self._by_request_id[request.request_id]
         if not self._by_ticket:
             self._idle.set()
 
@@ -149,9 +169,11 @@ class Streams:
         for event in out.events:
             stream = streams.get(event.ticket)
             if stream is not None:
-                if not stream.decoding and event.token is not None:
-                    stream.decoding = True
-                    self._decoding += 1
+                if event.token is not None:
+                    self.generated_total += 1
+                    if not stream.decoding:
+                        stream.decoding = True
+                        self._decoding += 1
                 stream.push(event)
         for failure in out.failures:
             stream = streams.get(failure.ticket)

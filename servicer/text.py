@@ -57,10 +57,19 @@ class TextTracker:
     """Incremental text with stop-string search. Text that could still be the start of a
     stop string is held back until it cannot be."""
 
-    def __init__(self, decoder: IncrementalDecoder, stops: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        decoder: IncrementalDecoder,
+        stops: Sequence[str] = (),
+        include_stop: bool = False,
+        min_tokens: int = 0,
+    ) -> None:
         self._decoder = decoder
         self._stops = tuple(stops)
         self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._include_stop = include_stop
+        self._min_tokens = min_tokens  # stop strings count from this many tokens on
+        self._tokens = 0
         self.text = ""
         self.matched: str | None = None
         self._released = 0
@@ -68,12 +77,13 @@ class TextTracker:
     def add(self, tokens: Sequence[int]) -> int:
         """Take tokens until a stop string completes; returns how many were taken."""
         for taken, token in enumerate(tokens, start=1):
+            self._tokens += 1
             piece = self._decoder.step(token)
             if not piece:
                 continue
             start = max(0, len(self.text) - self._hold)
             self.text += piece
-            if self._stops and self._find_stop(start):
+            if self._stops and self._tokens >= self._min_tokens and self._find_stop(start):
                 return taken
         return len(tokens)
 
@@ -82,7 +92,7 @@ class TextTracker:
         if not found:
             return False
         index, stop = min(found)
-        self.text = self.text[:index]
+        self.text = self.text[: index + len(stop) if self._include_stop else index]
         self.matched = stop
         return True
 

@@ -7,16 +7,18 @@ Proto3 zero values mean "unset" for the scalar fields the router always fills
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+import msgspec
 
 from .engine.prefix.keys import block_keys
 from .messages import Constraint, GenerationRequest, ModelInfo, PenaltySpec, SamplingSpec
-from .proto import mlx_engine_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -82,6 +84,15 @@ class Limits:
         return limit
 
 
+MAX_SAMPLES = 16  # n: rows one request may ask for
+# Fields one face carries and the other lacks read as their proto3 default on the other.
+Params = Any  # the SamplingParams of either face (mlx_engine_pb2 or vllm_engine_pb2)
+
+
+def _has(message: Any, name: str) -> bool:
+    return name in message.DESCRIPTOR.fields_by_name and message.HasField(name)
+
+
 def _finite(name: str, value: float) -> float:
     if not math.isfinite(value):
         raise _invalid(f"{name} must be a finite number, got {value}")
@@ -89,7 +100,7 @@ def _finite(name: str, value: float) -> float:
 
 
 def prompt_ids(
-    request: pb.GenerateRequest, limits: Limits, text_ids: list[int] | None = None
+    request: Any, limits: Limits, text_ids: list[int] | None = None
 ) -> tuple[list[int], bool]:
     """The prompt's token ids, and whether the model's BOS was put before them; `text_ids`
     is the worker's own encoding of a `text` input.
@@ -112,6 +123,14 @@ def prompt_ids(
     added = bos is not None and ids[0] != bos
     if added:
         ids = [bos, *ids]
+    params = request.sampling_params
+    if _has(params, "truncate_prompt_tokens"):
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = limits.prompt_limit
+        elif keep < 1:
+            raise _invalid(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}")
+        ids = ids[-keep:]  # the prompt's end: what the model answers to
     vocab = limits.vocab_size
     bad = next((t for t in ids if t >= vocab), None)
     if bad is not None:
@@ -126,7 +145,7 @@ def prompt_ids(
     return ids, added
 
 
-def sampling_spec(params: pb.SamplingParams, vocab_size: int) -> SamplingSpec:
+def sampling_spec(params: Params, vocab_size: int) -> SamplingSpec:
     temperature = params.temperature if params.HasField("temperature") else 1.0
     if _finite("temperature", temperature) < 0:
         raise _invalid(f"temperature must be >= 0, got {temperature}")
@@ -144,7 +163,7 @@ def sampling_spec(params: pb.SamplingParams, vocab_size: int) -> SamplingSpec:
     return SamplingSpec(temperature, top_p, top_k, min_p, seed)
 
 
-def penalty_spec(params: pb.SamplingParams, vocab_size: int) -> PenaltySpec:
+def penalty_spec(params: Params, vocab_size: int) -> PenaltySpec:
     repetition = _finite("repetition_penalty", params.repetition_penalty) or 1.0
     if repetition <= 0:
         raise _invalid(f"repetition_penalty must be > 0, got {repetition}")
@@ -162,42 +181,59 @@ def penalty_spec(params: pb.SamplingParams, vocab_size: int) -> PenaltySpec:
 
 @dataclass(frozen=True)
 class TextOptions:
-    """What the handler does with decoded text: stop strings and returning text."""
+    """What the handler does with decoded text: stop strings, found from the `min_tokens`-th
+    generated token on, cut from the text unless `include_stop`."""
 
     stops: tuple[str, ...] = ()
-    return_text: bool = False
+    include_stop: bool = False
+    min_tokens: int = 0
 
 
-def text_options(params: pb.SamplingParams) -> TextOptions | None:
+def text_options(params: Params) -> TextOptions | None:
     stops = tuple(params.stop)
     if len(stops) > MAX_STOP_STRINGS:
         raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
     for stop in stops:
         if not stop or len(stop) > MAX_STOP_CHARS:
             raise _invalid(f"each stop string needs 1 to {MAX_STOP_CHARS} characters")
-    if not stops and not params.return_text:
+    if not stops and not getattr(params, "return_text", False):
         return None
-    return TextOptions(stops, True)
+    return TextOptions(stops, params.include_stop_str_in_output, params.min_tokens)
 
 
-def constraint(params: pb.SamplingParams, check: GrammarCheck | None = None) -> Constraint | None:
+def _grammar(kind: str, source: Any) -> str:
+    """The llguidance grammar of one constraint field (ValueError when it does not parse)."""
+    import llguidance  # only requests with a constraint pay for the import
+
+    if kind == "json_object":
+        kind, source = "json_schema", '{"type": "object"}'
+    if kind == "json_schema":
+        # Compact JSON unless the schema's own x-guidance says otherwise: free whitespace
+        # lets a weak model pad forever instead of finishing the object.
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            source, defaults={"whitespace_flexible": False, "item_separator": ", "}
+        )
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(source)
+    if kind == "lark_grammar":
+        return llguidance.LLMatcher.grammar_from_lark(source)
+    if kind == "grammar":  # GBNF / EBNF as the router sends it, or Lark
+        return llguidance.grammar_from("grammar", source)
+    if kind == "choice":
+        if not source.choices:
+            raise ValueError("choice needs at least one string")
+        return llguidance.grammar_from("choice", json.dumps(list(source.choices)))
+    raise _invalid(f"{kind} constraints are not supported by this worker")
+
+
+def constraint(params: Params, check: GrammarCheck | None = None) -> Constraint | None:
     kind = params.WhichOneof("constraint")
     if kind is None:
         return None
-    import llguidance  # only requests with a constraint pay for the import
+    import llguidance
 
-    source = getattr(params, kind)
     try:
-        if kind == "json_schema":
-            # Compact JSON unless the schema's own x-guidance says otherwise: free whitespace
-            # lets a weak model pad forever instead of finishing the object.
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                source, defaults={"whitespace_flexible": False, "item_separator": ", "}
-            )
-        elif kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(source)
-        else:
-            grammar = llguidance.LLMatcher.grammar_from_lark(source)
+        grammar = _grammar(kind, getattr(params, kind))
     except ValueError as exc:
         raise _invalid(f"invalid {kind}: {exc}") from None
     error = check(grammar) if check is not None else llguidance.LLMatcher.validate_grammar(grammar)
@@ -206,8 +242,56 @@ def constraint(params: pb.SamplingParams, check: GrammarCheck | None = None) -> 
     return Constraint(kind, grammar)
 
 
+def embed_prompt(request_id: str, ids: list[int], limits: Limits) -> list[int]:
+    """An Embed call's prompt, checked like a Generate call's (the model's BOS put first when
+    its tokenizer adds one)."""
+    if not request_id:
+        raise _invalid("request_id is empty")
+    if not ids:
+        raise _invalid("the input is empty: send tokenized.input_ids with at least one token")
+    bos = limits.bos_token_id
+    if bos is not None and ids[0] != bos:
+        ids = [bos, *ids]
+    vocab = limits.vocab_size
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise _invalid(f"token id {bad} is outside the vocabulary (size {vocab})")
+    if len(ids) > limits.context_length:
+        raise _invalid(
+            f"the input has {len(ids)} tokens; this worker embeds at most "
+            f"{limits.context_length} (context length)"
+        )
+    return ids
+
+
+def fork(job: GenerationRequest, ticket: int, index: int) -> GenerationRequest:
+    """Sample `index` of a request with n > 1: its own ticket, and seed + index when seeded."""
+    sampling = job.sampling
+    if sampling.seed is not None:
+        sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
+    return msgspec.structs.replace(job, ticket=ticket, sampling=sampling)
+
+
+def sample_count(params: Params) -> int:
+    """How many rows (`n`) one request asks for from its prompt."""
+    n = params.n or 1
+    if n > MAX_SAMPLES:
+        raise _invalid(f"n must be at most {MAX_SAMPLES}, got {n}")
+    return n
+
+
+def _top_logprobs(params: Params) -> int | None:
+    if _has(params, "prompt_logprobs"):
+        raise _invalid("prompt_logprobs is not supported by this worker; leave it unset")
+    if not params.HasField("logprobs"):
+        return None
+    if not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+        raise _invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs}")
+    return params.logprobs
+
+
 def build_request(
-    request: pb.GenerateRequest,
+    request: Any,
     ticket: int,
     limits: Limits,
     text_ids: list[int] | None = None,
@@ -230,14 +314,13 @@ def build_request(
         if params.max_tokens == 0:
             raise _invalid("max_tokens must be at least 1")
         max_tokens = min(params.max_tokens, room)  # clamped to the context; ends `length`
-    top_logprobs = None
-    if params.HasField("logprobs"):
-        if not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
-            raise _invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.logprobs}")
-        top_logprobs = params.logprobs
+    if params.min_tokens > max_tokens:
+        raise _invalid(f"min_tokens ({params.min_tokens}) is above max_tokens ({max_tokens})")
+    sample_count(params)
+    top_logprobs = _top_logprobs(params)
     grammar = constraint(params, limits.check_grammar)
     thinking_budget = None
-    if params.HasField("thinking_budget"):
+    if _has(params, "thinking_budget"):
         if not limits.has_thinking:
             raise _invalid("thinking_budget: this model has no reasoning-section markers")
         thinking_budget = params.thinking_budget
@@ -260,5 +343,6 @@ def build_request(
         tokens_per_handoff=sys.maxsize if unary else stream_interval,
         block_keys=block_keys(prompt, block_size) if block_size else (),
         bos_added=bos_added,
+        min_tokens=params.min_tokens,
     )
     return job, text

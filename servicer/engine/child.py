@@ -20,9 +20,13 @@ import threading
 from ..engine_process import (
     ABORT,
     CONFIG,
+    DECODE_EMBED,
     DECODE_REQUEST,
+    DECODE_TICKET,
     DECODE_TICKETS,
+    EMBED,
     FAILED,
+    FLUSH,
     LOG_LEVEL_ENV,
     READY,
     STEP,
@@ -96,13 +100,18 @@ def _report_ready(engine: Engine, channel: Channel) -> None:
 
 
 def _serve(engine: Engine, channel: Channel) -> None:
-    """Requests and aborts from the server until it says stop or goes away."""
+    """Requests, aborts, embeds and flushes from the server until it says stop or goes
+    away."""
     while (frame := channel.receive()) is not None:
         kind, data = frame
         if kind == SUBMIT:
             engine.submit(DECODE_REQUEST.decode(data))
         elif kind == ABORT:
             engine.abort(DECODE_TICKETS.decode(data))
+        elif kind == EMBED:
+            engine.embed(DECODE_EMBED.decode(data))
+        elif kind == FLUSH:
+            engine.flush_cache(DECODE_TICKET.decode(data))
         elif kind == STOP:
             return
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 from ..engine_config import EngineConfig
 from ..messages import (
     FINISH_ABORT,
+    EmbedRequest,
     EngineCapabilities,
     EngineFigures,
     EngineStartupError,
@@ -32,7 +33,8 @@ from ..messages import (
     StepOutput,
 )
 from .batch import Batch, check_same_prefix
-from .inbox import Inbox
+from .embedding import Embedder
+from .inbox import Inbox, InboxTake
 from .lockstep import LockstepBroken
 from .parts import build_parts, new_generator, warm_up
 from .prefill import PrefillPolicy
@@ -105,6 +107,12 @@ class Engine:
     def abort(self, tickets: Iterable[int]) -> None:
         self._inbox.abort(tickets)
 
+    def embed(self, request: EmbedRequest) -> None:
+        self._inbox.embed(request)
+
+    def flush_cache(self, ticket: int) -> None:
+        self._inbox.flush(ticket)
+
     def shutdown(self, timeout: float | None = None) -> None:
         """End every request with `abort`, release MLX objects and join the thread."""
         self._inbox.stop()
@@ -170,6 +178,7 @@ class EngineLoop:
         self._fetched: dict[int, Hit | None] = {}  # prefixes rank 0 found while planning
         self._published: EngineFigures | None = None
         self._widened = False  # this step was planned with a widened prefill budget
+        self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
         parts = build_parts(config, info)
         self.parts = parts
         self.store = parts.prefix
@@ -202,8 +211,11 @@ class EngineLoop:
             ready=self._ready,
             max_rows=config.completion_batch_size,
         )
+        self.embedder = Embedder.of(parts.loaded.model, distributed=self._lockstep is not None)
         block = self.store.block_size if self.store is not None else 0
-        self.capabilities = EngineCapabilities(parts.admission, parts.has_thinking, block)
+        self.capabilities = EngineCapabilities(
+            parts.admission, parts.has_thinking, block, self.embedder.size
+        )
 
     def close(self) -> None:
         self.batch.close()
@@ -218,6 +230,7 @@ class EngineLoop:
             plan = self._shared_plan(out)
             if plan.stop:
                 self._end_all(out)
+                self._take_events(out)
                 self._sink.put(out, due=True)
                 return
             started = time.perf_counter()
@@ -232,8 +245,11 @@ class EngineLoop:
                     raise  # the ranks may no longer hold the same batch: nothing to recover
                 batch.recover(exc, plan, out)
                 self.scheduler.forget_reservations()
+            if self._embeds:
+                self._embed(out)
             if self._lockstep is not None:
                 self._lockstep.progress()
+            self._take_events(out)
             self._publish(out)
             self._send(out, due)
 
@@ -280,6 +296,7 @@ class EngineLoop:
         if self.store is not None:
             out.disk_load_seconds.extend(self.store.collect())
         plan = Plan(stop=take.stopping, check=batch.check)
+        self._commands(take, out)
         if take.aborts:  # requests not admitted yet end here; admitted rows end on every rank
             for ticket in scheduler.withdraw(take.aborts):
                 out.events.append(RowEvent(ticket, None, FINISH_ABORT))
@@ -295,6 +312,26 @@ class EngineLoop:
             self.disk.forget(request.ticket)
         plan.admits = [self._with_prefix(admit) for admit in choice.admits]
         return plan
+
+    def _commands(self, take: InboxTake, out: StepOutput) -> None:
+        """Flushes now, before this step's lookups; embeds after the step (`_embed`). Neither
+        happens where every rank must do the same (lockstep): they are refused there."""
+        if self._lockstep is not None:
+            why = "not supported with --distributed"
+            out.embeddings.extend(self.embedder.refuse(take.embeds, f"embedding is {why}"))
+            out.failures.extend(
+                RowFailure(t, FailureKind.INVALID_ARGUMENT, f"flushing the prompt cache is {why}")
+                for t in take.flushes
+            )
+            return
+        if take.flushes:
+            if self.store is not None:
+                self.store.flush()
+            out.flushed.extend(take.flushes)
+        if take.stopping:
+            out.embeddings.extend(self.embedder.refuse(take.embeds, "the engine is stopping"))
+        else:
+            self._embeds.extend(take.embeds)
 
     def _with_prefix(self, admit: Admit) -> Admit:
         """`admit` with its cached prefix fetched (kept for `_apply`); the store turns its own
@@ -350,6 +387,20 @@ class EngineLoop:
             out.widened_steps += self._widened
         return report.due
 
+    def _embed(self, out: StepOutput) -> None:
+        """The embeds taken this step, in forwards of their own beside the batch (no cache of
+        the generator's is touched); a failure fails its own request only."""
+        embeds, self._embeds = self._embeds, []
+        try:
+            out.embeddings.extend(self.embedder.run(embeds))
+        except Exception as exc:  # the embedder answers its own faults; this is a last guard
+            log.exception("embedding failed")
+            out.embeddings.extend(self.embedder.refuse(embeds, f"embedding failed: {exc}"))
+
+    def _take_events(self, out: StepOutput) -> None:
+        if self.store is not None:
+            out.kv_events.extend(self.store.take_events())
+
     def _publish(self, out: StepOutput) -> None:
         """The figures go out with this output when they changed."""
         budget = self.scheduler.budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
@@ -378,7 +429,8 @@ class EngineLoop:
         if not out:
             return
         finished = any(event.finish_reason for event in out.events)
-        due = due or bool(out.failures) or finished or not self.batch.rows
+        answers = bool(out.failures or out.embeddings or out.flushed)
+        due = due or answers or finished or not self.batch.rows
         if due:
             self.batch.handed_over()
         self._sink.put(out, due)

@@ -1,13 +1,14 @@
-"""The one place where the handler side and the engine thread meet: requests, aborts, stop."""
+"""The one place where the handler side and the engine thread meet: requests, aborts, embeds,
+cache flushes, stop."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..messages import GenerationRequest
+from ..messages import EmbedRequest, GenerationRequest
 
 
 @dataclass
@@ -17,6 +18,8 @@ class InboxTake:
     requests: list[GenerationRequest]
     aborts: set[int]
     stopping: bool
+    embeds: list[EmbedRequest] = field(default_factory=list)
+    flushes: list[int] = field(default_factory=list)  # tickets of prefix-store flushes
 
 
 class Inbox:
@@ -26,6 +29,8 @@ class Inbox:
         self._cond = threading.Condition()
         self._requests: list[GenerationRequest] = []
         self._aborts: set[int] = set()
+        self._embeds: list[EmbedRequest] = []
+        self._flushes: list[int] = []
         self._stopping = False
         self._nudged = False
 
@@ -37,6 +42,16 @@ class Inbox:
     def abort(self, tickets: Iterable[int]) -> None:
         with self._cond:
             self._aborts.update(tickets)
+            self._cond.notify()
+
+    def embed(self, request: EmbedRequest) -> None:
+        with self._cond:
+            self._embeds.append(request)
+            self._cond.notify()
+
+    def flush(self, ticket: int) -> None:
+        with self._cond:
+            self._flushes.append(ticket)
             self._cond.notify()
 
     def nudge(self) -> None:
@@ -69,13 +84,23 @@ class Inbox:
             if idle:
                 self._wait_for_work(timeout_s)
                 self._wait_for_burst(quiet_s, max_s, burst_size)
-            taken = InboxTake(self._requests, self._aborts, self._stopping)
+            taken = InboxTake(
+                self._requests, self._aborts, self._stopping, self._embeds, self._flushes
+            )
             self._requests, self._aborts, self._nudged = [], set(), False
+            self._embeds, self._flushes = [], []
             return taken
 
     def _wait_for_work(self, timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not (self._requests or self._aborts or self._stopping or self._nudged):
+        while not (
+            self._requests
+            or self._aborts
+            or self._stopping
+            or self._nudged
+            or self._embeds
+            or self._flushes
+        ):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return

@@ -196,6 +196,21 @@ class ThinkingBudget:
         return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
+class MinTokens:
+    """Masks the stop tokens (EOS included) until the row has generated `min_tokens`."""
+
+    def __init__(self, min_tokens: int, prompt_tokens: int, stop_ids: Sequence[int]) -> None:
+        self._until = prompt_tokens + min_tokens  # context length from which stopping is allowed
+        self._stop_ids = mx.array(sorted(stop_ids), dtype=mx.int32)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        # `tokens` is the whole context: the prompt and what the row has generated so far.
+        if tokens.shape[-1] >= self._until or self._stop_ids.size == 0:
+            return logits
+        masked = mx.array(-mx.inf, dtype=logits.dtype)
+        return logits.at[..., self._stop_ids].add(masked)
+
+
 class SamplingFactory:
     """Per-engine builder of per-request sampling objects, sharing what can be shared."""
 
@@ -227,6 +242,8 @@ class SamplingFactory:
     def processors(self, request: GenerationRequest) -> list[LogitsProcessor]:
         """The request's own processors, in order: penalties, thinking budget, grammar."""
         chain = self._penalties(request.penalties)
+        if request.min_tokens > 0:
+            chain.append(MinTokens(request.min_tokens, len(request.prompt), request.stop_token_ids))
         if request.thinking_budget is not None and self._think is not None:
             chain.append(ThinkingBudget(request.thinking_budget, *self._think))
         if request.constraint is not None:

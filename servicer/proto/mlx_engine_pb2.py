@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10mlx_engine.proto\x12\x0fmlx.grpc.engine\x1a\x0c\x63ommon.proto\"\xbe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x34\n\ttokenized\x18\x02 \x01(\x0b\x32\x1f.mlx.grpc.engine.TokenizedInputH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x38\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1f.mlx.grpc.engine.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x42\x07\n\x05input\":\n\x0eTokenizedInput\x12\x15\n\roriginal_text\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\"\xe5\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x42\n\nlogit_bias\x18\x08 \x03(\x0b\x32..mlx.grpc.engine.SamplingParams.LogitBiasEntry\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x64 \x03(\t\x12\x15\n\x0bjson_schema\x18\x65 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x66 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18g \x01(\tH\x00\x12\x1c\n\x0fthinking_budget\x18h \x01(\rH\x05\x88\x01\x01\x12\x13\n\x0breturn_text\x18i \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x07\n\x05_seedB\x12\n\x10_thinking_budget\"\x8c\x01\n\x10GenerateResponse\x12\x35\n\x05\x63hunk\x18\x01 \x01(\x0b\x32$.mlx.grpc.engine.GenerateStreamChunkH\x00\x12\x35\n\x08\x63omplete\x18\x02 \x01(\x0b\x32!.mlx.grpc.engine.GenerateCompleteH\x00\x42\n\n\x08response\"\xc8\x01\n\x13GenerateStreamChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x38\n\x0foutput_logprobs\x18\x05 \x01(\x0b\x32\x1f.mlx.grpc.engine.OutputLogProbs\x12\r\n\x05index\x18\x06 \x01(\r\x12\x0c\n\x04text\x18\x64 \x01(\t\"\xce\x02\n\x10GenerateComplete\x12\x12\n\noutput_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x38\n\x0foutput_logprobs\x18\x06 \x01(\x0b\x32\x1f.mlx.grpc.engine.OutputLogProbs\x12\r\n\x05index\x18\x07 \x01(\r\x12\"\n\x15matched_stop_token_id\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cmatched_stop\x18\x64 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0boutput_text\x18\x65 \x01(\tB\x18\n\x16_matched_stop_token_idB\x0f\n\r_matched_stop\"o\n\x0eOutputLogProbs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x32\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1c.mlx.grpc.engine.TopLogProbs\"0\n\x0bTopLogProbs\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x14\n\x12HealthCheckRequest\"7\n\x13HealthCheckResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\x95\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x15\n\ris_generation\x18\x02 \x01(\x08\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x19\n\x11served_model_name\x18\x05 \x01(\t\x12\x12\n\nmodel_type\x18\x06 \x01(\t\x12\x15\n\rarchitectures\x18\x07 \x03(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x14\n\x0cpad_token_id\x18\t \x01(\r\x12\x14\n\x0c\x62os_token_id\x18\n \x01(\r\x12\x19\n\x11max_req_input_len\x18\x0b \x01(\r\"\x16\n\x14GetServerInfoRequest\"]\n\x15GetServerInfoResponse\x12\x13\n\x0bserver_type\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\r\x12\x16\n\x0euptime_seconds\x18\x03 \x01(\x01\x32\x99\x04\n\tMlxEngine\x12Q\n\x08Generate\x12 .mlx.grpc.engine.GenerateRequest\x1a!.mlx.grpc.engine.GenerateResponse0\x01\x12X\n\x0bHealthCheck\x12#.mlx.grpc.engine.HealthCheckRequest\x1a$.mlx.grpc.engine.HealthCheckResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.mlx.grpc.engine.AbortRequest\x1a\x1e.mlx.grpc.engine.AbortResponse\x12[\n\x0cGetModelInfo\x12$.mlx.grpc.engine.GetModelInfoRequest\x1a%.mlx.grpc.engine.GetModelInfoResponse\x12^\n\rGetServerInfo\x12%.mlx.grpc.engine.GetServerInfoRequest\x1a&.mlx.grpc.engine.GetServerInfoResponse\x12Z\n\x0cGetTokenizer\x12$.smg.grpc.common.GetTokenizerRequest\x1a\".smg.grpc.common.GetTokenizerChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10mlx_engine.proto\x12\x0fmlx.grpc.engine\x1a\x0c\x63ommon.proto\"\xbe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x34\n\ttokenized\x18\x02 \x01(\x0b\x32\x1f.mlx.grpc.engine.TokenizedInputH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x38\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1f.mlx.grpc.engine.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x42\x07\n\x05input\":\n\x0eTokenizedInput\x12\x15\n\roriginal_text\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\"\xfb\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x42\n\nlogit_bias\x18\x08 \x03(\x0b\x32..mlx.grpc.engine.SamplingParams.LogitBiasEntry\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\r \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x64 \x03(\t\x12\x15\n\x0bjson_schema\x18\x65 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x66 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18g \x01(\tH\x00\x12\x11\n\x07grammar\x18n \x01(\tH\x00\x12\x1c\n\x0fthinking_budget\x18h \x01(\rH\x05\x88\x01\x01\x12\x13\n\x0breturn_text\x18i \x01(\x08\x12\t\n\x01n\x18j \x01(\r\x12\x12\n\nmin_tokens\x18k \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18l \x01(\x08\x12#\n\x16truncate_prompt_tokens\x18m \x01(\x05H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x07\n\x05_seedB\x12\n\x10_thinking_budgetB\x19\n\x17_truncate_prompt_tokens\"\x8c\x01\n\x10GenerateResponse\x12\x35\n\x05\x63hunk\x18\x01 \x01(\x0b\x32$.mlx.grpc.engine.GenerateStreamChunkH\x00\x12\x35\n\x08\x63omplete\x18\x02 \x01(\x0b\x32!.mlx.grpc.engine.GenerateCompleteH\x00\x42\n\n\x08response\"\xc8\x01\n\x13GenerateStreamChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x38\n\x0foutput_logprobs\x18\x05 \x01(\x0b\x32\x1f.mlx.grpc.engine.OutputLogProbs\x12\r\n\x05index\x18\x06 \x01(\r\x12\x0c\n\x04text\x18\x64 \x01(\t\"\xce\x02\n\x10GenerateComplete\x12\x12\n\noutput_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x38\n\x0foutput_logprobs\x18\x06 \x01(\x0b\x32\x1f.mlx.grpc.engine.OutputLogProbs\x12\r\n\x05index\x18\x07 \x01(\r\x12\"\n\x15matched_stop_token_id\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cmatched_stop\x18\x64 \x01(\tH\x01\x88\x01\x01\x12\x13\n\x0boutput_text\x18\x65 \x01(\tB\x18\n\x16_matched_stop_token_idB\x0f\n\r_matched_stop\"o\n\x0eOutputLogProbs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x32\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1c.mlx.grpc.engine.TopLogProbs\"0\n\x0bTopLogProbs\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x14\n\x12HealthCheckRequest\"7\n\x13HealthCheckResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x0f\n\rAbortResponse\"\x15\n\x13GetModelInfoRequest\"\x95\x02\n\x14GetModelInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x15\n\ris_generation\x18\x02 \x01(\x08\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x19\n\x11served_model_name\x18\x05 \x01(\t\x12\x12\n\nmodel_type\x18\x06 \x01(\t\x12\x15\n\rarchitectures\x18\x07 \x03(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x14\n\x0cpad_token_id\x18\t \x01(\r\x12\x14\n\x0c\x62os_token_id\x18\n \x01(\r\x12\x19\n\x11max_req_input_len\x18\x0b \x01(\r\"\x16\n\x14GetServerInfoRequest\"]\n\x15GetServerInfoResponse\x12\x13\n\x0bserver_type\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\r\x12\x16\n\x0euptime_seconds\x18\x03 \x01(\x01\x32\x99\x04\n\tMlxEngine\x12Q\n\x08Generate\x12 .mlx.grpc.engine.GenerateRequest\x1a!.mlx.grpc.engine.GenerateResponse0\x01\x12X\n\x0bHealthCheck\x12#.mlx.grpc.engine.HealthCheckRequest\x1a$.mlx.grpc.engine.HealthCheckResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.mlx.grpc.engine.AbortRequest\x1a\x1e.mlx.grpc.engine.AbortResponse\x12[\n\x0cGetModelInfo\x12$.mlx.grpc.engine.GetModelInfoRequest\x1a%.mlx.grpc.engine.GetModelInfoResponse\x12^\n\rGetServerInfo\x12%.mlx.grpc.engine.GetServerInfoRequest\x1a&.mlx.grpc.engine.GetServerInfoResponse\x12Z\n\x0cGetTokenizer\x12$.smg.grpc.common.GetTokenizerRequest\x1a\".smg.grpc.common.GetTokenizerChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,35 +39,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZEDINPUT']._serialized_start=244
   _globals['_TOKENIZEDINPUT']._serialized_end=302
   _globals['_SAMPLINGPARAMS']._serialized_start=305
-  _globals['_SAMPLINGPARAMS']._serialized_end=918
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=783
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=831
-  _globals['_GENERATERESPONSE']._serialized_start=921
-  _globals['_GENERATERESPONSE']._serialized_end=1061
-  _globals['_GENERATESTREAMCHUNK']._serialized_start=1064
-  _globals['_GENERATESTREAMCHUNK']._serialized_end=1264
-  _globals['_GENERATECOMPLETE']._serialized_start=1267
-  _globals['_GENERATECOMPLETE']._serialized_end=1601
-  _globals['_OUTPUTLOGPROBS']._serialized_start=1603
-  _globals['_OUTPUTLOGPROBS']._serialized_end=1714
-  _globals['_TOPLOGPROBS']._serialized_start=1716
-  _globals['_TOPLOGPROBS']._serialized_end=1764
-  _globals['_HEALTHCHECKREQUEST']._serialized_start=1766
-  _globals['_HEALTHCHECKREQUEST']._serialized_end=1786
-  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1788
-  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1843
-  _globals['_ABORTREQUEST']._serialized_start=1845
-  _globals['_ABORTREQUEST']._serialized_end=1880
-  _globals['_ABORTRESPONSE']._serialized_start=1882
-  _globals['_ABORTRESPONSE']._serialized_end=1897
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1899
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1920
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1923
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2200
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2202
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2224
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=2226
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=2319
-  _globals['_MLXENGINE']._serialized_start=2322
-  _globals['_MLXENGINE']._serialized_end=2859
+  _globals['_SAMPLINGPARAMS']._serialized_end=1068
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=906
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=954
+  _globals['_GENERATERESPONSE']._serialized_start=1071
+  _globals['_GENERATERESPONSE']._serialized_end=1211
+  _globals['_GENERATESTREAMCHUNK']._serialized_start=1214
+  _globals['_GENERATESTREAMCHUNK']._serialized_end=1414
+  _globals['_GENERATECOMPLETE']._serialized_start=1417
+  _globals['_GENERATECOMPLETE']._serialized_end=1751
+  _globals['_OUTPUTLOGPROBS']._serialized_start=1753
+  _globals['_OUTPUTLOGPROBS']._serialized_end=1864
+  _globals['_TOPLOGPROBS']._serialized_start=1866
+  _globals['_TOPLOGPROBS']._serialized_end=1914
+  _globals['_HEALTHCHECKREQUEST']._serialized_start=1916
+  _globals['_HEALTHCHECKREQUEST']._serialized_end=1936
+  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1938
+  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1993
+  _globals['_ABORTREQUEST']._serialized_start=1995
+  _globals['_ABORTREQUEST']._serialized_end=2030
+  _globals['_ABORTRESPONSE']._serialized_start=2032
+  _globals['_ABORTRESPONSE']._serialized_end=2047
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2049
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2070
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2073
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2350
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2352
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2374
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=2376
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2469
+  _globals['_MLXENGINE']._serialized_start=2472
+  _globals['_MLXENGINE']._serialized_end=3009
 # @@protoc_insertion_point(module_scope)

@@ -92,6 +92,12 @@ class DiskLink:
                     self._write(node, node.ram, wait_s=left)
         disk.close(max(1.0, flush_s))
 
+    def forget_files(self, entries: list[DiskEntry]) -> None:
+        """The index forgot these blocks (a flush): their files go. Writes still queued end
+        with a block the index does not know, and `_written` deletes their files."""
+        if entries:
+            self.disk.delete_all([entry.path for entry in entries])
+
     def _write(self, node: Node, data: BlockData, wait_s: float = 0.0) -> bool:
         arrays: list[Any] = []
         meta = {

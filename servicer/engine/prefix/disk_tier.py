@@ -301,6 +301,17 @@ class DiskTier:
             except queue.Full:
                 _unlink(entry.path)  # small and rare: do it here rather than leak it
 
+    def delete_all(self, paths: list[Path], wait_s: float = 1.0) -> None:
+        """Delete many files on the writer thread (one job, after the writes queued before
+        it); here, should the queue stay full for `wait_s`."""
+        if not self.usable:
+            return
+        try:
+            self._writes.put(("delete_many", paths, None), timeout=wait_s)
+        except queue.Full:
+            for path in paths:
+                _unlink(path)
+
     def load(self, key: bytes, entry: DiskEntry) -> None:
         self._loads.put((key, entry.path))
 
@@ -347,6 +358,10 @@ class DiskTier:
             kind, target, arrays = job
             if kind == "delete":
                 _unlink(target)
+                continue
+            if kind == "delete_many":
+                for path in target:
+                    _unlink(path)
                 continue
             block: BlockFile = target
             path = self.dir / f"{block.key.hex()}{_SUFFIX}"

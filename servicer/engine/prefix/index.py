@@ -7,16 +7,27 @@ and is always a leaf. Attention state (`kv`) can be cut anywhere, so a model who
 all attention reuses any prefix the blocks cover. State that cannot be cut (recurrent layers,
 sliding windows) is kept only at some block ends (`snapshot`), and a model with such layers
 reuses only prefixes that end at one.
+
+Every full block entering or leaving a tier is recorded as a `KvBlockEvent` (tails are not
+blocks anyone else can name); the engine hands them out with its output.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...messages import KvBlockEvent
 from .keys import ROOT, block_key
+
+log = logging.getLogger(__name__)
+
+PENDING_EVENTS = 10_000  # more events than this waiting for the engine is worth a warning
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+RAM, DISK = "ram", "disk"
 
 
 @dataclass(eq=False, slots=True)
@@ -81,6 +92,7 @@ class BlockIndex:
         self.disk_bytes = 0
         self.disk_blocks = 0
         self.pinned_blocks = 0
+        self.events: list[KvBlockEvent] = []  # since the engine last took them
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -176,6 +188,8 @@ class BlockIndex:
         """The RAM tier holds `payload` for `node` (`snapshot`: with the state at its end)."""
         if node.ram is not None:
             self.ram_bytes -= node.ram_bytes
+        else:
+            self._event(STORED, node, RAM)
         node.ram, node.ram_bytes, node.ram_snapshot = payload, nbytes, snapshot
         self.ram_bytes += nbytes
         self._ram[node.key] = node
@@ -185,6 +199,7 @@ class BlockIndex:
         """Out of RAM; out of the index too unless it is on disk or `keep` (on its way)."""
         if node.ram is None:
             return
+        self._event(REMOVED, node, RAM)
         self.ram_bytes -= node.ram_bytes
         node.ram, node.ram_bytes, node.ram_snapshot = None, 0, False
         self._ram.pop(node.key, None)
@@ -197,12 +212,14 @@ class BlockIndex:
             self.disk_bytes -= node.disk_bytes
         else:
             self.disk_blocks += 1
+            self._event(STORED, node, DISK)
         node.disk, node.disk_bytes, node.disk_snapshot = entry, nbytes, snapshot
         self.disk_bytes += nbytes
 
     def drop_disk(self, node: Node) -> Any:
         entry = node.disk
         if entry is not None:
+            self._event(REMOVED, node, DISK)
             self.disk_bytes -= node.disk_bytes
             self.disk_blocks -= 1
             node.disk, node.disk_bytes, node.disk_snapshot = None, 0, False
@@ -216,9 +233,11 @@ class BlockIndex:
         for each in gone:
             self._nodes.pop(each.key, None)
             if each.ram is not None:
+                self._event(REMOVED, each, RAM)
                 self.ram_bytes -= each.ram_bytes
                 self._ram.pop(each.key, None)
             if each.disk is not None:
+                self._event(REMOVED, each, DISK)
                 self.disk_bytes -= each.disk_bytes
                 self.disk_blocks -= 1
             if each.pins:
@@ -227,6 +246,38 @@ class BlockIndex:
         siblings = node.parent.children if node.parent is not None else self._roots
         siblings.pop(node.key, None)
         return gone
+
+    def clear(self) -> list[Any]:
+        """Forget every block (a flush), with one "cleared" event; returns the disk tier's
+        entries, whose files must go. The nodes are emptied and unpinned where they are: a
+        request or a disk load holding one releases a node the index no longer knows, which
+        changes nothing, and a load waiting for one sees nothing left to load."""
+        entries = []
+        for node in self._nodes.values():
+            if node.disk is not None:
+                entries.append(node.disk)
+            node.ram, node.ram_bytes, node.ram_snapshot = None, 0, False
+            node.disk, node.disk_bytes, node.disk_snapshot = None, 0, False
+            node.pins = 0
+        self._nodes, self._roots, self._ram = {}, {}, OrderedDict()
+        self.ram_bytes = self.disk_bytes = self.disk_blocks = self.pinned_blocks = 0
+        self.events.append(KvBlockEvent(CLEARED))
+        return entries
+
+    def take_events(self) -> list[KvBlockEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def _event(self, kind: str, node: Node, tier: str) -> None:
+        """A full block entered or left `tier`. Its key is block_key(parent's key, tokens):
+        the index names every node that way."""
+        if len(node.tokens) != self.block_size:
+            return  # a tail: no block anyone else can name
+        parent = node.parent.key if node.parent is not None else b""
+        tokens = node.tokens if kind == STORED else ()
+        self.events.append(KvBlockEvent(kind, node.key, parent, tokens, tier))
+        if len(self.events) == PENDING_EVENTS:  # kept anyway: the engine takes them each step
+            log.warning("%d prefix cache events wait for the engine", PENDING_EVENTS)
 
     def siblings(self, node: Node) -> list[Node]:
         """The other blocks under `node`'s parent."""

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ...faults import FaultPlan
-from ...messages import GenerationRequest, PrefixCacheStats
+from ...messages import GenerationRequest, KvBlockEvent, PrefixCacheStats
 from ...ratelimit import RateLimitedLog
 from ..quantized_kv import QuantizedRowCache
 from .data import BlockData, Part, arrays_of, concat, time_slice, tokens_in
@@ -324,6 +324,21 @@ class PrefixStore:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+
+    # ----- flushing, and what changed -----
+
+    def flush(self) -> None:
+        """Empty both tiers. Requests in flight keep working: each built its own cache from
+        the blocks, and releasing a block the index forgot changes nothing. The files go on
+        the writer thread, after the writes queued before them."""
+        entries = self.index.clear()
+        if self.disk is not None:
+            self.disk.forget_files(entries)
+
+    def take_events(self) -> list[KvBlockEvent]:
+        """The full blocks that entered or left a tier since the last call (engine thread;
+        the disk threads' results become events when `collect` takes them in)."""
+        return self.index.take_events()
 
     def stats(self) -> PrefixCacheStats:
         counters = self.counters

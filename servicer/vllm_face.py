@@ -1,0 +1,130 @@
+"""The VllmEngine face: the same handlers as MlxEngine, with vLLM's messages.
+
+Generate, Abort and GetTokenizer are the handlers' own (Generate built for this face's
+messages); the metadata calls map the handlers' answers field by field; Embed, GetLoads,
+SubscribeKvEvents and FlushCache exist on this face only, because only the router's vLLM path
+calls them. Profiling is not offered (UNIMPLEMENTED, the generated default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import grpc
+
+from . import __version__
+from .handlers import SERVER_TYPE, MlxEngineServicer
+from .kv_events import SubscriberLagged
+from .proto import common_pb2, mlx_engine_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+from .validation import RequestError
+
+
+class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """VllmEngine over one `MlxEngineServicer`."""
+
+    def __init__(self, handlers: MlxEngineServicer) -> None:
+        self._handlers = handlers
+        # Bound methods of the handlers: gRPC calls them as this face's own.
+        self.Generate = handlers.generate_vllm
+        self.GetTokenizer = handlers.GetTokenizer
+
+    async def Abort(
+        self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.AbortResponse:
+        ours = mlx_engine_pb2.AbortRequest(request_ids=request.request_ids)
+        await self._handlers.Abort(ours, context)
+        return vllm_engine_pb2.AbortResponse()
+
+    async def HealthCheck(
+        self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.HealthCheckResponse:
+        answer = await self._handlers.HealthCheck(mlx_engine_pb2.HealthCheckRequest(), context)
+        return vllm_engine_pb2.HealthCheckResponse(healthy=answer.healthy, message=answer.message)
+
+    async def GetModelInfo(
+        self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetModelInfoResponse:
+        info = await self._handlers.GetModelInfo(mlx_engine_pb2.GetModelInfoRequest(), context)
+        return vllm_engine_pb2.GetModelInfoResponse(
+            model_path=info.model_path,
+            is_generation=info.is_generation,
+            max_context_length=info.max_context_length,
+            vocab_size=info.vocab_size,
+            served_model_name=info.served_model_name,
+            tokenizer_path=info.model_path,
+            model_type=info.model_type,
+            architectures=info.architectures,
+            eos_token_ids=info.eos_token_ids,
+            pad_token_id=info.pad_token_id,
+            bos_token_id=info.bos_token_id,
+            max_req_input_len=info.max_req_input_len,
+        )
+
+    async def GetServerInfo(
+        self, request: vllm_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetServerInfoResponse:
+        handlers = self._handlers
+        return vllm_engine_pb2.GetServerInfoResponse(
+            active_requests=handlers.active_requests,
+            uptime_seconds=handlers.uptime_s,
+            server_type=SERVER_TYPE,
+            data_parallel_size=1,
+            block_size=handlers.kv_events.block_size,
+            max_num_seqs=handlers.max_running_requests,
+        )
+
+    async def GetLoads(
+        self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetLoadsResponse:
+        figures = self._handlers.load_figures()
+        load = vllm_engine_pb2.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=figures.running,
+            num_waiting_reqs=figures.waiting,
+            num_total_reqs=figures.running + figures.waiting,
+            num_used_tokens=figures.used_tokens,
+            max_total_num_tokens=figures.capacity_tokens,
+            token_usage=figures.token_usage,
+            gen_throughput=figures.gen_throughput,
+            cache_hit_rate=figures.cache_hit_rate,
+            utilization=figures.utilization,
+            max_running_requests=figures.max_running,
+            num_waiting_uncached_tokens=figures.waiting_tokens,
+        )
+        return vllm_engine_pb2.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(),
+            version=__version__,
+            dp_rank_count=1,
+            loads=[load],
+        )
+
+    async def Embed(
+        self, request: vllm_engine_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.EmbedResponse:
+        ids = list(request.tokenized.input_ids)
+        try:
+            vector, prompt_tokens = await self._handlers.embed(request.request_id, ids)
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        return vllm_engine_pb2.EmbedResponse(
+            embedding=vector, prompt_tokens=prompt_tokens, embedding_dim=len(vector)
+        )
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        success, message = await self._handlers.flush_cache()
+        return common_pb2.FlushCacheResponse(success=success, message=message)
+
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        # The smg router drops a worker whose stream says nothing for 2 s: headers at once.
+        await context.send_initial_metadata(())
+        hub = self._handlers.kv_events
+        try:
+            async for batch in hub.subscribe(request.start_sequence_number):
+                yield batch
+        except SubscriberLagged as lag:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(lag))
