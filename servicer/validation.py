@@ -201,6 +201,29 @@ def text_options(params: Params) -> TextOptions | None:
     return TextOptions(stops, params.include_stop_str_in_output, params.min_tokens)
 
 
+def closed_objects(schema: str) -> str:
+    """The schema with `additionalProperties: false` wherever an object lists its properties
+    and says nothing of others (vLLM's strict mode): a tool call's arguments then end after
+    the listed keys instead of inviting a weak model to add keys forever."""
+    try:
+        document = json.loads(schema)
+    except ValueError:
+        return schema  # llguidance says what is wrong with it
+
+    def close(node: Any) -> None:
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            for value in node.values():
+                close(value)
+        elif isinstance(node, list):
+            for value in node:
+                close(value)
+
+    close(document)
+    return json.dumps(document)
+
+
 def _grammar(kind: str, source: Any) -> str:
     """The llguidance grammar of one constraint field (ValueError when it does not parse)."""
     import llguidance  # only requests with a constraint pay for the import
@@ -211,7 +234,7 @@ def _grammar(kind: str, source: Any) -> str:
         # Compact JSON unless the schema's own x-guidance says otherwise: free whitespace
         # lets a weak model pad forever instead of finishing the object.
         return llguidance.LLMatcher.grammar_from_json_schema(
-            source, defaults={"whitespace_flexible": False, "item_separator": ", "}
+            closed_objects(source), defaults={"whitespace_flexible": False, "item_separator": ", "}
         )
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(source)

@@ -270,6 +270,7 @@ class Router:
         self.log_path = log_path
         self._log = log_path.open("w")
         http_port = free_port()
+        self.metrics_port = free_port()
         self.proc = subprocess.Popen(
             [
                 SMG,
@@ -283,7 +284,7 @@ class Router:
                 "--prometheus-host",
                 "127.0.0.1",
                 "--prometheus-port",
-                str(free_port()),
+                str(self.metrics_port),
                 *flags,
             ],
             stdout=self._log,
@@ -317,6 +318,10 @@ class Router:
                 pass
             time.sleep(0.1)
         raise AssertionError(f"router never became ready:\n{self.log_tail()}")
+
+    def metrics(self) -> str:
+        """The router's own Prometheus page."""
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
 
     def log_tail(self, chars: int = 4000) -> str:
         self._log.flush()

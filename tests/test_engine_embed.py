@@ -12,8 +12,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from servicer.demo_model import demo_model_path
 from servicer.engine import Engine, EngineConfig
 from servicer.engine.embedding import Embedder, inner_module
+from servicer.engine.prefix.keys import block_keys
 from servicer.engine_process import EngineProcess
 from servicer.messages import (
     EmbedRequest,
@@ -67,7 +69,7 @@ class Collected:
         self.embedded_while_running |= bool(out.embeddings and running)
         self.embeddings.update((r.ticket, r) for r in out.embeddings)
         self.failures.update((f.ticket, f) for f in out.failures)
-        self.flushed.extend((ticket, out.figures) for ticket in out.flushed)
+        self.flushed.extend((ticket, self.figures) for ticket in out.flushed)
         self.kv_events.extend(out.kv_events)
 
     def wait(self, predicate: Callable[[], bool], timeout: float = 120) -> None:
@@ -87,13 +89,17 @@ def start_engine(mode: str, model_dir: Any, config: EngineConfig) -> tuple[Any, 
     return engine, collected
 
 
-def greedy_request(ticket: int, prompt: list[int], max_tokens: int) -> GenerationRequest:
+def greedy_request(
+    ticket: int, prompt: list[int], max_tokens: int, block: int = 0
+) -> GenerationRequest:
+    """With `block`, named by its blocks as the handlers name them (for prefix reuse)."""
     return GenerationRequest(
         ticket=ticket,
         request_id=f"engine-test-{ticket}",
         prompt=prompt,
         max_tokens=max_tokens,
         sampling=GREEDY,
+        block_keys=block_keys(prompt, block) if block else (),
     )
 
 
@@ -178,6 +184,20 @@ def test_a_failing_forward_fails_only_its_own_request(reference, prompts):
     assert results[1].error is not None and "injected" in results[1].error
     for result, prompt in ((results[0], prompts[0]), (results[2], prompts[2])):
         expected = direct_embedding(reference.model, prompt, "last")
+        assert result.error is None and np.abs(np.array(result.embedding) - expected).max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "gemma3"])
+def test_every_demo_family_embeds_like_mlx_lm(kind, prompts):
+    from mlx_lm import load
+
+    model, _ = load(str(demo_model_path(kind)))
+    embedder = Embedder.of(model, distributed=False)
+    assert embedder.size == 128
+    cases = [(prompts[0][:2], "last"), (prompts[1], "mean"), (prompts[2] + prompts[3], "last")]
+    results = embedder.run([EmbedRequest(i, p, pool) for i, (p, pool) in enumerate(cases)])
+    for result, (prompt, pooling) in zip(results, cases, strict=True):
+        expected = direct_embedding(model, prompt, pooling)
         assert result.error is None and np.abs(np.array(result.embedding) - expected).max() < 1e-4
 
 
