@@ -171,10 +171,10 @@ def test_a_failing_forward_fails_only_its_own_request(reference, prompts):
     assert inner is not None and size == 128
     poison = prompts[1][0]
 
-    def flaky(ids: mx.array) -> mx.array:
+    def flaky(ids: mx.array, cache: Any = None) -> mx.array:
         if poison in ids[:, 0].tolist():
             raise RuntimeError("injected")
-        return inner(ids)
+        return inner(ids, cache=cache)
 
     embedder = Embedder(flaky, size, "")
     results = embedder.run(
@@ -187,14 +187,22 @@ def test_a_failing_forward_fails_only_its_own_request(reference, prompts):
         assert result.error is None and np.abs(np.array(result.embedding) - expected).max() < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "gemma3"])
-def test_every_demo_family_embeds_like_mlx_lm(kind, prompts):
+@pytest.mark.parametrize("kind", ["llama", "hybrid", "gemma3"])
+def test_every_demo_family_embeds_like_mlx_lm_whole_or_in_chunks(kind, prompts):
     from mlx_lm import load
 
     model, _ = load(str(demo_model_path(kind)))
-    embedder = Embedder.of(model, distributed=False)
+    # Chunks of 4 tokens: the longer prompts go through with a cache of their own.
+    embedder = Embedder.of(model, distributed=False, chunk=4)
     assert embedder.size == 128
-    cases = [(prompts[0][:2], "last"), (prompts[1], "mean"), (prompts[2] + prompts[3], "last")]
+    long = prompts[2] + prompts[3] + prompts[4]
+    assert len(long) > 5 * 4
+    cases = [
+        (prompts[0][:2], "last"),
+        (prompts[1], "mean"),
+        (long, "last"),
+        (long[:-5], "mean"),
+    ]
     results = embedder.run([EmbedRequest(i, p, pool) for i, (p, pool) in enumerate(cases)])
     for result, (prompt, pooling) in zip(results, cases, strict=True):
         expected = direct_embedding(model, prompt, pooling)

@@ -211,7 +211,9 @@ class EngineLoop:
             ready=self._ready,
             max_rows=config.completion_batch_size,
         )
-        self.embedder = Embedder.of(parts.loaded.model, distributed=self._lockstep is not None)
+        self.embedder = Embedder.of(
+            parts.loaded.model, self._lockstep is not None, config.prefill_step_size
+        )
         block = self.store.block_size if self.store is not None else 0
         self.capabilities = EngineCapabilities(
             parts.admission, parts.has_thinking, block, self.embedder.size
