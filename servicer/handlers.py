@@ -41,7 +41,7 @@ from .model_files import ModelFiles
 from .output import OutputProcessor
 from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
 from .ratelimit import RateLimitedLog
-from .streams import RequestStream, Streams
+from .streams import FAILURE_STATUS, RequestStream, Streams
 from .text import IncrementalDecoder, TextTracker
 from .tokenizer_bundle import TokenizerArchive, build_archive
 from .validation import (
@@ -349,6 +349,11 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             self._settle(result.ticket, result)
         for ticket in out.flushed:
             self._settle(ticket, True)
+        for failure in out.failures:  # a flush the engine refused (distributed)
+            future = self._pending.pop(failure.ticket, None)
+            if future is not None and not future.done():
+                code = FAILURE_STATUS[failure.kind]
+                future.set_exception(RequestError(code, failure.message))
         if out.fatal is not None:
             error = RequestError(grpc.StatusCode.UNAVAILABLE, out.fatal)
             for future in self._pending.values():
