@@ -257,7 +257,9 @@ def constraint(params: Params, check: GrammarCheck | None = None) -> Constraint 
 
     try:
         grammar = _grammar(kind, getattr(params, kind))
-    except ValueError as exc:
+    except RequestError:
+        raise
+    except Exception as exc:  # the converters raise their own error types
         raise _invalid(f"invalid {kind}: {exc}") from None
     error = check(grammar) if check is not None else llguidance.LLMatcher.validate_grammar(grammar)
     if error:
