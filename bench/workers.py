@@ -63,7 +63,8 @@ def add_common_args(parser: argparse.ArgumentParser, side_by_side: str, peer_ver
     parser.add_argument(
         "--model",
         help="mlx-lm model directory, or `real` for the real model (google/gemma-3-270m, "
-        "built by ../shared/tools/real_model.sh; default: the demo model)",
+        "built by ../shared/tools/real_model.sh; `real:smollm2-135m-instruct` for its chat "
+        "model; default: the demo model)",
     )
     parser.add_argument("--side-by-side", action="store_true", help=side_by_side)
     if peer_version:
@@ -90,9 +91,13 @@ def model_or_demo(model: Path | None) -> Path:
 
 def resolve_model(model: str | None, script: Path = REAL_MODEL_SCRIPT) -> Path | None:
     """`--model`: None (the demo model), `real` (the real model, built or found by the shared
-    script, which prints its directory last), or an mlx-lm model directory."""
+    script, which prints its directory last), `real:NAME` (the script's MODEL=NAME, e.g.
+    `real:smollm2-135m-instruct`, the chat model), or an mlx-lm model directory."""
     if model is None:
         return None
+    name = None
+    if model.startswith("real:"):
+        model, name = "real", model.removeprefix("real:")
     if model != "real":
         path = Path(model).expanduser().resolve()
         if not (path / "config.json").exists():
@@ -106,7 +111,8 @@ def resolve_model(model: str | None, script: Path = REAL_MODEL_SCRIPT) -> Path |
             "absent here: pass the model directory instead"
         )
     log(f"--model real: {script} (builds the model the first time, a minute or two)")
-    done = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    env = {**os.environ, "MODEL": name} if name else None
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise SystemExit(f"{script} failed (code {done.returncode}):\n{done.stderr[-2000:]}")

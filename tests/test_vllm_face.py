@@ -217,3 +217,22 @@ def test_embed_and_an_embedding_refusal(face, reference):
     with pytest.raises(grpc.RpcError) as caught:
         stub.Embed(vpb.EmbedRequest(request_id="e2", tokenized=vpb.TokenizedInput()))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_both_faces_give_the_same_tokens_with_speculation_and_quantized_kv(demo_dir, prompts):
+    """One engine behind both services: what speculation, quantized KV and the prefix store do
+    on the MLX face they do on the vLLM face, token for token."""
+    from support import generate
+
+    config = demo_config(demo_dir, speculate="ngram", kv_bits=8)
+    config = dataclasses.replace(config, protocols=("mlx", "vllm"))
+    with ServerThread(config) as running, running.channel() as channel:
+        stub = vgrpc.VllmEngineStub(channel)
+        for prompt in prompts[:4]:
+            echo = (prompt * 30)[:300]  # copy-heavy: prompt lookup drafts
+            params = {"temperature": 0, "max_tokens": 24}
+            tokens, _ = collect(stub, request(echo, **params))
+            assert tokens[0] == generate(channel, echo, **params).tokens
+            seeded = {"temperature": 0.9, "seed": 3, "max_tokens": 16, "ignore_eos": True}
+            tokens, _ = collect(stub, request(echo, **seeded))
+            assert tokens[0] == generate(channel, echo, **seeded).tokens
