@@ -10,7 +10,9 @@ process) sets the ceiling and the request count; each worker is started on the s
 warmed up, and driven over gRPC by that many closed-loop clients with the same prompts, in
 pairs of short runs that alternate raw and workers. Then, on a fresh worker each: a
 staggered burst, cancel-and-reuse and prefix reuse; then speculative decoding on its
-setups (bench/speculation.py) and the quantized KV cache (bench/kv_quant.py). Only one of
+setups (bench/speculation.py), the quantized KV cache (bench/kv_quant.py), and the vLLM
+face against the MLX face through the smg router (bench/faces.py; `--model real`: both real
+models, Gemma and the SmolLM2 chat model). Only one of
 the processes being measured runs at a time (the others idle on their input or are stopped
 with SIGSTOP). `--only PARTS` runs some parts alone.
 Prints the tables, writes JSON and a PNG under bench/results/, and (full runs) rewrites the
@@ -61,7 +63,7 @@ from workload import (
 )
 
 RESULTS = BENCH / "results"
-PARTS = ("sweep", "burst", "cancel", "prefix", "arrival", "speculation", "kv-quant")
+PARTS = ("sweep", "burst", "cancel", "prefix", "arrival", "speculation", "kv-quant", "faces")
 
 
 def _steal_note(stats: LevelStats) -> str:
@@ -141,6 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.min_seconds is None:
         args.min_seconds = 2.0 if args.quick else 4.0
     args.worker_flags = shlex.split(args.worker_flags)
+    args.model_spec = args.model  # as given: `real` means both real models to faces
     args.model = resolve_model(args.model)
     args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     if args.only:
@@ -499,6 +502,25 @@ class Suite:
         except RuntimeError as exc:
             self.fail(f"kv-quant: {exc}")
 
+    def faces(self) -> None:
+        """The vLLM face against the MLX face through the smg router (bench/faces.py): the
+        model given (`real`: Gemma and the SmolLM2 chat model), or the demo model."""
+        import faces
+
+        spec = self.args.model_spec
+        model = spec if spec in (None, "real") else str(self.args.model)
+        rounds = 2 if self.args.quick else faces.ROUNDS
+        try:
+            found = faces.run_part(
+                [model], self.log_dir, rounds=rounds, flags=self.args.worker_flags
+            )
+        except RuntimeError as exc:
+            self.fail(f"faces: {exc}")
+            return
+        self.run["faces"] = found
+        for failure in found["failures"]:
+            self.fail(f"faces: {failure}")
+
     def arrivals(self) -> None:
         """Long prompt arrival, on a fresh worker each: ours, ours without the prefill budget,
         and smg-grpc-servicer with --side-by-side."""
@@ -575,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         suite.speculation()
     if "kv-quant" not in args.skip:
         suite.kv_quant()
+    if "faces" not in args.skip:
+        suite.faces()
     return suite.finish()
 
 

@@ -367,6 +367,7 @@ def machine_line(run: Run) -> str:
 def _parts(s: dict[str, Any]) -> dict[str, tuple[Callable[[], str], Callable[[Run], str]]]:
     """The parts after the sweep, by their key in a run: a title (from the settings) and
     a table."""
+    import faces
     import kv_quant
     import speculation
 
@@ -426,6 +427,10 @@ def _parts(s: dict[str, Any]) -> dict[str, tuple[Callable[[], str], Callable[[Ru
         "kv_quant": (
             lambda: "### Quantized KV cache (--kv-bits)",
             lambda run: kv_quant.render(run["kv_quant"]),
+        ),
+        "faces": (
+            lambda: "### vLLM face vs MLX face through smg (`--protocols mlx,vllm` ÷ `mlx`)",
+            lambda run: faces.render(run["faces"]),
         ),
     }
 

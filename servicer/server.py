@@ -259,6 +259,7 @@ class WorkerServer:
         """Drain: NOT_SERVING, refuse new work, finish or abort what is in flight, close."""
         await self._set_health(NOT_SERVING)
         self.lifecycle.advance(Phase.DRAINING)
+        self.servicer.kv_events.close()  # subscriptions end cleanly; routers stop listening
         await self._drain()
         if self._server is not None:
             await self._server.stop(grace=1.0)

@@ -59,6 +59,7 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
             pad_token_id=info.pad_token_id,
             bos_token_id=info.bos_token_id,
             max_req_input_len=info.max_req_input_len,
+            embedding_size=info.embedding_size,
         )
 
     async def GetServerInfo(

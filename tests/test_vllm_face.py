@@ -213,6 +213,7 @@ def test_embed_and_an_embedding_refusal(face, reference):
         vpb.EmbedRequest(request_id="e1", tokenized=vpb.TokenizedInput(input_ids=ids))
     )
     assert answer.embedding_dim == reference.model.args.hidden_size == len(answer.embedding)
+    assert stub.GetModelInfo(vpb.GetModelInfoRequest()).embedding_size == answer.embedding_dim
     assert answer.prompt_tokens == len(ids)
     with pytest.raises(grpc.RpcError) as caught:
         stub.Embed(vpb.EmbedRequest(request_id="e2", tokenized=vpb.TokenizedInput()))
