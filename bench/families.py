@@ -24,6 +24,7 @@ Usage: python bench/families.py [--only llama,qwen3] [--cells defaults,prefix] [
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -306,3 +307,374 @@ def build(arch: str, cache: Path, timeout: float) -> tuple[Path, dict[str, Any] 
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
             return out, (lines[-1] if lines else f"build exited {done.returncode}")[:400]
     return out, json.loads(ref.read_text())
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class Worker:
+    """`python -m servicer` as a subprocess; its log is kept and its ready line parsed."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self.args = list(args)
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.lines: list[str] = []
+        self.port = 0
+        self.ready = threading.Event()
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> Worker:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "servicer", "--port", "0", *self.args],
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if match := READY.search(line):
+                self.port = int(match.group(1))
+                self.ready.set()
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def rss(self) -> int:
+        """Resident bytes of the worker and its children (the engine process)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)  # type: ignore[union-attr]
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        total = 0
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                total += proc.memory_info().rss
+        return total
+
+    def kill(self) -> None:
+        """SIGKILL the worker's whole session (it and its engine process)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def reason(self) -> str:
+        """The worker's last error-looking log line (why it would not start)."""
+        lines = [line.strip() for line in self.lines if line.strip()]
+        for line in reversed(lines):
+            if re.search(r"error|refus|not supported|cannot|must|invalid", line, re.I):
+                return line[-400:]
+        return (lines[-1] if lines else "no output")[-400:]
+
+
+@dataclass
+class Cell:
+    status: str
+    detail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "detail": self.detail, **self.extra}
+
+
+# --------------------------------------------------------------------------- a cell
+
+
+def one_request(port: int, prompt: list[int], timeout: float) -> dict[str, Any]:
+    import grpc
+
+    from servicer.proto import mlx_engine_pb2 as pb
+    from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(
+        request_id=f"families-{threading.get_ident()}-{time.monotonic_ns()}",
+        tokenized=pb.TokenizedInput(input_ids=prompt),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        stream=True,
+    )
+    tokens: list[int] = []
+    cached = 0
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            for response in pb_grpc.MlxEngineStub(channel).Generate(request, timeout=timeout):
+                if response.HasField("chunk"):
+                    tokens.extend(response.chunk.token_ids)
+                else:
+                    cached = response.complete.cached_tokens
+        except grpc.RpcError as error:
+            return {"error": f"{error.code().name}: {error.details()}"}
+    return {"tokens": tokens, "cached": cached}
+
+
+def wave(port: int, prompts: list[list[int]], timeout: float) -> list[dict[str, Any]]:
+    """The prompts sent at once, each on its own thread."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: one_request(port, p, timeout), prompts))
+
+
+def compare(got: list[dict[str, Any]], want: list[dict[str, list]], prompts: list) -> Cell:
+    """exact, or the worst first difference over the prompts (wrong before near-tie)."""
+    for result in got:
+        if "error" in result:
+            return Cell("error", result["error"][:400])
+    found: Cell | None = None
+    for index, (result, ref) in enumerate(zip(got, want, strict=True)):
+        tokens, expected = result["tokens"], ref["tokens"]
+        if tokens == expected:
+            continue
+        pos = next(
+            (i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b),
+            min(len(tokens), len(expected)),
+        )
+        margin = ref["margins"][pos] if pos < len(ref["margins"]) else float("inf")
+        status = "near-tie" if margin < MARGIN else "wrong"
+        detail = (
+            f"prompt {index} ({len(prompts[index])} tokens) position {pos}: "
+            f"got {tokens[pos : pos + 3]} want {expected[pos : pos + 3]} "
+            f"(top-2 gap {margin:.2g}; {len(tokens)} tokens)"
+        )
+        if found is None or (found.status == "near-tie" and status == "wrong"):
+            found = Cell(status, detail)
+    return found or Cell("exact")
+
+
+def supervise(workers: list[Worker], done: Callable[[], bool], deadline: float) -> Cell | None:
+    """Wait for `done`; a Cell when the time limit, the memory limit or an exit came first."""
+    while not done():
+        if time.monotonic() > deadline:
+            return Cell("hang", "over the time limit; killed")
+        rss = sum(worker.rss() for worker in workers)
+        if rss > RSS_LIMIT:
+            return Cell("memory", f"RSS {rss / 2**30:.1f} GiB; killed")
+        for worker in workers:
+            if worker.exited():
+                time.sleep(0.3)  # let the reader take the last lines
+                return Cell("refused" if not worker.ready.is_set() else "error", worker.reason())
+        time.sleep(0.1)
+    return None
+
+
+def run_waves(workers: list[Worker], waves: list[list[list[int]]], deadline: float) -> Any:
+    """The waves one after another on the first worker, supervised; a list of results per
+    wave, or a Cell when the run did not finish."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        port = workers[0].port
+        box["results"] = [wave(port, w, max(1.0, deadline - time.monotonic())) for w in waves]
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    stop = supervise(workers, lambda: not thread.is_alive(), deadline)
+    return stop if stop is not None else box["results"]
+
+
+CELL_FLAGS: dict[str, tuple[str, ...]] = {
+    "defaults": (),
+    "thread": ("--engine-mode", "thread"),
+    "ngram": ("--speculate", "ngram"),
+    "kv8": ("--kv-bits", "8"),
+}
+
+
+def serve_and_compare(
+    workers: list[Worker], ref: dict[str, Any], cells: list[str], timeout: float
+) -> dict[str, Cell]:
+    """Start the workers, wait for rank 0's ready line, run the waves, compare. `cells` names
+    what the first and (when given) the second wave are reported as."""
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        worker.start()
+    try:
+        stop = supervise(workers, workers[0].ready.is_set, deadline)
+        if stop is not None:
+            return dict.fromkeys(cells, stop)
+        waves = [ref["wave1"], ref["wave2"]][: len(cells)]
+        results = run_waves(workers, waves, deadline)
+    finally:
+        for worker in workers:
+            worker.kill()
+    seconds = round(time.monotonic() - (deadline - timeout), 1)
+    if isinstance(results, Cell):
+        return dict.fromkeys(cells, Cell(results.status, results.detail, {"seconds": seconds}))
+    want = ref["ref_kv8"] if cells[0] == "kv8" else ref["ref1"]
+    out = {cells[0]: compare(results[0], want, ref["wave1"])}
+    out[cells[0]].extra["seconds"] = seconds
+    if len(cells) > 1:
+        out[cells[1]] = prefix_cell(results[1], ref)
+    return out
+
+
+def prefix_cell(results: list[dict[str, Any]], ref: dict[str, Any]) -> Cell:
+    cell = compare(results, ref["ref2"], ref["wave2"])
+    if cell.status not in ("exact", "near-tie", "wrong"):
+        return cell
+    cached = [r["cached"] for r in results]
+    cell.extra["cached_tokens"] = cached
+    if cell.status == "exact" and not any(cached):
+        return Cell("no-hit", "outputs exact; no prompt tokens reused", cell.extra)
+    return cell
+
+
+def single_cells(
+    model_dir: Path, ref: dict[str, Any], cells: Sequence[str], timeout: float
+) -> dict[str, Cell]:
+    base = ("--model", str(model_dir), "--prompt-cache-block", BLOCK)
+    out: dict[str, Cell] = {}
+    for cell in ("defaults", "thread", "ngram", "kv8"):
+        wanted = [c for c in ([cell, "prefix"] if cell == "defaults" else [cell]) if c in cells]
+        if not wanted:
+            continue
+        if cell == "kv8" and "ref_kv8" not in ref:
+            reason = ref.get("ref_kv8_error") or f"no group of 64 or 32 fits {ref['head_dims']}"
+            out[cell] = Cell("skipped", f"no mlx-lm kv8 reference: {reason}")
+            continue
+        if wanted == ["prefix"]:  # the prefix cell rides on a defaults worker
+            wanted = ["defaults", "prefix"]
+        worker = Worker([*base, *CELL_FLAGS[cell]])
+        found = serve_and_compare([worker], ref, wanted, timeout)
+        out.update({k: v for k, v in found.items() if k in cells})
+    return out
+
+
+def distributed_cell(model_dir: Path, ref: dict[str, Any], timeout: float, scratch: Path) -> Cell:
+    from servicer.sysinfo import free_port
+
+    if not ref["shard"]:
+        return Cell("skipped", "the mlx-lm model has no shard() (no tensor parallelism)")
+    scratch.mkdir(parents=True, exist_ok=True)
+    hostfile = scratch / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(2)]))
+    args = (
+        "--model",
+        str(model_dir),
+        "--prompt-cache-block",
+        BLOCK,
+        "--distributed",
+        "--distributed-backend",
+        "ring",
+        "--distributed-timeout",
+        "10",
+    )
+    ranks = [
+        Worker(args, env={"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
+        for rank in range(2)
+    ]
+    return serve_and_compare(ranks, ref, ["distributed"], timeout)["distributed"]
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+def run_arch(arch: str, cells: Sequence[str], cache: Path, timeout: float) -> dict[str, Any]:
+    started = time.monotonic()
+    skipped = load_skipped()
+    if arch in skipped:
+        return {"cells": {c: Cell("skipped", skipped[arch]).as_dict() for c in cells}}
+    model_dir, ref = build(arch, cache, timeout=max(180.0, timeout))
+    if isinstance(ref, str):
+        return {"cells": {c: Cell("build", ref).as_dict() for c in cells}}
+    facts = {k: ref[k] for k in ("distinct", "cache_kinds", "head_dims", "shard")}
+    if ref["degenerate"]:
+        note = f"greedy output too uniform: distinct tokens {ref['distinct']} of {VARIETY_TOKENS}"
+        return {**facts, "cells": {c: Cell("degenerate", note).as_dict() for c in cells}}
+    found = single_cells(model_dir, ref, cells, timeout)
+    if "distributed" in cells:
+        found["distributed"] = distributed_cell(model_dir, ref, timeout, model_dir / "dist")
+    result = {c: found[c].as_dict() for c in cells if c in found}
+    summary = " ".join(f"{c}={found[c].status}" for c in cells if c in found)
+    log(f"{arch}: {summary} ({time.monotonic() - started:.0f} s)")
+    return {**facts, "cells": result}
+
+
+def markdown(results: dict[str, Any], cells: Sequence[str]) -> str:
+    lines = ["| architecture | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+    for arch, result in sorted(results.items()):
+        row = [result["cells"].get(c, {}).get("status", "-") for c in cells]
+        lines.append(f"| {arch} | " + " | ".join(row) + " |")
+    counts = []
+    for cell in cells:
+        tally: dict[str, int] = {}
+        for result in results.values():
+            status = result["cells"].get(cell, {}).get("status", "-")
+            tally[status] = tally.get(status, 0) + 1
+        counts.append(", ".join(f"{k} {v}" for k, v in sorted(tally.items())))
+    lines += ["", "| cell | counts |", "|---|---|"]
+    lines += [f"| {c} | {t} |" for c, t in zip(cells, counts, strict=True)]
+    lines += ["", "Failures (first error text or first differing position):", ""]
+    for arch, result in sorted(results.items()):
+        for cell in cells:
+            entry = result["cells"].get(cell, {})
+            if entry.get("status") not in (None, "exact"):
+                lines.append(f"- {arch} / {cell}: **{entry['status']}** {entry['detail']}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", help="comma-separated architectures (model_type names)")
+    parser.add_argument("--cells", default=",".join(CELLS), help=f"subset of {','.join(CELLS)}")
+    parser.add_argument("--jobs", type=int, default=1, help="architectures run at once")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per cell")
+    parser.add_argument("--cache", type=Path, default=None, help="where models are built")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
+    parser.add_argument("--build", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def architectures(only: str | None) -> list[str]:
+    known = set(load_configs()) | set(load_skipped())
+    if only:
+        names = [name.strip() for name in only.split(",") if name.strip()]
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise SystemExit(f"no config for {unknown}; known: {sorted(known)}")
+        return names
+    return sorted(known)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.build:
+        build_main(args.build, args.out)
+        return 0
+    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+    if bad := [c for c in cells if c not in CELLS]:
+        raise SystemExit(f"unknown cells {bad}; known: {list(CELLS)}")
+    from servicer.demo_model import default_cache_dir
+
+    cache = args.cache or default_cache_dir() / "families"
+    names = architectures(args.only)
+    missing = sorted(set(installed_architectures()) - set(names)) if not args.only else []
+    demo_dir()  # build the tokenizer's source once, before the jobs start
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        found = pool.map(lambda a: run_arch(a, cells, cache, args.timeout), names)
+        results = dict(zip(names, found, strict=True))
+    table = markdown(results, cells)
+    print(table)
+    if missing:
+        print(f"installed mlx-lm architectures without a config or a skip entry: {missing}")
+    payload = {"cells": cells, "results": results, "unlisted": missing}
+    if args.json:
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

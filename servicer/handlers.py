@@ -587,7 +587,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             pad_token_id=info.pad_token_id or 0,
             bos_token_id=info.bos_token_id or 0,
             max_req_input_len=limits.prompt_limit,
-            embedding_size=self._embedding_size,
+            # From the files, so the answer is the same while loading: a router registers
+            # a worker from its first answer.
+            embedding_size=info.hidden_size,
         )
 
     async def GetServerInfo(

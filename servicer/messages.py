@@ -208,6 +208,7 @@ class ModelInfo:
     # The tokenizer puts bos_token_id before every encoding (add_bos_token, or a
     # post-processor that adds it): the model expects it at the start of every prompt.
     adds_bos: bool = False
+    hidden_size: int = 0  # from config.json: the size of Embed's vectors (0: not said)
 
 
 class PrefixCacheStats(Wire, frozen=True):

@@ -166,6 +166,7 @@ def read_model_files(spec: ModelSpec, model_dir: Path) -> ModelFiles:
         eos_token_ids=tuple(sorted(eos)),
         bos_token_id=_first_id(config.get("bos_token_id", tokenizer.bos_token_id)),
         pad_token_id=_first_id(config.get("pad_token_id", tokenizer.pad_token_id)),
+        hidden_size=int(config.get("hidden_size") or text_config.get("hidden_size") or 0),
     )
     bos = info.bos_token_id
     if bos is not None and adds_bos(tokenizer, bos):

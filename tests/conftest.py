@@ -108,6 +108,32 @@ def real_model_dir() -> Path:
     return Path(lines[-1])
 
 
+@pytest.fixture(scope="session")
+def real_chat_model_dir() -> Path:
+    """HuggingFaceTB/SmolLM2-135M-Instruct (a chat model), built offline by the same shared
+    script with MODEL=smollm2-135m-instruct; skipped where the shared tools are absent, and
+    a failure where they are present but the build fails."""
+    import os
+    import subprocess
+
+    if not SHARED_REAL_MODEL.is_file():
+        pytest.skip(f"no real chat model: {SHARED_REAL_MODEL} is absent (../shared is not here)")
+    env = {**os.environ, "MODEL": "smollm2-135m-instruct"}
+    try:
+        built = subprocess.run(
+            ["bash", str(SHARED_REAL_MODEL)], capture_output=True, text=True, timeout=900, env=env
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the real chat model's build did not finish in 15 minutes")
+    lines = built.stdout.strip().splitlines()
+    if built.returncode != 0 or not lines or not Path(lines[-1]).is_dir():
+        pytest.fail(
+            f"the real chat model could not be built (code {built.returncode}): "
+            f"{built.stderr.strip()[-500:]}"
+        )
+    return Path(lines[-1])
+
+
 def real_model_env() -> dict[str, str]:
     """A worker on the real model runs its matrix products with OpenBLAS where installed."""
     if not OPENBLAS.is_file():

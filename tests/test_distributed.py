@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -150,10 +149,9 @@ def test_a_lost_rank_ends_open_requests_and_rank_0_exits_non_zero(group, prompts
         assert call.started.wait(60)
         follower = group.follower.proc
         os.kill(follower.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-        began = time.monotonic()
-        call.join(60)
+        call.join(30)  # the watchdog ends it well before: a hang would leave it running
+        assert not call.is_alive()
         assert group.leader.wait(60) != 0
-        assert time.monotonic() - began < 30  # the watchdog, not a hang
     if how == "frozen":
         os.kill(follower.pid, signal.SIGCONT)
     assert call.outcome.code == grpc.StatusCode.UNAVAILABLE

@@ -83,9 +83,8 @@ def test_a_bad_request_while_loading_is_refused_at_once(demo_dir, prompts):
     config = _with_faults(demo_dir, "load:6")
     with ServerThread(config, wait_ready=False) as running, running.channel() as chan:
         _metadata(chan)
-        started = time.monotonic()
-        bad = generate(chan, prompts[0], max_tokens=2, temperature=-1, timeout=60)
-        assert time.monotonic() - started < 3
+        # Refused at once: a call that waited for the load would pass its deadline instead.
+        bad = generate(chan, prompts[0], max_tokens=2, temperature=-1, timeout=3)
         assert bad.code == grpc.StatusCode.INVALID_ARGUMENT and not bad.chunks
         running.run(running.server.wait_ready(120))
 
@@ -95,9 +94,7 @@ def test_a_request_waits_no_longer_than_the_load_wait(demo_dir, prompts):
     config = replace(config, handlers=replace(config.handlers, max_load_wait_s=0.5))
     with ServerThread(config, wait_ready=False) as running, running.channel() as chan:
         _metadata(chan)
-        started = time.monotonic()
-        early = generate(chan, prompts[0], max_tokens=2, timeout=60)
-        assert time.monotonic() - started < 5
+        early = generate(chan, prompts[0], max_tokens=2, timeout=5)  # the load takes 6 s
         assert early.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "still loading" in early.error.details()
         running.run(running.server.wait_ready(120))
@@ -105,7 +102,6 @@ def test_a_request_waits_no_longer_than_the_load_wait(demo_dir, prompts):
 
 def test_metadata_calls_wait_while_the_files_are_resolved(demo_dir):
     config = _with_faults(demo_dir, "resolve:5;load:2")
-    started = time.monotonic()
     with ServerThread(config, wait_ready=False) as running, running.channel() as chan:
         stub = pb_grpc.MlxEngineStub(chan)
         with pytest.raises(grpc.RpcError) as short:  # a deadline shorter than the wait
@@ -121,7 +117,6 @@ def test_metadata_calls_wait_while_the_files_are_resolved(demo_dir):
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         reply = stub.HealthCheck(pb.HealthCheckRequest(), timeout=10)  # loading: an answer
         assert not reply.healthy and "still loading" in reply.message
-        assert time.monotonic() - started >= 4.5  # it waited for the files
         assert info.served_model_name == str(demo_dir)
         assert not _serving(chan)
 

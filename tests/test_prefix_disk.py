@@ -7,7 +7,6 @@ import logging
 import os
 import random
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -236,7 +235,6 @@ def test_concurrent_ram_hits_disk_hits_misses_and_cancels_on_the_hybrid_model(tm
         if cancel is None:
             assert len(tokens) == N
     assert stats.ram_hits >= 1 and stats.disk_hits >= 1 and stats.misses >= 1
-    assert time.monotonic()  # every call returned: nothing hung
 
 
 def test_blocks_loaded_for_a_waiting_request_stay_until_it_joins(demo_dir, reference, tmp_path):
