@@ -30,6 +30,7 @@ import contextlib
 import json
 import random
 import shlex
+import signal
 import statistics
 import sys
 import time
@@ -418,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests:
         requests = {int(c): int(n) for c, n in (p.split(":") for p in args.requests.split(","))}
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    # SIGTERM unwinds like an error, so the workers and routers started so far are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = run_part(
         args.model or [None],
         args.out / "logs" / stamp,

@@ -4,12 +4,7 @@ could never fit, the scheduler holds back what cannot fit yet. Pure (no MLX)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
-
-if TYPE_CHECKING:
-    from .messages import GenerationRequest
 
 
 class MemoryModel(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -34,8 +29,9 @@ class Admission(msgspec.Struct, frozen=True, array_like=True, gc=False):
     memory: MemoryModel
     limit_bytes: int
 
-    def estimate(self, request: GenerationRequest) -> int:
-        return self.memory.estimate(len(request.prompt) + request.max_tokens)
+    def estimate(self, tokens: int) -> int:
+        """Cache bytes of a request that may hold `tokens` (its prompt and max_tokens)."""
+        return self.memory.estimate(tokens)
 
     def token_capacity(self) -> int:
         """About how many tokens of cache the limit holds (sliding windows counted whole)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .engine_config import DEFAULT_PREFILL_STEP, EngineConfig
+from .engine_config import DEFAULT_PREFILL_STEP, KV_BITS, EngineConfig
 from .faces import parse_protocols
 from .faults import ENV_VAR as FAULTS_ENV_VAR
 from .faults import FaultPlan
@@ -204,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--kv-bits",
         type=int,
-        choices=[8, 4],
+        choices=KV_BITS,
         help="keep the attention layers' KV cache quantized to this many bits, about 0.53x "
         "(8) or 0.28x (4) of float16's bytes, so --max-kv-memory admits about 1.9x or 3.5x "
         "the requests (default: the model's dtype; recurrent state stays as it is)",

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from .engine.lockstep import Lockstep
 
 DEFAULT_PREFILL_STEP = 2048  # prompt tokens per row a prefill step takes at most (a full chunk)
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes, and so what --kv-bits accepts
 
 
 @dataclass(frozen=True)

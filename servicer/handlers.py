@@ -84,7 +84,7 @@ def _refusal_status(phase: Phase) -> grpc.StatusCode:
 def memory_refusal(admission: Admission, job: GenerationRequest) -> str | None:
     """Why a request that could never fit is refused (what fits only later waits in the
     engine), or None."""
-    need, limit = admission.estimate(job), admission.limit_bytes
+    need, limit = admission.estimate(job.cache_tokens), admission.limit_bytes
     if need <= limit:
         return None
     return (

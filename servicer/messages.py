@@ -88,6 +88,11 @@ class GenerationRequest(Wire):
     bos_added: bool = False  # the worker put the model's BOS before ids that lacked it
     min_tokens: int = 0  # its stop tokens are masked until it has generated this many
 
+    @property
+    def cache_tokens(self) -> int:
+        """The most tokens its cache may hold: the prompt and every new token."""
+        return len(self.prompt) + self.max_tokens
+
 
 class TokenLogprob(Wire, frozen=True):
     """The sampled token's log-probability and the N most likely alternatives."""
@@ -169,6 +174,9 @@ class StepOutput(Wire):
             or self.fatal
             or self.step_seconds
             or self.prefill_tokens
+            or self.over_budget
+            or self.widened_steps
+            or self.disk_load_seconds
             or self.figures
             or self.embeddings
             or self.kv_events

@@ -77,9 +77,6 @@ class EngineParts:
     # One request's empty caches: quantized attention layers with --kv-bits (None: mlx-lm's)
     new_row: Callable[[], list[Any]] | None = None
 
-    def row_caches(self) -> list[Any]:
-        return self.new_row() if self.new_row is not None else make_prompt_cache(self.loaded.model)
-
 
 def build_parts(config: EngineConfig, info: ModelInfo) -> EngineParts:
     """Load the model `info` describes and build everything around it."""

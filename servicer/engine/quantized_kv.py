@@ -33,10 +33,12 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from ..engine_config import KV_BITS
+
 Quantized = tuple[mx.array, mx.array, mx.array]
 KV = tuple[Quantized, Quantized]
 
-SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_BITS = KV_BITS
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
 

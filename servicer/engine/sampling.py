@@ -85,7 +85,21 @@ class RandomKeys:
         return keys[1]
 
 
-class _Sampler:
+class _Filtered:
+    """The distribution a sampler draws from: filters, then the temperature."""
+
+    _filters: list[Sampler]
+    _scale: mx.array | float
+
+    # Speculation draws each position itself: the distribution and the keys, apart.
+    def log_probs(self, logprobs: mx.array) -> mx.array:
+        """The filtered, temperature-scaled log-probabilities a draw samples from."""
+        for apply in self._filters:
+            logprobs = apply(logprobs)
+        return logprobs * self._scale
+
+
+class _Sampler(_Filtered):
     """Filters, then a draw with the engine's own random stream (requests without a seed).
     One instance serves every row with the same settings, so the batch samples in one call."""
 
@@ -97,13 +111,6 @@ class _Sampler:
     def __call__(self, logprobs: mx.array) -> mx.array:
         return mx.random.categorical(self.log_probs(logprobs), key=self._keys.next())
 
-    # Speculation draws each position itself: the distribution and the keys, apart.
-    def log_probs(self, logprobs: mx.array) -> mx.array:
-        """The filtered, temperature-scaled log-probabilities a draw samples from."""
-        for apply in self._filters:
-            logprobs = apply(logprobs)
-        return logprobs * self._scale
-
     def keys_ahead(self, n: int) -> list[mx.array]:
         """Keys for the next `n` draws (unseeded: fresh keys; unused ones are dropped)."""
         return [self._keys.next() for _ in range(n)]
@@ -112,7 +119,7 @@ class _Sampler:
         """`n` of the keys from `keys_ahead` were used (nothing to do without a seed)."""
 
 
-class SeededSampler:
+class SeededSampler(_Filtered):
     """A sampler with its own random key: a seed gives the same draws whatever else runs.
 
     Seeded requests never touch MLX's global random state, so they neither disturb nor are
@@ -129,12 +136,6 @@ class SeededSampler:
         keys = mx.random.split(self._key)
         self._key = keys[0]
         return mx.random.categorical(self.log_probs(logprobs), key=keys[1])
-
-    def log_probs(self, logprobs: mx.array) -> mx.array:
-        """The filtered, temperature-scaled log-probabilities a draw samples from."""
-        for apply in self._filters:
-            logprobs = apply(logprobs)
-        return logprobs * self._scale
 
     def keys_ahead(self, n: int) -> list[mx.array]:
         """The keys of the next `n` draws, as `__call__` would use them, without using them:

@@ -217,7 +217,7 @@ class Scheduler:
         """(bytes it reserves, prompt tokens it must prefill) for a request that may join;
         None while its prefix is loading; `_MEMORY_FULL` when it does not fit beside the
         running requests (`occupied`)."""
-        need = self._admission.estimate(request)
+        need = self._admission.estimate(request.cache_tokens)
         if occupied and self._reserved + need > self._admission.limit_bytes:
             return _MEMORY_FULL
         if not self._ready(request):
@@ -237,7 +237,7 @@ class Scheduler:
         """The oldest waiting request does not fit beside the running ones."""
         if not self._waiting or not batch.rows:
             return False
-        need = self._admission.estimate(self._waiting[0])
+        need = self._admission.estimate(self._waiting[0].cache_tokens)
         return self._reserved + need > self._admission.limit_bytes
 
     def over_budget(self, sample: PrefillSample) -> bool:

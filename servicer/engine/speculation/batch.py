@@ -291,20 +291,39 @@ class SpeculativeGenerationBatch(GenerationBatch):
     def _roll_back(self, fed: list[list[int]], kept: list[int]) -> None:
         """Every layer keeps each row's first `kept[i]` fed tokens (one call per layer, the
         cache's own rollback). Rows whose state a layer could not cut there (recurrent
-        layers: it put them back to before the verify) run those tokens again, in one
-        forward for all of them, the other rows feeding nothing."""
-        wanted = list(kept)
+        layers: it put them back to before the verify) run those tokens again: in one
+        forward for all of them where the model honours per-row lengths, else one forward
+        per replay length (a row padded past its length would be replayed again, forever).
+        So a step runs at most k + 1 replays, and a replay that still leaves a row uncut
+        fails the step rather than loop."""
         again = self._cut(kept)
-        while again:
-            self._cut([0 if i in again else k for i, k in enumerate(kept)])
-            replay = [fed[i][: wanted[i]] if i in again else [] for i in range(len(fed))]
-            width = max(len(r) for r in replay)
-            inputs = [r + [fed[i][0]] * (width - len(r)) for i, r in enumerate(replay)]
-            kept = [len(r) for r in replay]
-            for layer in self.prompt_cache:
-                layer.checkpoint(kept)
-            self.model(mx.array(inputs, dtype=mx.uint32), cache=self.prompt_cache)
-            again = self._cut(kept)
+        if not again:
+            return
+        self._cut([0 if i in again else k for i, k in enumerate(kept)])
+        if self.speculator.padding_inert:
+            groups = [sorted(again)]
+        else:
+            by_length: dict[int, list[int]] = {}
+            for i in sorted(again):
+                by_length.setdefault(kept[i], []).append(i)
+            groups = list(by_length.values())
+        for rows in groups:
+            self._replay(fed, kept, set(rows))
+
+    def _replay(self, fed: list[list[int]], kept: list[int], rows: set[int]) -> None:
+        """Rows `rows` run their first `kept[i]` fed tokens again, the others feed nothing."""
+        replay = [fed[i][: kept[i]] if i in rows else [] for i in range(len(fed))]
+        width = max(len(r) for r in replay)
+        inputs = [r + [fed[i][0]] * (width - len(r)) for i, r in enumerate(replay)]
+        lengths = [len(r) for r in replay]
+        for layer in self.prompt_cache:
+            layer.checkpoint(lengths)
+        self.model(mx.array(inputs, dtype=mx.uint32), cache=self.prompt_cache)
+        left = self._cut(lengths)
+        if left:
+            raise RuntimeError(
+                f"speculation: rows {sorted(left)} could not be rolled back after a replay"
+            )
 
     def _cut(self, kept: list[int]) -> set[int]:
         again: set[int] = set()

@@ -510,7 +510,9 @@ class RecurrentCache(ArraysCache):
         self.lengths = None
         if self._snapshot is None:
             return []
-        width = self._width
+        # Models that ignore per-row lengths never call `advance` either: every row was
+        # padded to the widest fed, so that is the forward's width.
+        width = self._width or max(self._fed, default=0)
         exact = [
             k == f and (self.padding_inert or f == width)
             for k, f in zip(kept, self._fed, strict=True)
