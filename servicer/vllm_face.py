@@ -121,9 +121,13 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        hub = self._handlers.kv_events
+        if not hub.block_size:  # the router turns events off for this worker, cleanly
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "this worker keeps no prefix cache to report"
+            )
         # The smg router drops a worker whose stream says nothing for 2 s: headers at once.
         await context.send_initial_metadata(())
-        hub = self._handlers.kv_events
         try:
             async for batch in hub.subscribe(request.start_sequence_number):
                 yield batch

@@ -237,3 +237,16 @@ def test_both_faces_give_the_same_tokens_with_speculation_and_quantized_kv(demo_
             seeded = {"temperature": 0.9, "seed": 3, "max_tokens": 16, "ignore_eos": True}
             tokens, _ = collect(stub, request(echo, **seeded))
             assert tokens[0] == generate(channel, echo, **seeded).tokens
+
+
+def test_a_worker_without_a_prefix_cache_has_no_kv_events(demo_dir):
+    config = dataclasses.replace(
+        demo_config(demo_dir, prompt_cache_size=0), protocols=("vllm",), engine_mode="thread"
+    )
+    with ServerThread(config) as running, running.channel() as channel:
+        stub = vgrpc.VllmEngineStub(channel)
+        events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as caught:
+            next(events)
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert stub.FlushCache(common_pb2.FlushCacheRequest()).success

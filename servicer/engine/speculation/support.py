@@ -27,15 +27,25 @@ def speculation_supported(model: Any, max_kv_size: int | None = None) -> tuple[b
             f"the model keeps {', '.join(kinds)} layers, which cannot roll back to an accepted "
             "prefix (full attention, sliding-window and recurrent layers can)"
         )
+    if _uses(model, ".keys_and_values("):
+        return False, (
+            "the model's layers read other layers' KV (KV sharing: cache.keys_and_values()), "
+            "which the caches that roll back per row do not offer"
+        )
     return True, ""
+
+
+def _uses(model: Any, text: str) -> bool:
+    """Whether the source of the model's own module says `text` (how it uses its caches)."""
+    module = sys.modules.get(type(model).__module__)
+    try:
+        return module is not None and text in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
 
 
 def padding_inert(model: Any) -> bool:
     """Whether the model's recurrent layers honour per-row lengths (`ArraysCache.lengths`,
     as mlx-lm's Qwen3-Next, Qwen3.5 and Mamba 2 do), so right padding in a
     verify leaves a row's state alone. Where not, rows with padding replay their tokens."""
-    module = sys.modules.get(type(model).__module__)
-    try:
-        return module is not None and "cache.lengths" in inspect.getsource(module)
-    except (OSError, TypeError):
-        return False
+    return _uses(model, "cache.lengths")
