@@ -88,50 +88,41 @@ SHARED_REAL_MODEL = (
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
 
 
-@pytest.fixture(scope="session")
-def real_model_dir() -> Path:
-    """google/gemma-3-270m, built offline by the shared tools beside the project (a minute or
-    two the first time, from the package registry); skipped where they are absent."""
-    import subprocess
-
-    if not SHARED_REAL_MODEL.is_file():
-        pytest.skip(f"no real model: {SHARED_REAL_MODEL} is absent (../shared is not here)")
-    try:
-        built = subprocess.run(
-            ["bash", str(SHARED_REAL_MODEL)], capture_output=True, text=True, timeout=900
-        )
-    except subprocess.TimeoutExpired:
-        pytest.skip("the real model's build did not finish in 15 minutes")
-    lines = built.stdout.strip().splitlines()
-    if built.returncode != 0 or not lines or not Path(lines[-1]).is_dir():
-        pytest.skip(f"the real model could not be built: {built.stderr.strip()[-500:]}")
-    return Path(lines[-1])
-
-
-@pytest.fixture(scope="session")
-def real_chat_model_dir() -> Path:
-    """HuggingFaceTB/SmolLM2-135M-Instruct (a chat model), built offline by the same shared
-    script with MODEL=smollm2-135m-instruct; skipped where the shared tools are absent, and
-    a failure where they are present but the build fails."""
+def build_real_model(model: str) -> Path:
+    """A real model built offline by the shared tools beside the project (a minute or two the
+    first time, from the package registry): skipped where the tools are absent, a failure
+    where they are present but the build fails (a broken build must not pass as a skip)."""
     import os
     import subprocess
 
     if not SHARED_REAL_MODEL.is_file():
-        pytest.skip(f"no real chat model: {SHARED_REAL_MODEL} is absent (../shared is not here)")
-    env = {**os.environ, "MODEL": "smollm2-135m-instruct"}
+        pytest.skip(f"no real model: {SHARED_REAL_MODEL} is absent (../shared is not here)")
+    env = {**os.environ, "MODEL": model}
     try:
         built = subprocess.run(
             ["bash", str(SHARED_REAL_MODEL)], capture_output=True, text=True, timeout=900, env=env
         )
     except subprocess.TimeoutExpired:
-        pytest.fail("the real chat model's build did not finish in 15 minutes")
+        pytest.fail(f"the real model {model} did not build in 15 minutes")
     lines = built.stdout.strip().splitlines()
     if built.returncode != 0 or not lines or not Path(lines[-1]).is_dir():
         pytest.fail(
-            f"the real chat model could not be built (code {built.returncode}): "
+            f"the real model {model} could not be built (code {built.returncode}): "
             f"{built.stderr.strip()[-500:]}"
         )
     return Path(lines[-1])
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """google/gemma-3-270m (a base model)."""
+    return build_real_model("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def real_chat_model_dir() -> Path:
+    """HuggingFaceTB/SmolLM2-135M-Instruct (a chat model)."""
+    return build_real_model("smollm2-135m-instruct")
 
 
 def real_model_env() -> dict[str, str]:
