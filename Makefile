@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 EXTRAS := $(if $(filter Darwin,$(shell uname -s)),dev,cpu,dev)
 ARGS ?=
 
-.PHONY: install serve test lint format proto demo bench bench-genai nightly fuzz-cache clean
+.PHONY: install serve test lint format proto demo bench bench-genai nightly fuzz-cache families clean
 
 install: $(STAMP)
 
@@ -54,6 +54,13 @@ nightly: $(STAMP)
 SEEDS ?= 50
 fuzz-cache: $(STAMP)
 	$(BIN)/python tests/cache_fuzz.py --seeds $(SEEDS) $(ARGS)
+
+# Every mlx-lm text architecture (tiny random weights) served by the worker in six cells and
+# compared with mlx-lm's greedy output; a table in bench/families-table.md (ARGS="--only llama").
+FAMILY_JOBS ?= 2
+families: $(STAMP)
+	$(BIN)/python bench/families.py --jobs $(FAMILY_JOBS) --json bench/families-results.json \
+		--markdown bench/families-table.md $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

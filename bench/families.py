@@ -454,7 +454,8 @@ def supervise(workers: list[Worker], done: Callable[[], bool], deadline: float) 
     """Wait for `done`; a Cell when the time limit, the memory limit or an exit came first."""
     while not done():
         if time.monotonic() > deadline:
-            return Cell("hang", "over the time limit; killed")
+            last = workers[0].lines[-1].strip()[-200:] if workers[0].lines else "no output"
+            return Cell("hang", f"over the time limit; killed; last log line: {last}")
         rss = sum(worker.rss() for worker in workers)
         if rss > RSS_LIMIT:
             return Cell("memory", f"RSS {rss / 2**30:.1f} GiB; killed")
@@ -583,7 +584,7 @@ def run_arch(arch: str, cells: Sequence[str], cache: Path, timeout: float) -> di
     skipped = load_skipped()
     if arch in skipped:
         return {"cells": {c: Cell("skipped", skipped[arch]).as_dict() for c in cells}}
-    model_dir, ref = build(arch, cache, timeout=max(180.0, timeout))
+    model_dir, ref = build(arch, cache, timeout=max(300.0, 5 * timeout))
     if isinstance(ref, str):
         return {"cells": {c: Cell("build", ref).as_dict() for c in cells}}
     facts = {k: ref[k] for k in ("distinct", "cache_kinds", "head_dims", "shard")}
@@ -661,19 +662,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = architectures(args.only)
     missing = sorted(set(installed_architectures()) - set(names)) if not args.only else []
     demo_dir()  # build the tokenizer's source once, before the jobs start
+    results: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def one(arch: str) -> None:
+        result = run_arch(arch, cells, cache, args.timeout)
+        with lock:  # written after every architecture, so a cut-short run still reports
+            results[arch] = result
+            write_outputs(args, cells, results, missing)
+
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        found = pool.map(lambda a: run_arch(a, cells, cache, args.timeout), names)
-        results = dict(zip(names, found, strict=True))
-    table = markdown(results, cells)
-    print(table)
+        list(pool.map(one, names))
+    print(markdown(results, cells))
     if missing:
         print(f"installed mlx-lm architectures without a config or a skip entry: {missing}")
+    return 0
+
+
+def write_outputs(
+    args: argparse.Namespace, cells: list[str], results: dict[str, Any], missing: list[str]
+) -> None:
     payload = {"cells": cells, "results": results, "unlisted": missing}
     if args.json:
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     if args.markdown:
-        args.markdown.write_text(table)
-    return 0
+        args.markdown.write_text(markdown(results, cells))
 
 
 if __name__ == "__main__":

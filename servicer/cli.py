@@ -244,6 +244,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "only when it measures that it pays",
     )
     parser.add_argument(
+        "--step-timeout",
+        type=_non_negative,
+        default=120.0,
+        help="seconds one engine step may run (at least; 8x the longest step so far when "
+        "that is more) before the worker takes it for a hang: every request fails with "
+        "UNAVAILABLE and the worker exits non-zero (default 120; 0: no watchdog)",
+    )
+    parser.add_argument(
         "--max-message-bytes",
         type=_positive,
         default=16 * 1024 * 1024,
@@ -337,6 +345,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         draft_model=args.draft_model,
         speculate_k=args.speculate_k,
         speculate_max_batch=args.speculate_max_batch,
+        step_timeout_s=args.step_timeout,
         faults=FaultPlan.parse(faults) if (faults := os.environ.get(FAULTS_ENV_VAR)) else None,
     )
     handlers = HandlerOptions(

@@ -59,4 +59,7 @@ class EngineConfig:
     sampling_seed: int | None = None
     # One model over several processes: rank 0 plans every step and shares the plan.
     lockstep: Lockstep | None = None  # in-process engines only
+    # A step (with its plan and hand-off) running longer than max(this, 8x the longest step
+    # so far) is a stall: the worker fails every request and exits (0: no watchdog).
+    step_timeout_s: float = 120.0
     faults: FaultPlan | None = None  # testing only

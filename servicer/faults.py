@@ -2,7 +2,8 @@
 
 Set with the environment variable MLX_GRPC_WORKER_FAULTS, parts separated by `;`:
 `step:3,4` (engine steps 3 and 4 raise, the engine recovers), `die:5` (step 5 kills the engine
-thread), `resolve:2.5` (resolving the model's files takes 2.5 s longer), `load:8` (loading the
+thread), `hang:5` (step 5 blocks for an hour: a hung step, for the step watchdog),
+`resolve:2.5` (resolving the model's files takes 2.5 s longer), `load:8` (loading the
 weights takes 8 s longer), `diskfull` (every prompt-cache file write fails with ENOSPC),
 `diskro` (the prompt-cache directory is read-only: EROFS), `fetch:2` (the second prompt-cache
 lookup raises), `build:N` (the Nth build of a request's cache from blocks raises), `collect:N`
@@ -21,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 ENV_VAR = "MLX_GRPC_WORKER_FAULTS"
+HANG_S = 3600.0  # how long a `hang:N` step blocks: longer than any test waits
 COUNTED = (
     "fetch",
     "build",
@@ -49,13 +51,14 @@ class FaultPlan:
     disk_read_only: bool = False
     counted: frozenset[tuple[str, int]] = frozenset()  # (kind, N): the Nth call raises
     step_delay_s: float = 0.0
+    hang_at_step: int | None = None
     _calls: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
         fail: set[int] = set()
         counted: set[tuple[str, int]] = set()
-        die = None
+        die = hang = None
         delays = {"resolve": 0.0, "load": 0.0, "slow": 0.0}
         disk = {"diskfull": False, "diskro": False}
         for part in filter(None, (p.strip() for p in text.split(";"))):
@@ -76,10 +79,12 @@ class FaultPlan:
                 counted.update((kind, n) for n in numbers)
             elif kind == "die" and len(numbers) == 1:
                 die = numbers[0]
+            elif kind == "hang" and len(numbers) == 1:
+                hang = numbers[0]
             else:
                 usage = (
-                    "'step:N[,M...]', 'die:N', 'resolve:S', 'load:S', 'slow:MS', 'diskfull', "
-                    "'diskro', "
+                    "'step:N[,M...]', 'die:N', 'hang:N', 'resolve:S', 'load:S', 'slow:MS', "
+                    "'diskfull', 'diskro', "
                     f"or one of {', '.join(COUNTED)} with ':N[,M...]'"
                 )
                 raise ValueError(f"bad fault spec {part!r}: use {usage}")
@@ -92,11 +97,14 @@ class FaultPlan:
             disk["diskro"],
             frozenset(counted),
             step_delay_s=delays["slow"] / 1000,
+            hang_at_step=hang,
         )
 
     def before_step(self, step: int) -> None:
         if self.step_delay_s > 0:
             time.sleep(self.step_delay_s)
+        if step == self.hang_at_step:
+            time.sleep(HANG_S)
         if step == self.die_at_step:
             raise InjectedDeath(f"injected engine death at step {step}")
         if step in self.fail_steps:

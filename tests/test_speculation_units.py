@@ -282,11 +282,15 @@ def test_the_startup_line_says_the_cap_counts_every_decoding_row(caplog):
     import logging
     from types import SimpleNamespace
 
+    from mlx_lm import load
+
+    from servicer.demo_model import demo_model_path
     from servicer.engine.parts import _speculation
     from servicer.engine_config import EngineConfig
 
     caplog.set_level(logging.INFO, logger="servicer.engine")
-    loaded = SimpleNamespace(model=SimpleNamespace(make_cache=lambda: [KVCache()]))
+    # A real model: startup runs a trial verify through it.
+    loaded = SimpleNamespace(model=load(str(demo_model_path()))[0])
     assert _speculation(EngineConfig(speculate="ngram"), loaded) is not None
     assert any("counts every decoding row" in r.getMessage() for r in caplog.records)
 

@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
         level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
     )
-    engine = Engine(config, pipe_outbox(channel))
+    engine = Engine(config, pipe_outbox(channel), exit_on_stall=True)
     engine.start(info)
     threading.Thread(target=_report_ready, args=(engine, channel), daemon=True).start()
     _serve(engine, channel)

@@ -10,6 +10,7 @@ by another thread: it publishes its figures (`EngineFigures`) with its output in
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -42,6 +43,7 @@ from .prefix.disk_link import NoDisk
 from .prefix.store import Hit, PrefixStore
 from .scheduler import Admit, Plan, Scheduler
 from .speculation import SpeculationCounters
+from .watchdog import StepWatch
 
 log = logging.getLogger(__name__)
 FATAL_DELIVERY_S = 5.0  # how long a dying engine waits for the handlers to take its last words
@@ -60,9 +62,15 @@ class Sink(Protocol):
 class Engine:
     """Owns one generation thread; construct, `start(info)`, then `wait_ready()`."""
 
-    def __init__(self, config: EngineConfig, sink: Sink) -> None:
+    def __init__(self, config: EngineConfig, sink: Sink, exit_on_stall: bool = False) -> None:
+        """`exit_on_stall`: a stalled step ends the process once the stall is reported (the
+        engine process: its server learns of it from the report and the exit); otherwise
+        the server's fatal path ends it."""
         self.config = config
         self._sink = sink
+        self._exit_on_stall = exit_on_stall
+        self._watch = StepWatch(config.step_timeout_s)
+        self._stalled = False
         self._inbox = Inbox()
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._ready = threading.Event()
@@ -114,9 +122,10 @@ class Engine:
         self._inbox.flush(ticket)
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """End every request with `abort`, release MLX objects and join the thread."""
+        """End every request with `abort`, release MLX objects and join the thread (not
+        for long once a step stalled: that thread may never come back)."""
         self._inbox.stop()
-        self.join(timeout)
+        self.join(min(timeout, 1.0) if self._stalled and timeout is not None else timeout)
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -129,7 +138,9 @@ class Engine:
         with mx.stream(stream):
             try:
                 assert self._info is not None
-                loop = EngineLoop(self.config, self._info, self._sink, self._inbox, stream)
+                loop = EngineLoop(
+                    self.config, self._info, self._sink, self._inbox, stream, self._watch
+                )
             except BaseException as exc:
                 log.error("engine startup failed: %s", exc)
                 self._startup_error = exc
@@ -138,6 +149,7 @@ class Engine:
             self._loop, self._capabilities = loop, loop.capabilities
             if self.config.lockstep is not None:
                 self.config.lockstep.watch(self._on_stall)
+            self._watch.watch(lambda: self._thread.is_alive(), self._on_step_stall)
             self._ready.set()
             try:
                 loop.run()
@@ -155,6 +167,15 @@ class Engine:
         _send_fatal(self._sink, reason)
         self._sink.delivered(FATAL_DELIVERY_S)
 
+    def _on_step_stall(self, reason: str) -> None:
+        """The step watchdog's finding (from its thread): the fatal path; in the engine
+        process, then the exit (its server hears both)."""
+        self._stalled = True
+        self._on_stall(reason)
+        if self._exit_on_stall:
+            logging.shutdown()
+            os._exit(1)
+
 
 def _send_fatal(sink: Sink, reason: str) -> None:
     try:
@@ -168,9 +189,16 @@ class EngineLoop:
     prefix store; one `run` of plan -> apply -> step -> send until told to stop."""
 
     def __init__(
-        self, config: EngineConfig, info: ModelInfo, sink: Sink, inbox: Inbox, stream: mx.Stream
+        self,
+        config: EngineConfig,
+        info: ModelInfo,
+        sink: Sink,
+        inbox: Inbox,
+        stream: mx.Stream,
+        watch: StepWatch | None = None,
     ) -> None:
         self.config = config
+        self._watch = watch or StepWatch(0.0)  # marks each step for the watchdog
         self._sink = sink
         self._inbox = inbox
         self._lockstep = config.lockstep
@@ -235,6 +263,7 @@ class EngineLoop:
                 self._take_events(out)
                 self._sink.put(out, due=True)
                 return
+            self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
             started = time.perf_counter()
             due = False
             try:
@@ -254,6 +283,7 @@ class EngineLoop:
             self._take_events(out)
             self._publish(out)
             self._send(out, due)
+            self._watch.end()
 
     # ----- planning (rank 0) -----
 
@@ -293,6 +323,7 @@ class EngineLoop:
             burst_size=self.config.prefill_batch_size,
             timeout_s=lockstep.heartbeat_s if lockstep is not None else (0.1 if loading else None),
         )
+        self._watch.begin()  # the wait for work is over: planning counts from here
         now = time.monotonic()
         scheduler.enqueue(take.requests, now)
         if self.store is not None:

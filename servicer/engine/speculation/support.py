@@ -6,7 +6,11 @@ import inspect
 import sys
 from typing import Any
 
+import mlx.core as mx
+from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from .caches import adopt
 
 
 def _rolls_back(cache: Any) -> bool:
@@ -32,7 +36,29 @@ def speculation_supported(model: Any, max_kv_size: int | None = None) -> tuple[b
             "the model's layers read other layers' KV (KV sharing: cache.keys_and_values()), "
             "which the caches that roll back per row do not offer"
         )
+    try:
+        _trial_verify(model)
+    except Exception as exc:  # whatever the model asks of its caches that these lack
+        return False, f"a trial verify on the caches that roll back per row failed: {exc!r}"
     return True, ""
+
+
+def _trial_verify(model: Any) -> None:
+    """Two rows of different lengths, batched as mlx-lm's prefill leaves them, adopted,
+    verified (2 tokens) and rolled back: a model that needs something else of its caches
+    fails here, at startup, not on a request."""
+    rows = []
+    for n in (2, 3):
+        caches = make_prompt_cache(model)
+        model(mx.array([[0] * n]), cache=caches)
+        rows.append(caches)
+    batch = [adopt(layer, 2, padding_inert(model)) for layer in _merge_caches(rows)]
+    for layer in batch:
+        layer.checkpoint([2, 1])
+    logits = model(mx.array([[0, 0], [0, 0]]), cache=batch)
+    for layer in batch:
+        layer.rollback([1, 1])
+    mx.eval(logits)
 
 
 def _uses(model: Any, text: str) -> bool:
