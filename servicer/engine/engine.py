@@ -184,6 +184,33 @@ def _send_fatal(sink: Sink, reason: str) -> None:
         log.exception("could not report the engine's death")
 
 
+# Architectures whose recurrent or convolution layers read mlx-lm's left padding as input:
+# prompts of different lengths prefilled together get wrong state (mlx-lm 0.32's
+# BatchGenerator gives the same wrong tokens). Prefilled one at a time, then merged into the
+# decoding batch (where no row is padded in those layers), they are exact.
+PADDING_BLIND = frozenset(
+    {
+        "afm7",
+        "baichuan_m1",
+        "bailing_moe_linear",
+        "falcon_mamba",
+        "jamba",
+        "mamba",
+        "olmo_hybrid",
+        "recurrent_gemma",
+        "rwkv7",
+    }
+)
+
+
+def prefill_rows(model_type: str, configured: int) -> int:
+    """Most prompts prefilled together: one for a model whose layers cannot take padding."""
+    if model_type in PADDING_BLIND and configured > 1:
+        log.info("%s prefills one prompt at a time (its layers read padding)", model_type)
+        return 1
+    return configured
+
+
 class EngineLoop:
     """Everything the engine thread owns: the model's parts, the batch, the scheduler and the
     prefix store; one `run` of plan -> apply -> step -> send until told to stop."""
@@ -229,7 +256,7 @@ class EngineLoop:
         policy = PrefillPolicy(
             max_stall_s=config.max_prefill_stall_ms / 1000,
             step_tokens=config.prefill_step_size,
-            max_rows=config.prefill_batch_size,
+            max_rows=prefill_rows(info.model_type, config.prefill_batch_size),
             max_widen=config.max_prefill_stall_widen,
         )
         self.scheduler = Scheduler(
