@@ -35,6 +35,10 @@ SUBSET = {
 }
 # model_type -> reason; strict xfails (fill from `make families`: status and first difference).
 KNOWN_FAILURES: dict[str, str] = {}
+# model_type -> the words of the refusal at start (served wrong never; refused with a reason)
+REFUSED = {
+    "llama4": "ChunkedKVCache",  # mlx-lm 0.32: "does not yet support batching with history"
+}
 CELLS = ("defaults", "prefix")
 
 
@@ -72,4 +76,7 @@ def test_the_worker_matches_mlx_lm(matrix: dict[str, Any], arch: str) -> None:
     cells = matrix[arch]["cells"]
     for cell in CELLS:
         entry = cells[cell]
+        if arch in REFUSED:
+            assert entry["status"] == "refused" and REFUSED[arch] in entry["detail"], entry
+            continue
         assert entry["status"] == "exact", f"{arch} ({SUBSET[arch]}) {cell}: {entry}"
