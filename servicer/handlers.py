@@ -20,11 +20,12 @@ import grpc
 
 from .admission import Admission
 from .codec import TextCodec
+from .engine_calls import EngineCalls
 from .engine_handle import EngineHandle
 from .faces import MLX_FACE, VLLM_FACE, Face
 from .kv_events import KvEventHub
 from .lifecycle import Lifecycle, Phase
-from .loads import LoadFigures, Throughput
+from .loads import LoadFigures, Throughput, load_figures
 from .messages import (
     FINISH_ABORT,
     FINISH_STOP,
@@ -41,9 +42,9 @@ from .model_files import ModelFiles
 from .output import OutputProcessor
 from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
 from .ratelimit import RateLimitedLog
-from .streams import FAILURE_STATUS, RequestStream, Streams
+from .streams import RequestStream, Streams
 from .text import IncrementalDecoder, TextTracker
-from .tokenizer_bundle import TokenizerArchive, build_archive
+from .tokenizer_bundle import ArchiveBuild
 from .validation import (
     GrammarCheck,
     Limits,
@@ -189,7 +190,7 @@ def generate_rpc(face: Face) -> Callable[..., AsyncIterator[Any]]:
             return
         if samples > 1:
             try:
-                rows = self._samples(job, stream, text, samples, request.stream, face)
+                rows = sample_rows(self, job, stream, text, samples, request.stream, face)
                 async for response in rows:
                     yield response
             except RequestError as error:
@@ -220,6 +221,111 @@ def generate_rpc(face: Face) -> Callable[..., AsyncIterator[Any]]:
     return generate
 
 
+async def sample_rows(
+    self: MlxEngineServicer,
+    first: GenerationRequest,
+    first_stream: RequestStream,
+    text: TextOptions | None,
+    n: int,
+    streaming: bool,
+    face: Face,
+) -> AsyncIterator[Any]:
+    """n rows from one prompt, their messages merged as they come, each with its `index`.
+    The other rows go to the engine once the first has its first token: its prompt's blocks
+    are in the prefix store by then, so they prefill only what is past them."""
+    jobs = [first, *(fork(first, next(self._tickets), i) for i in range(1, n))]
+    streams = [first_stream, *(self._streams.open(job) for job in jobs[1:])]
+    merged: asyncio.Queue[Any] = asyncio.Queue()
+    started = asyncio.Event()
+
+    def submit_others() -> None:
+        if not started.is_set():
+            started.set()
+            for other in jobs[1:]:
+                self._engine.submit(other)
+
+    tasks = [
+        asyncio.ensure_future(
+            _sample_row(
+                self,
+                streams[i],
+                OutputProcessor(jobs[i], streaming, self._tracker(text), face, i),
+                merged,
+                submit_others if i == 0 else None,
+            )
+        )
+        for i in range(n)
+    ]
+    outcome = "cancelled"
+    try:
+        left = n
+        while left:
+            item = await merged.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, RequestError):
+                outcome = item.code.name.lower()
+                raise item
+            else:
+                yield item
+        outcome = first_stream.finish_reason or FINISH_STOP
+    finally:
+        for task in tasks:
+            task.cancel()
+        if not started.is_set():  # the others never reached the engine
+            for stream in streams[1:]:
+                stream.finish_reason = FINISH_ABORT
+        self._metrics.requests.labels(outcome).inc()
+        for job, stream in zip(jobs, streams, strict=True):
+            self._release(job, stream)
+
+
+async def _sample_row(
+    self: MlxEngineServicer,
+    stream: RequestStream,
+    output: OutputProcessor,
+    merged: asyncio.Queue[Any],
+    on_first: Callable[[], None] | None,
+) -> None:
+    """One of n rows: its messages into `merged`, then None (done) or its RequestError."""
+    try:
+        while stream.finish_reason is None:
+            emission = output.process(await stream.take())
+            if on_first is not None:
+                on_first()
+            if emission.abort:
+                self._engine.abort([stream.ticket])
+            if emission.tokens:
+                observe_tokens(self._metrics, stream, emission.tokens)
+            stream.finish_reason = emission.finish_reason
+            for response in emission.responses:
+                merged.put_nowait(response)
+    except RequestError as error:
+        merged.put_nowait(error)
+    else:
+        merged.put_nowait(None)
+
+
+async def embed_request(
+    self: MlxEngineServicer, request_id: str, ids: list[int]
+) -> tuple[list[float], int]:
+    """The prompt's pooled, L2-normalised hidden state, and its length."""
+    if self._limits is None or not self._lifecycle.serving:
+        raise RequestError(_refusal_status(self._lifecycle.phase), self._lifecycle.refusal)
+    if not self._embedding_size:
+        raise RequestError(
+            grpc.StatusCode.UNIMPLEMENTED, "this model cannot embed (no hidden states)"
+        )
+    prompt = embed_prompt(request_id, ids, self._limits)
+    ticket = next(self._tickets)
+    request = EmbedRequest(ticket, prompt, self._options.embedding_pooling)
+    self._metrics.prompt_tokens.inc(len(prompt))
+    result = await self._calls.call(ticket, lambda: self._engine.embed(request))
+    if result.error is not None:
+        raise RequestError(grpc.StatusCode.INTERNAL, result.error)
+    return result.embedding, len(prompt)
+
+
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     """Handlers for one engine. The metadata RPCs answer once `set_model` has the model's
     files; Generate is accepted while the lifecycle says serving (after `attach`)."""
@@ -245,7 +351,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._limits: Limits | None = None
         self._tickets = itertools.count(1)
         self._streams = Streams()
-        self._archive: asyncio.Task[TokenizerArchive] | None = None
+        self._archive = ArchiveBuild()
         self._block_size = 0
         self._started = time.monotonic()
         self._figures = EngineFigures()  # the engine's, as it last published them
@@ -254,7 +360,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._throughput = Throughput()
         self._embedding_size = 0
         self._prompt_tokens = 0  # of every accepted Generate call, for the cache hit rate
-        self._pending: dict[int, asyncio.Future[Any]] = {}  # embeds and flushes, by ticket
+        self._calls = EngineCalls()  # embeds and flushes waiting for the engine
         self._once = RateLimitedLog(log, float("inf"))  # says each thing once
 
     # ----- lifecycle, driven by the server -----
@@ -319,20 +425,13 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     def load_figures(self) -> LoadFigures:
         """The load a router reads (GetLoads), from what the handlers know now."""
-        load = self._streams.load()
-        waiting_tokens, used_tokens = self._streams.token_usage()
-        prefix = self._figures.prefix
-        reused = prefix.ram_tokens + prefix.disk_tokens if prefix is not None else 0
-        prompts = self._prompt_tokens
-        return LoadFigures(
-            running=load.running,
-            waiting=load.waiting,
-            waiting_tokens=waiting_tokens,
-            used_tokens=used_tokens,
-            capacity_tokens=self._admission.token_capacity() if self._admission else 0,
-            gen_throughput=self._throughput.rate(self._streams.generated_total),
-            cache_hit_rate=min(1.0, reused / prompts) if prompts else 0.0,
-            max_running=self.max_running_requests,
+        return load_figures(
+            self._streams,
+            self._figures.prefix,
+            self._admission,
+            self._throughput,
+            self._prompt_tokens,
+            self.max_running_requests,
         )
 
     def dispatch(self, out: StepOutput) -> None:
@@ -345,62 +444,19 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._streams.route(out)
         if out.kv_events:
             self.kv_events.publish(out.kv_events)
-        for result in out.embeddings:
-            self._settle(result.ticket, result)
-        for ticket in out.flushed:
-            self._settle(ticket, True)
-        for failure in out.failures:  # a flush the engine refused (distributed)
-            future = self._pending.pop(failure.ticket, None)
-            if future is not None and not future.done():
-                code = FAILURE_STATUS[failure.kind]
-                future.set_exception(RequestError(code, failure.message))
-        if out.fatal is not None:
-            error = RequestError(grpc.StatusCode.UNAVAILABLE, out.fatal)
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(error)
+        self._calls.settle(out)
 
-    def _settle(self, ticket: int, result: Any) -> None:
-        future = self._pending.pop(ticket, None)
-        if future is not None and not future.done():
-            future.set_result(result)
-
-    async def _engine_call(self, ticket: int, send: Callable[[], None]) -> Any:
-        """Send one embed or flush to the engine and wait for its answer."""
-        if not self._lifecycle.serving:
-            raise RequestError(_refusal_status(self._lifecycle.phase), self._lifecycle.refusal)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[ticket] = future
-        try:
-            send()
-            return await future
-        finally:
-            self._pending.pop(ticket, None)
-
-    async def embed(self, request_id: str, ids: list[int]) -> tuple[list[float], int]:
-        """The prompt's pooled, L2-normalised hidden state, and its length."""
-        if self._limits is None or not self._lifecycle.serving:
-            raise RequestError(_refusal_status(self._lifecycle.phase), self._lifecycle.refusal)
-        if not self._embedding_size:
-            raise RequestError(
-                grpc.StatusCode.UNIMPLEMENTED, "this model cannot embed (no hidden states)"
-            )
-        prompt = embed_prompt(request_id, ids, self._limits)
-        ticket = next(self._tickets)
-        request = EmbedRequest(ticket, prompt, self._options.embedding_pooling)
-        self._metrics.prompt_tokens.inc(len(prompt))
-        result = await self._engine_call(ticket, lambda: self._engine.embed(request))
-        if result.error is not None:
-            raise RequestError(grpc.StatusCode.INTERNAL, result.error)
-        return result.embedding, len(prompt)
+    embed = embed_request  # Embed (VllmEngine only)
 
     async def flush_cache(self) -> tuple[bool, str]:
         """Empty the prefix store (RAM and disk); requests in flight go on."""
         if not self.kv_events.block_size:
             return True, "this worker keeps no prefix cache"
+        if not self._lifecycle.serving:
+            return False, self._lifecycle.refusal
         ticket = next(self._tickets)
         try:
-            await self._engine_call(ticket, lambda: self._engine.flush_cache(ticket))
+            await self._calls.call(ticket, lambda: self._engine.flush_cache(ticket))
         except RequestError as error:
             return False, error.message
         return True, "prefix cache flushed"
@@ -409,69 +465,6 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
 
     Generate = generate_rpc(MLX_FACE)
     generate_vllm = generate_rpc(VLLM_FACE)  # VllmEngine's Generate (servicer.vllm_face)
-
-    async def _samples(
-        self,
-        first: GenerationRequest,
-        first_stream: RequestStream,
-        text: TextOptions | None,
-        n: int,
-        streaming: bool,
-        face: Face,
-    ) -> AsyncIterator[Any]:
-        """n rows from one prompt, their messages merged as they come, each with its `index`.
-        The other rows go to the engine once the first has its first token: its prompt's
-        blocks are in the prefix store by then, so they prefill only what is past them."""
-        jobs = [first, *(fork(first, next(self._tickets), i) for i in range(1, n))]
-        streams = [first_stream, *(self._streams.open(job) for job in jobs[1:])]
-        merged: asyncio.Queue[Any] = asyncio.Queue()
-        ended = asyncio.Event()
-
-        async def row(index: int) -> None:
-            job, stream = jobs[index], streams[index]
-            output = OutputProcessor(job, streaming, self._tracker(text), face, index)
-            try:
-                while stream.finish_reason is None:
-                    emission = output.process(await stream.take())
-                    if index == 0 and not ended.is_set():
-                        ended.set()
-                        for other in jobs[1:]:
-                            self._engine.submit(other)
-                    if emission.abort:
-                        self._engine.abort([job.ticket])
-                    if emission.tokens:
-                        observe_tokens(self._metrics, stream, emission.tokens)
-                    stream.finish_reason = emission.finish_reason
-                    for response in emission.responses:
-                        merged.put_nowait(response)
-            except RequestError as error:
-                merged.put_nowait(error)
-            else:
-                merged.put_nowait(None)  # this row is done
-
-        tasks = [asyncio.ensure_future(row(i)) for i in range(n)]
-        outcome = "cancelled"
-        try:
-            left = n
-            while left:
-                item = await merged.get()
-                if item is None:
-                    left -= 1
-                elif isinstance(item, RequestError):
-                    outcome = item.code.name.lower()
-                    raise item
-                else:
-                    yield item
-            outcome = first_stream.finish_reason or FINISH_STOP
-        finally:
-            for task in tasks:
-                task.cancel()
-            if not ended.is_set():  # the others never reached the engine
-                for stream in streams[1:]:
-                    stream.finish_reason = FINISH_ABORT
-            self._metrics.requests.labels(outcome).inc()
-            for job, stream in zip(jobs, streams, strict=True):
-                self._release(job, stream)
 
     async def _build(self, request: Any) -> tuple[GenerationRequest, TextOptions | None]:
         """Validate into a GenerationRequest; text encoding and grammar compilation, which can
@@ -606,7 +599,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
         info = await self._model_info(context)
         try:
-            archive = await asyncio.shield(self._tokenizer_archive(info))
+            archive = await self._archive.get(Path(info.model_dir))
         except OSError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"cannot read tokenizer files: {exc}")
             return
@@ -626,11 +619,3 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
         assert self._info is not None
         return self._info
-
-    def _tokenizer_archive(self, info: ModelInfo) -> asyncio.Task[TokenizerArchive]:
-        """Built once off the loop; concurrent callers share the same build."""
-        if self._archive is None or (self._archive.done() and self._archive.exception()):
-            self._archive = asyncio.ensure_future(
-                asyncio.to_thread(build_archive, Path(info.model_dir))
-            )
-        return self._archive

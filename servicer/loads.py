@@ -6,6 +6,12 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .admission import Admission
+    from .messages import PrefixCacheStats
+    from .streams import Streams
 
 THROUGHPUT_WINDOW_S = 10.0  # generation throughput: tokens over about this long
 
@@ -46,3 +52,27 @@ class Throughput:
             samples.popleft()
         start, first = samples[0]
         return (total - first) / (now - start) if now > start else 0.0
+
+
+def load_figures(
+    streams: Streams,
+    prefix: PrefixCacheStats | None,
+    admission: Admission | None,
+    throughput: Throughput,
+    prompt_tokens: int,
+    max_running: int,
+) -> LoadFigures:
+    """The load from the streams in flight and the engine's last published figures."""
+    load = streams.load()
+    waiting_tokens, used_tokens = streams.token_usage()
+    reused = prefix.ram_tokens + prefix.disk_tokens if prefix is not None else 0
+    return LoadFigures(
+        running=load.running,
+        waiting=load.waiting,
+        waiting_tokens=waiting_tokens,
+        used_tokens=used_tokens,
+        capacity_tokens=admission.token_capacity() if admission is not None else 0,
+        gen_throughput=throughput.rate(streams.generated_total),
+        cache_hit_rate=min(1.0, reused / prompt_tokens) if prompt_tokens else 0.0,
+        max_running=max_running,
+    )

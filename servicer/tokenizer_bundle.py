@@ -6,6 +6,7 @@ A zip of the model directory's tokenizer and config files, streamed in chunks of
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import zipfile
@@ -67,3 +68,17 @@ def build_archive(model_dir: Path) -> TokenizerArchive:
             archive.writestr(entry, path.read_bytes())
     data = buffer.getvalue()
     return TokenizerArchive(data=data, sha256=hashlib.sha256(data).hexdigest())
+
+
+class ArchiveBuild:
+    """The archive, built once off the event loop; concurrent callers share the build, and a
+    failed build is tried again by the next caller."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[TokenizerArchive] | None = None
+
+    async def get(self, model_dir: Path) -> TokenizerArchive:
+        task = self._task
+        if task is None or (task.done() and task.exception()):
+            task = self._task = asyncio.ensure_future(asyncio.to_thread(build_archive, model_dir))
+        return await asyncio.shield(task)

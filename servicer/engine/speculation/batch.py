@@ -49,9 +49,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
     right-padded. The row emits its pending token and the drafts the target agrees with;
     the target's draw at the first disagreement (or after the last draft) becomes its
     pending token; its cache is rolled back to exactly the emitted tokens. A step with no
-    drafts at all is mlx-lm's own (pipelined) step. Rows join through `extend` from the
-    plain batches prefill builds, and leave through `filter`, as in mlx-lm.
-    """
+    drafts is mlx-lm's own (pipelined) step. Rows join (`extend`) and leave (`filter`) as in
+    mlx-lm."""
 
     def __init__(self, *args: Any, speculator: Speculator, **kwargs: Any) -> None:
         self.speculator = speculator
