@@ -35,6 +35,7 @@ from .messages import (
     GenerationRequest,
     ModelInfo,
     PrefixCacheStats,
+    RowEvent,
     StepOutput,
 )
 from .metrics import WorkerMetrics
@@ -165,6 +166,20 @@ async def wait_for_model(
         metrics.load_waiting.dec()
 
 
+def emit_row(
+    self: MlxEngineServicer, stream: RequestStream, output: OutputProcessor, events: list[RowEvent]
+) -> list[Any]:
+    """One batch of a row's events: the messages its client gets now; the row's finish (or,
+    for a stop string, its abort in the engine) is settled here."""
+    emission = output.process(events)
+    if emission.abort:  # a stop string ended it; its row may still be running
+        self._engine.abort([stream.ticket])
+    if emission.tokens:
+        observe_tokens(self._metrics, stream, emission.tokens)
+    stream.finish_reason = emission.finish_reason
+    return emission.responses
+
+
 def generate_rpc(face: Face) -> Callable[..., AsyncIterator[Any]]:
     """The Generate handler of one face. gRPC wants an async generator function for a
     streaming method, and wrapping one shared body in another would cost every message a
@@ -201,13 +216,7 @@ def generate_rpc(face: Face) -> Callable[..., AsyncIterator[Any]]:
         try:
             # The loop lives here, not in a nested generator: one hop less for every message.
             while stream.finish_reason is None:
-                emission = output.process(await stream.take())
-                if emission.abort:  # a stop string ended it; its row may still be running
-                    self._engine.abort([job.ticket])
-                if emission.tokens:
-                    observe_tokens(self._metrics, stream, emission.tokens)
-                stream.finish_reason = emission.finish_reason
-                for response in emission.responses:
+                for response in emit_row(self, stream, output, await stream.take()):
                     yield response
             outcome = stream.finish_reason
         except RequestError as error:
@@ -290,15 +299,10 @@ async def _sample_row(
     """One of n rows: its messages into `merged`, then None (done) or its RequestError."""
     try:
         while stream.finish_reason is None:
-            emission = output.process(await stream.take())
+            responses = emit_row(self, stream, output, await stream.take())
             if on_first is not None:
                 on_first()
-            if emission.abort:
-                self._engine.abort([stream.ticket])
-            if emission.tokens:
-                observe_tokens(self._metrics, stream, emission.tokens)
-            stream.finish_reason = emission.finish_reason
-            for response in emission.responses:
+            for response in responses:
                 merged.put_nowait(response)
     except RequestError as error:
         merged.put_nowait(error)
