@@ -80,6 +80,8 @@ def setups() -> list[Setup]:
             llama,
         ),
         Setup("demo llama, prompt lookup", llama, ("--speculate", "ngram")),
+        Setup("demo hybrid, prompt lookup", demo_model_path("hybrid"), ("--speculate", "ngram")),
+        Setup("demo gemma3, prompt lookup", demo_model_path("gemma3"), ("--speculate", "ngram")),
     ]
 
 
@@ -260,7 +262,7 @@ def measure_setup(
     flags = (*setup.flags, "--speculate-k", str(K), "--metrics-port", str(metrics_port))
     tag = re.sub(r"\W+", "-", setup.name)
     workers: dict[str, Worker] = {
-        "off": our_worker(setup.model, batch, log_dir, f"{tag}-off"),
+        "off": our_worker(setup.model, batch, log_dir, f"{tag}-off", ("--speculate", "off")),
         "on": our_worker(setup.model, batch, log_dir, f"{tag}-on", flags),
     }
     if smg_python is not None:

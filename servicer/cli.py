@@ -218,9 +218,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--speculate",
-        choices=["ngram", "draft"],
+        choices=["ngram", "draft", "off"],
         help="speculative decoding: ngram drafts from n-gram matches in the request's own "
-        "prompt and output (no extra model); draft drafts with --draft-model (default: off)",
+        "prompt and output (no extra model; the default: each batch size drafts only while "
+        "it measures that drafting pays); draft drafts with --draft-model; off never drafts. "
+        "Off by itself where the model's caches cannot roll back, and with --distributed",
     )
     parser.add_argument(
         "--draft-model",
@@ -312,8 +314,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--draft-model drafts for --speculate draft, not --speculate ngram")
     if args.speculate == "draft" and args.draft_model is None:
         parser.error("--speculate draft needs --draft-model PATH|demo:KIND")
-    if args.speculate is not None and args.distributed:
+    if args.speculate not in (None, "off") and args.distributed:
         parser.error("--speculate is not supported with --distributed (yet): leave it off")
+    if args.speculate is None:
+        args.speculate = "off" if args.distributed else "ngram"
     return args
 
 
@@ -341,7 +345,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_kv_memory=args.max_kv_memory,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
-        speculate=args.speculate,
+        speculate=None if args.speculate == "off" else args.speculate,
         draft_model=args.draft_model,
         speculate_k=args.speculate_k,
         speculate_max_batch=args.speculate_max_batch,

@@ -47,10 +47,12 @@ class EngineConfig:
     # groups of `kv_group_size` values along each token's vector.
     kv_bits: int | None = None
     kv_group_size: int | None = None  # None: the largest of 64 and 32 that fits the model
-    # Speculative decoding: "ngram" (prompt lookup), "draft" (with `draft_model`, a path or
-    # demo:KIND), or None (off); drafts of up to `speculate_k` tokens a row, and none while
-    # more than `speculate_max_batch` rows are in the batch.
-    speculate: str | None = None
+    # Speculative decoding: "ngram" (prompt lookup, the default), "draft" (with `draft_model`,
+    # a path or demo:KIND), or None (off); drafts of up to `speculate_k` tokens a row, none
+    # while more than `speculate_max_batch` rows are in the batch, and none where the engine
+    # measures that drafting does not pay. Off where the model's caches cannot roll back,
+    # and with `lockstep` (one model over several processes).
+    speculate: str | None = "ngram"
     draft_model: str | None = None
     speculate_k: int = 4
     speculate_max_batch: int = 4

@@ -219,6 +219,58 @@ def test_pace_follows_acceptance_and_reprobes():
     assert pace.k(config) >= 1
 
 
+def test_a_row_whose_lookups_find_nothing_stops_asking_and_probes_again():
+    config = SpeculationConfig(k_max=4, probe_every=4, probe_k=2)
+    pace = RowPace()
+    for _ in range(10):
+        pace.looked(2, 0, config)  # asked, nothing found: no verify, but the batch waited
+    assert [pace.k(config) for _ in range(8)] == [0, 0, 0, 2, 0, 0, 0, 2]
+    assert pace.expected(4) < 1.1
+    for _ in range(5):
+        pace.looked(2, 2, config)  # the probes find drafts again
+    assert pace.k(config) >= 1
+
+
+def _run_windows(clock, rows: int, rates: dict[bool, float], windows: int) -> list[bool]:
+    """Modes the clock runs for `windows` windows when drafting gives rates[True] tokens a
+    second and not drafting rates[False]; steps of 10 ms."""
+    modes = []
+    for _ in range(windows):
+        mode = clock.drafting(rows)
+        modes.append(mode)
+        for _ in range(clock.window + 1):  # the first step of a window is not counted
+            assert clock.drafting(rows) == mode
+            clock.record(rows, round(rates[mode] * 0.01), 0.01, clean=True)
+    return modes
+
+
+def test_the_mode_clock_drafts_only_where_it_delivers_more_tokens_a_second():
+    from servicer.engine.speculation.config import ModeClock
+
+    clock = ModeClock(window=4, first_gap=2, most_gap=8)
+    losing = _run_windows(clock, 2, {True: 800, False: 1000}, 30)
+    assert losing[:2] == [True, False]  # each mode measured once, drafting first
+    probes = [i for i, mode in enumerate(losing) if mode and i > 0]
+    assert probes == [4, 9, 18, 27]  # the losing mode re-measured ever less often
+    paying = _run_windows(clock, 2, {True: 1500, False: 1000}, 16)  # it pays now
+    assert paying[-8:].count(True) >= 6  # from its next probe on, but for probes of off
+    assert _run_windows(clock, 8, {True: 900, False: 1000}, 2) == [True, False]  # own bucket
+
+
+def test_the_mode_clock_ignores_steps_that_shared_time_with_a_prefill():
+    from servicer.engine.speculation.config import ModeClock
+
+    clock = ModeClock(window=2)
+    assert clock.drafting(1)
+    clock.record(1, 1, 0.01, clean=True)  # the window's first step: not counted
+    for _ in range(5):
+        clock.record(1, 1, 5.0, clean=False)  # a prefill made these slow
+    clock.record(1, 4, 0.01, clean=True)
+    clock.record(1, 4, 0.01, clean=True)
+    assert clock.rates == {(1, True): 400.0}
+    clock.record(3, 1, 0.01, clean=True)  # another batch size: not this window's
+
+
 def test_counters_snapshot():
     counters = SpeculationCounters()
     counters.record(4, 3, [4, 1])

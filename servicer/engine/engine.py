@@ -142,7 +142,7 @@ class Engine:
                     self.config, self._info, self._sink, self._inbox, stream, self._watch
                 )
             except BaseException as exc:
-                log.error("engine startup failed: %s", exc)
+                log.error("engine startup failed: %s", exc, exc_info=exc)
                 self._startup_error = exc
                 self._ready.set()
                 return

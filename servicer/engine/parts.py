@@ -181,9 +181,12 @@ def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | Non
     target's tokenizer, or cannot draft, fails startup."""
     if config.speculate is None:
         return None
+    if config.lockstep is not None:
+        log.info("speculative decoding stays off: not supported with --distributed (yet)")
+        return None
     supported, reason = speculation_supported(loaded.model)
     if not supported:
-        log.warning("speculative decoding stays off: %s", reason)
+        log.info("speculative decoding stays off: %s", reason)
         return None
     draft = None
     if config.speculate == "draft":

@@ -124,11 +124,20 @@ class PrefillRow:
     context: int
 
 
+# A step's prefill may always take this many decode steps. On a slow (memory-bound) model every
+# prefill call adds about a decode step (the decode forward's weight read) to its chunk, so a
+# chunk of one decode step spends half of the prompt's time on those reads; a chunk of four
+# leaves the running streams a gap of about five of their steps and costs the prompt's first
+# token about 1.25x a prefill without a budget. On a fast model (decode steps of a few ms)
+# the budget in force is larger anyway.
+STALL_DECODE_STEPS = 4.0
+
+
 def step_budget(policy: PrefillPolicy, widen: float, decode_step_s: float) -> float:
     """The seconds a step's prefill may add while rows decode: the budget in force (widened
-    by `widen`), and never less than a decode step itself takes (so on a slow model prefill
-    keeps at least half of each step). Planning and the over-budget count both use this."""
-    return max(policy.max_stall_s * widen, decode_step_s)
+    by `widen`), and never less than `STALL_DECODE_STEPS` decode steps. Planning and the
+    over-budget count both use this."""
+    return max(policy.max_stall_s * widen, STALL_DECODE_STEPS * decode_step_s)
 
 
 def step_capacity(

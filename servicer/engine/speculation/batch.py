@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
 from .caches import adopt
-from .config import RowPace, SpeculationConfig, SpeculationCounters, StepClock
+from .config import ModeClock, RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
 from .verify import accepted_prefix, can_speculate, choose
 
@@ -25,6 +25,7 @@ class Speculator:
     config: SpeculationConfig = field(default_factory=SpeculationConfig)
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
     clock: StepClock = field(default_factory=StepClock)
+    modes: ModeClock = field(default_factory=ModeClock)
     padding_inert: bool = True  # the model's recurrent layers honour per-row lengths
 
 
@@ -59,6 +60,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._last: tuple[int, int] | None = None  # its rows, and its verify width
         self._drained = True  # whether nothing was running when the last step began
         self._rolls_back = False  # whether the caches are this package's (see extend)
+        self.shares_step_with_prefill = False  # set by the generator before each step
+        self._began: tuple[float, int, bool] | None = None  # the last step: start, rows, clean
+        self._gave = 0  # tokens the last step gave
         super().__init__(*args, **kwargs)
         if self.uids:
             speculator.source.extend(self.tokens)
@@ -117,15 +121,34 @@ class SpeculativeGenerationBatch(GenerationBatch):
     # ----- one step -----
 
     def next(self) -> list[GenerationBatch.Response]:
+        self._time_mode()
         if not self.uids:
             self._time_last_step(waited=False)
             return []
+        responses = self._step_with_drafts()
+        self._gave = len(responses)
+        return responses
+
+    def _time_mode(self) -> None:
+        """The mode clock learns what the last step gave, and in how long."""
+        now = time.perf_counter()
+        if self._began is not None:
+            began, rows, clean = self._began
+            self.speculator.modes.record(rows, self._gave, now - began, clean)
+        self._began = (now, len(self.uids), not self.shares_step_with_prefill)
+        self._gave = 0
+
+    def _step_with_drafts(self) -> list[GenerationBatch.Response]:
         ks, probing = self._plan()
         if any(ks):
             pending = self._next_tokens.tolist()  # waits for a plain step's forward
             self._time_last_step(waited=True)
             source = self.speculator.source
             drafts = source.draft(self.tokens, pending, ks)
+            config = self.speculator.config
+            if config.costed:
+                for pace, asked, draft in zip(self._paces, ks, drafts, strict=True):
+                    pace.looked(asked, len(draft), config)
             if not probing:
                 drafts = self._worth_verifying(drafts)
             if any(drafts):
@@ -173,9 +196,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 ks.append(0)
             else:
                 ks.append(min(self._paces[i].k(config), budget))
+        rows = len(self.uids)
+        if config.costed and rows <= config.max_rows and not self.speculator.modes.drafting(rows):
+            if any(ks):  # drafting does not pay at this batch size now
+                self.speculator.counters.cutoff_steps += 1
+            return [0] * len(ks), False
         if not any(ks):
             return ks, False
-        rows = len(self.uids)
         if rows > config.max_rows:
             self.speculator.counters.cutoff_steps += 1
             return [0] * len(ks), False

@@ -46,6 +46,7 @@ class RowPace:
 
     accepted: float = 1.0
     rejected: float = 0.5
+    found: float = 1.0  # how often a draft asked of the source came back non-empty (EWMA)
     idle: int = 0  # steps since the row last drafted while switched off
 
     @property
@@ -53,19 +54,28 @@ class RowPace:
         return self.accepted / max(self.accepted + self.rejected, 1e-9)
 
     def expected(self, k: int) -> float:
-        """Tokens a step with `k` drafts gives this row: its pending token, then each draft
-        while the ones before it were accepted."""
+        """Tokens a step with `k` drafts gives this row: its pending token, then, when the
+        source finds a draft, each draft while the ones before it were accepted."""
         rate = self.rate
-        return 1.0 + sum(rate**j for j in range(1, k + 1))
+        return 1.0 + self.found * sum(rate**j for j in range(1, k + 1))
 
     def k(self, config: SpeculationConfig) -> int:
         rate = self.rate
-        if rate < config.off_below:
+        # A row whose lookups find nothing costs its batch the wait for the pending tokens
+        # a drafting step needs, for nothing: it switches off like a row that is rejected.
+        if rate * self.found < config.off_below:
             self.idle += 1
             return min(config.probe_k, config.k_max) if self.idle % config.probe_every == 0 else 0
         # Expected run of accepted tokens is r / (1 - r): draft about that many.
         run = min(rate, 0.95) / (1.0 - min(rate, 0.95))
         return max(1, min(config.k_max, math.floor(run + 0.5)))
+
+    def looked(self, asked: int, drafted: int, config: SpeculationConfig) -> None:
+        """The source was asked for `asked` drafts and gave `drafted`."""
+        if asked > 0:
+            self.found += config.ewma * (float(drafted > 0) - self.found)
+            if self.rate * self.found >= config.off_below:
+                self.idle = 0
 
     def update(self, drafted: int, accepted: int, config: SpeculationConfig) -> None:
         if drafted == 0:
@@ -73,8 +83,84 @@ class RowPace:
         w = config.ewma
         self.accepted += w * (accepted - self.accepted)
         self.rejected += w * (float(accepted < drafted) - self.rejected)
-        if self.rate >= config.off_below:
+        if self.rate * self.found >= config.off_below:
             self.idle = 0
+
+
+@dataclass(slots=True)
+class ModeClock:
+    """Whether a batch of this size drafts at all, judged by what it delivers: tokens a
+    second over windows of consecutive decode steps with drafting allowed and without, every
+    cost in (the wait for the pending tokens a drafting step needs, the lookups, verifies,
+    rollbacks and replays). The better mode runs; the other gets one window now and then to
+    re-measure it, less often each time it loses again. Steps that shared their time with a
+    prefill are not counted, nor the first step of a window (it carries its predecessor's
+    forward when the mode changed)."""
+
+    window: int = 8  # counted steps per measurement
+    first_gap: int = 8  # windows of the better mode before the other is measured again...
+    most_gap: int = 32  # ...doubling each time it loses again, up to this
+    rates: dict[tuple[int, bool], float] = field(default_factory=dict)
+    gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
+    since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
+    _open: tuple[int, bool, bool] | None = None  # the window's bucket, mode, and if a probe
+    _skip: bool = True
+    _steps: int = 0
+    _tokens: int = 0
+    _seconds: float = 0.0
+
+    def drafting(self, rows: int) -> bool:
+        """The mode of a step of `rows` rows: the open window's, or a new window's."""
+        bucket = StepClock.bucket(rows)
+        if self._open is not None and self._open[0] == bucket:
+            return self._open[1]
+        drafting, probe = self._choose(bucket)
+        self._open, self._skip = (bucket, drafting, probe), True
+        self._steps, self._tokens, self._seconds = 0, 0, 0.0
+        return drafting
+
+    def record(self, rows: int, tokens: int, seconds: float, clean: bool) -> None:
+        """The last step (of `rows` rows): the tokens it gave and the time to the next step's
+        start; `clean` when no prefill shared that time."""
+        if self._open is None or self._open[0] != StepClock.bucket(rows):
+            return
+        if self._skip or not clean:
+            self._skip = False
+            return
+        self._steps, self._tokens, self._seconds = (
+            self._steps + 1,
+            self._tokens + tokens,
+            self._seconds + seconds,
+        )
+        if self._steps >= self.window and self._seconds > 0:
+            self._close(self._tokens / self._seconds)
+
+    def _close(self, rate: float) -> None:
+        assert self._open is not None
+        bucket, drafting, probe = self._open
+        key = (bucket, drafting)
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else (old + rate) / 2
+        other = self.rates.get((bucket, not drafting))
+        if probe and other is not None:
+            lost = self.rates[key] < other
+            gap = self.gaps.get(bucket, self.first_gap)
+            self.gaps[bucket] = min(self.most_gap, gap * 2) if lost else self.first_gap
+        self._open = None
+
+    def _choose(self, bucket: int) -> tuple[bool, bool]:
+        """(drafting, whether that is a probe of the mode that measured worse)."""
+        on, off = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        if on is None:
+            return True, False
+        if off is None:
+            return False, False
+        better = on >= off
+        if self.since[bucket] >= self.gaps.get(bucket, self.first_gap):
+            self.since[bucket] = 0
+            return not better, True
+        self.since[bucket] += 1
+        return better, False
 
 
 @dataclass(slots=True)

@@ -52,9 +52,11 @@ class SpeculativeBatchGenerator(BatchGenerator):
     def _next(self) -> Any:
         # A step that prefills prompts spends the prefill budget on them: a draft model's
         # catch-up waits for a step without (see DraftModel).
+        prefilling = bool(self._unprocessed_sequences) or len(self._prompt_batch) > 0
         begin = getattr(self._speculator.source, "begin_step", None)
         if begin is not None:
-            begin(bool(self._unprocessed_sequences) or len(self._prompt_batch) > 0)
+            begin(prefilling)
+        self._generation_batch.shares_step_with_prefill = prefilling
         return super()._next()
 
     @property
