@@ -57,9 +57,10 @@ def _ms(value: float | None) -> float | None:
 
 
 async def long_prompt_arrival(
-    client: Client, streams: int, prompt_tokens: int, seed: str
+    client: Client, streams: int, prompt_tokens: int, seed: str, new_tokens: int = 8
 ) -> dict[str, Any]:
-    """One case: `streams` streams decoding, then a `prompt_tokens` prompt arrives."""
+    """One case: `streams` streams decoding, then a `prompt_tokens` prompt arrives (and
+    generates `new_tokens`)."""
     prompts = make_prompts(streams, STREAM_PROMPT_TOKENS, client.vocab_size, f"{seed}-streams")
     (arriving,) = make_prompts(1, prompt_tokens, client.vocab_size, f"{seed}-arriving")
     stop = asyncio.Event()
@@ -73,7 +74,7 @@ async def long_prompt_arrival(
         await asyncio.sleep(0.01)
     await asyncio.sleep(BASELINE_S)
     sent = time.perf_counter()
-    record = await client.generate(arriving, 8)
+    record = await client.generate(arriving, new_tokens)
     first = sent + (record.ttft or 0.0)
     await asyncio.sleep(TAIL_S)
     stop.set()

@@ -40,6 +40,7 @@ from arrival import long_prompt_arrival
 from load import Client, Sampling, burst_summary, summarize_bursts
 from workers import (
     BENCH,
+    REAL_MODEL_SCRIPT,
     BatchConfig,
     Worker,
     add_common_args,
@@ -63,7 +64,17 @@ from workload import (
 )
 
 RESULTS = BENCH / "results"
-PARTS = ("sweep", "burst", "cancel", "prefix", "arrival", "speculation", "kv-quant", "faces")
+PARTS = (
+    "sweep",
+    "burst",
+    "cancel",
+    "prefix",
+    "arrival",
+    "long-prompt",
+    "speculation",
+    "kv-quant",
+    "faces",
+)
 
 
 def _steal_note(stats: LevelStats) -> str:
@@ -120,6 +131,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated parts to leave out: {', '.join(PARTS)}",
     )
     parser.add_argument("--only", help="comma-separated parts to run (the others are left out)")
+    parser.add_argument(
+        "--long-prompt-cases",
+        default="2:8000,8:8000,2:16000,8:16000",
+        help="part long-prompt: streams:prompt tokens, comma-separated (on the real model)",
+    )
     for part, flags in (("budget", "--max-prefill-stall-ms 0"), ("cache", "--prompt-cache-size 0")):
         help = f"the sweep also measures our worker with {flags}, in the same run"
         parser.add_argument(f"--sweep-{part}-off", action="store_true", help=help)
@@ -493,6 +509,28 @@ class Suite:
         except RuntimeError as exc:
             self.fail(f"speculation: {exc}")
 
+    def long_prompt(self) -> None:
+        """A long prompt beside decoding streams on the real model (or --model), ours with its
+        defaults, without the budget and without the prompt cache, and the peer with
+        --side-by-side (bench/long_prompt.py); skipped with a note where ../shared is absent."""
+        import long_prompt
+
+        model = self.args.model
+        if model is None:
+            if not REAL_MODEL_SCRIPT.exists():
+                log(f"long-prompt: skipped ({REAL_MODEL_SCRIPT} is absent; or pass --model)")
+                return
+            model = resolve_model("real")
+        assert model is not None
+        cases = long_prompt.parse_cases(self.args.long_prompt_cases)
+        try:
+            found = long_prompt.run_part(model, cases, self.log_dir, self.smg_python)
+        except RuntimeError as exc:
+            self.fail(f"long-prompt: {exc}")
+            return
+        self.run["long_prompt"] = found
+        print(long_prompt.render(found))
+
     def kv_quant(self) -> None:
         """The quantized KV cache's bytes, admission, speed and fidelity (bench/kv_quant.py)."""
         import kv_quant
@@ -593,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         suite.prefixes()
     if "arrival" not in args.skip:
         suite.arrivals()
+    if "long-prompt" not in args.skip:
+        suite.long_prompt()
     if "speculation" not in args.skip:
         suite.speculation()
     if "kv-quant" not in args.skip:

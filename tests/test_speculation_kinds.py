@@ -181,3 +181,28 @@ def test_a_batch_too_large_to_draft_steps_on_mlx_lm_caches(kind_model):
     assert generator.speculation.drafted > 0
     assert all(not rolls_back for rows, rolls_back in kinds if rows > 4)
     assert any(rolls_back for rows, rolls_back in kinds if rows <= 4)
+
+
+@pytest.mark.parametrize("kind", ["llama", *KINDS])
+def test_drafting_switched_on_and_off_by_the_clocks_changes_no_output(kind):
+    """The default setting (costed: the mode clock and the width clock decide), with windows of
+    two steps so the batch switches between drafting and plain steps all the time: greedy and
+    seeded rows, rows joining, the tokens of speculation off."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(demo_model_path(kind)))
+
+    def jobs(seeded: bool) -> list[Job]:
+        out = random_jobs(tokenizer, 11, 3)
+        if seeded:
+            for i, job in enumerate(out):
+                spec = SamplingSpec(temperature=0.7, seed=40 + i, top_k=20)
+                job.sampler = SeededSampler(spec, 512)
+        return out
+
+    for seeded in (False, True):
+        plain = drive(plain_generator(model), jobs(seeded))
+        costed = speculating(model, PromptLookup(), costed=True, mode_window=2, mode_gap=1)
+        assert_same(plain, drive(costed, jobs(seeded)))
+        stats = costed.speculation
+        assert stats.speculative_steps > 0 and stats.cutoff_steps > 0  # both modes ran

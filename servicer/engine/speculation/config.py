@@ -26,11 +26,15 @@ class SpeculationConfig:
     off_below: float = 0.15  # a row whose acceptance falls below this stops drafting...
     probe_every: int = 8  # ...and drafts again every this many steps to re-measure
     probe_k: int = 2  # draft tokens of such a probe
-    costed: bool = True  # below max_rows, draft only where the StepClock says it pays
+    costed: bool = True  # below max_rows, draft only where the clocks say it pays
+    mode_window: int = 8  # steps per measurement of drafting against not (ModeClock)
+    mode_gap: int = 8  # windows of the better mode before the other is re-measured (at first)
 
     def __post_init__(self) -> None:
         if self.k_max < 0 or self.max_rows < 0 or self.probe_every < 1:
             raise ValueError("k_max and max_rows must be >= 0, probe_every >= 1")
+        if self.mode_window < 1 or self.mode_gap < 1:
+            raise ValueError("mode_window and mode_gap must be >= 1")
         if not 0.0 < self.ewma <= 1.0:
             raise ValueError("ewma must be in (0, 1]")
 

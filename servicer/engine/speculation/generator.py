@@ -8,7 +8,7 @@ from mlx_lm.generate import BatchGenerator
 
 from ...messages import SpeculationFigures
 from .batch import SpeculativeGenerationBatch, Speculator
-from .config import SpeculationConfig, SpeculationCounters
+from .config import ModeClock, SpeculationConfig, SpeculationCounters
 from .drafts import DraftSource
 from .support import padding_inert, speculation_supported
 
@@ -39,10 +39,12 @@ class SpeculativeBatchGenerator(BatchGenerator):
         if not supported:
             self.close()
             raise ValueError(f"speculative decoding is not supported: {reason}")
+        config = speculation or SpeculationConfig()
         self._speculator = Speculator(
             source,
-            speculation or SpeculationConfig(),
+            config,
             counters or SpeculationCounters(),
+            modes=ModeClock(window=config.mode_window, first_gap=config.mode_gap),
             padding_inert=padding_inert(model),
         )
         self._generation_batch = SpeculativeGenerationBatch.start(
