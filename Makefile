@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/mlx-grpc-worker $(ARGS)
 
+# Test files in TEST_JOBS processes (most tests wait on servers, routers and subprocesses).
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

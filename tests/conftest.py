@@ -97,11 +97,22 @@ def build_real_model(model: str) -> Path:
 
     if not SHARED_REAL_MODEL.is_file():
         pytest.skip(f"no real model: {SHARED_REAL_MODEL} is absent (../shared is not here)")
+    import fcntl
+
     env = {**os.environ, "MODEL": model}
+    # The tests run in parallel processes; the shared script does not lock its build itself.
+    lock_path = Path.home() / ".cache" / "mlx-grpc-worker-real.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        built = subprocess.run(
-            ["bash", str(SHARED_REAL_MODEL)], capture_output=True, text=True, timeout=900, env=env
-        )
+        with open(lock_path, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            built = subprocess.run(
+                ["bash", str(SHARED_REAL_MODEL)],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env=env,
+            )
     except subprocess.TimeoutExpired:
         pytest.fail(f"the real model {model} did not build in 15 minutes")
     lines = built.stdout.strip().splitlines()

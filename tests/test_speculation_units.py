@@ -353,19 +353,18 @@ def test_the_clock_charges_each_step_its_own_forward(monkeypatch):
     of it), so a plain step after a verify does not read as nearly free."""
     import types
 
-    from servicer.engine.speculation import batch as batch_module
-    from servicer.engine.speculation.batch import SpeculativeGenerationBatch, Speculator
+    from servicer.engine.speculation import timing
+    from servicer.engine.speculation.config import ModeClock, StepClock
 
     now = [0.0]
-    monkeypatch.setattr(batch_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    batch = object.__new__(SpeculativeGenerationBatch)
-    batch.speculator = Speculator(source=None)  # type: ignore[arg-type]
-    batch._started, batch._last, batch._drained = None, None, True
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = StepClock()
+    timer = timing.StepTimer(clock, ModeClock())
 
     def step(width: int, waited: bool, wait: float, took: float) -> None:
         now[0] += wait  # a drafting step first waits for the forward still running
-        batch._time_last_step(waited)
-        batch._last = (1, width)
+        timer.forward_begins(waited)
+        timer.step_ran(1, width)
         now[0] += took
 
     step(5, True, 0.0, 0.20)  # a verify of 5 tokens: 200 ms, nothing left running
@@ -375,6 +374,6 @@ def test_the_clock_charges_each_step_its_own_forward(monkeypatch):
     step(3, True, 0.10, 0.19)  # drafting: waits out the running forward, then verifies
     step(1, False, 0.0, 0.06)
     step(3, True, 0.10, 0.19)  # after a plain step that began with nothing running
-    batch._time_last_step(False)
-    periods = {w: [round(s, 3) for s in p] for (_, w), p in batch.speculator.clock.periods.items()}
+    timer.forward_begins(False)
+    periods = {w: [round(s, 3) for s in p] for (_, w), p in clock.periods.items()}
     assert periods == {5: [0.2], 1: [0.16, 0.16], 3: [0.19, 0.19]}

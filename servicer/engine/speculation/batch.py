@@ -3,7 +3,6 @@ rolls each row back to what it accepted."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +13,7 @@ from mlx_lm.generate import GenerationBatch
 from .caches import adopt
 from .config import ModeClock, RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
+from .timing import StepTimer
 from .verify import accepted_prefix, can_speculate, choose
 
 
@@ -56,13 +56,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
     def __init__(self, *args: Any, speculator: Speculator, **kwargs: Any) -> None:
         self.speculator = speculator
         self._paces: list[RowPace] = []
-        self._started: float | None = None  # when the last step began
-        self._last: tuple[int, int] | None = None  # its rows, and its verify width
-        self._drained = True  # whether nothing was running when the last step began
+        self._timer = StepTimer(speculator.clock, speculator.modes)
         self._rolls_back = False  # whether the caches are this package's (see extend)
         self.shares_step_with_prefill = False  # set by the generator before each step
-        self._began: tuple[float, int, bool] | None = None  # the last step: start, rows, clean
-        self._gave = 0  # tokens the last step gave
         super().__init__(*args, **kwargs)
         if self.uids:
             speculator.source.extend(self.tokens)
@@ -121,28 +117,19 @@ class SpeculativeGenerationBatch(GenerationBatch):
     # ----- one step -----
 
     def next(self) -> list[GenerationBatch.Response]:
-        self._time_mode()
+        self._timer.step_begins(len(self.uids), self.shares_step_with_prefill)
         if not self.uids:
-            self._time_last_step(waited=False)
+            self._timer.forward_begins(waited=False)
             return []
         responses = self._step_with_drafts()
-        self._gave = len(responses)
+        self._timer.step_gave(len(responses))
         return responses
-
-    def _time_mode(self) -> None:
-        """The mode clock learns what the last step gave, and in how long."""
-        now = time.perf_counter()
-        if self._began is not None:
-            began, rows, clean = self._began
-            self.speculator.modes.record(rows, self._gave, now - began, clean)
-        self._began = (now, len(self.uids), not self.shares_step_with_prefill)
-        self._gave = 0
 
     def _step_with_drafts(self) -> list[GenerationBatch.Response]:
         ks, probing = self._plan()
         if any(ks):
             pending = self._next_tokens.tolist()  # waits for a plain step's forward
-            self._time_last_step(waited=True)
+            self._timer.forward_begins(waited=True)
             source = self.speculator.source
             drafts = source.draft(self.tokens, pending, ks)
             config = self.speculator.config
@@ -153,35 +140,15 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 drafts = self._worth_verifying(drafts)
             if any(drafts):
                 self._roll_back_ready()
-                self._last = (len(self.uids), 1 + max(len(d) for d in drafts))
+                self._timer.step_ran(len(self.uids), 1 + max(len(d) for d in drafts))
                 return self._speculate(pending, drafts)
             source.accepted([0] * len(drafts))
         else:
-            self._time_last_step(waited=False)
-        self._last = (len(self.uids), 1)
+            self._timer.forward_begins(waited=False)
+        self._timer.step_ran(len(self.uids), 1)
         responses = super().next()
         self.speculator.counters.record(0, 0, [1] * len(responses))
         return responses
-
-    def _time_last_step(self, waited: bool) -> None:
-        """The clock learns what the last step cost: the time from its start to this one's,
-        the engine's own work between steps included.
-
-        A step without drafts (mlx-lm's) leaves its forward running; the next step waits for
-        it, inside its own time if it is plain too, before its time starts if it drafts
-        (`waited`: it read its pending tokens first). So a plain step's time is one forward
-        when it began with nothing running and a drafting step followed (its launch and its
-        wait), or when it began with one running and a plain step followed (the wait for
-        its predecessor's and its launch, steady state); otherwise it held half of one
-        forward or one and a half, and is not counted."""
-        now = time.perf_counter()
-        last = self._last
-        if last is not None and self._started is not None:
-            rows, width = last
-            if width > 1 or waited == self._drained:
-                self.speculator.clock.record(rows, width, now - self._started)
-        self._drained = waited or last is None or last[1] > 1
-        self._started, self._last = now, None
 
     def _plan(self) -> tuple[list[int], bool]:
         """Each row's draft length this step (its pace, within its max_tokens; nothing for
