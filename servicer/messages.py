@@ -243,7 +243,7 @@ class SpeculationFigures(Wire, frozen=True):
 
     steps: int = 0
     speculative_steps: int = 0  # steps that verified at least one draft token
-    cutoff_steps: int = 0  # steps run without drafts: too many rows would have drafted
+    cutoff_steps: int = 0  # steps without drafts: past the cap, or drafting did not pay
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of them, accepted
     emitted: int = 0  # tokens handed out

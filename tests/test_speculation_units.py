@@ -3,6 +3,7 @@ the pace."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import mlx.core as mx
@@ -231,16 +232,14 @@ def test_a_row_whose_lookups_find_nothing_stops_asking_and_probes_again():
     assert pace.k(config) >= 1
 
 
-def _run_windows(clock, rows: int, rates: dict[bool, float], windows: int) -> list[bool]:
-    """Modes the clock runs for `windows` windows when drafting gives rates[True] tokens a
-    second and not drafting rates[False]; steps of 10 ms."""
+def _run_steps(clock, rows: int, rates: dict[bool, float], steps: int) -> list[bool]:
+    """The mode of each of `steps` steps of 10 ms when drafting gives rates[True] tokens a
+    second and not drafting rates[False]."""
     modes = []
-    for _ in range(windows):
+    for _ in range(steps):
         mode = clock.drafting(rows)
         modes.append(mode)
-        for _ in range(clock.window + 1):  # the first step of a window is not counted
-            assert clock.drafting(rows) == mode
-            clock.record(rows, round(rates[mode] * 0.01), 0.01, clean=True)
+        clock.record(rows, round(rates[mode] * 0.01), 0.01, clean=True)
     return modes
 
 
@@ -248,27 +247,30 @@ def test_the_mode_clock_drafts_only_where_it_delivers_more_tokens_a_second():
     from servicer.engine.speculation.config import ModeClock
 
     clock = ModeClock(window=4, first_gap=2, most_gap=8)
-    losing = _run_windows(clock, 2, {True: 800, False: 1000}, 30)
-    assert losing[:2] == [True, False]  # each mode measured once, drafting first
-    probes = [i for i, mode in enumerate(losing) if mode and i > 0]
-    assert probes == [4, 9, 18, 27]  # the losing mode re-measured ever less often
-    paying = _run_windows(clock, 2, {True: 1500, False: 1000}, 16)  # it pays now
-    assert paying[-8:].count(True) >= 6  # from its next probe on, but for probes of off
-    assert _run_windows(clock, 8, {True: 900, False: 1000}, 2) == [True, False]  # own bucket
+    losing = _run_steps(clock, 2, {True: 800, False: 1000}, 400)
+    assert losing[:4] == [True] * 4 and losing[5:9] == [False] * 4  # each mode measured once
+    probes = [i for i in range(1, 400) if losing[i] and not losing[i - 1]]
+    assert len(probes) >= 4  # drafting is measured again now and then...
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps[-1] > gaps[0]  # ever less often
+    assert losing[200:].count(True) < 0.15 * 200  # ...but hardly runs
+    paying = _run_steps(clock, 2, {True: 1500, False: 1000}, 400)  # it pays now
+    assert paying[200:].count(True) > 0.7 * 200
+    assert _run_steps(clock, 8, {True: 900, False: 1000}, 1) == [True]  # its own batch size
 
 
-def test_the_mode_clock_ignores_steps_that_shared_time_with_a_prefill():
+def test_the_mode_clock_keeps_each_batch_sizes_window_open_across_others():
     from servicer.engine.speculation.config import ModeClock
 
     clock = ModeClock(window=2)
-    assert clock.drafting(1)
-    clock.record(1, 1, 0.01, clean=True)  # the window's first step: not counted
+    assert clock.drafting(1) and clock.drafting(3)
+    clock.record(1, 1, 0.01, clean=False)  # a prefill shared this one
     for _ in range(5):
-        clock.record(1, 1, 5.0, clean=False)  # a prefill made these slow
+        clock.record(1, 1, 5.0, clean=False)
     clock.record(1, 4, 0.01, clean=True)
+    clock.record(3, 2, 0.01, clean=True)  # another batch size: its own window
     clock.record(1, 4, 0.01, clean=True)
     assert clock.rates == {(1, True): 400.0}
-    clock.record(3, 1, 0.01, clean=True)  # another batch size: not this window's
 
 
 def test_counters_snapshot():

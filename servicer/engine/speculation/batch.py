@@ -152,32 +152,29 @@ class SpeculativeGenerationBatch(GenerationBatch):
 
     def _plan(self) -> tuple[list[int], bool]:
         """Each row's draft length this step (its pace, within its max_tokens; nothing for
-        rows with logits processors; nothing for anyone in a batch past the cap; no more
-        than the verify width the clock expects to give the most tokens a second), and
-        whether this step re-measures the widest width."""
-        config = self.speculator.config
+        rows with logits processors; nothing for anyone in a batch past the cap or of a size
+        where drafting does not pay now; no more than the verify width the clock expects to
+        give the most tokens a second), and whether this step re-measures the widest width."""
+        config, counters = self.speculator.config, self.speculator.counters
+        rows = len(self.uids)
+        off = rows > config.max_rows
+        if not off and config.costed:
+            off = not self.speculator.modes.drafting(rows)
+        if off:
+            counters.cutoff_steps += 1
+            return [0] * rows, False
         ks = []
-        for i in range(len(self.uids)):
+        for i in range(rows):
             budget = self.max_tokens[i] - self._num_tokens[i] - 1
             if budget <= 0 or self.logits_processors[i] or not can_speculate(self._sampler(i)):
                 ks.append(0)
             else:
                 ks.append(min(self._paces[i].k(config), budget))
-        rows = len(self.uids)
-        if config.costed and rows <= config.max_rows and not self.speculator.modes.drafting(rows):
-            if any(ks):  # drafting does not pay at this batch size now
-                self.speculator.counters.cutoff_steps += 1
-            return [0] * len(ks), False
-        if not any(ks):
-            return ks, False
-        if rows > config.max_rows:
-            self.speculator.counters.cutoff_steps += 1
-            return [0] * len(ks), False
-        if not config.costed:
+        if not any(ks) or not config.costed:
             return ks, False
         width, probing = self.speculator.clock.choose(rows, 1 + max(ks), self._expected_tokens(ks))
         if width == 1:
-            self.speculator.counters.cutoff_steps += 1
+            counters.cutoff_steps += 1
         return [min(k, width - 1) for k in ks], probing
 
     def _expected_tokens(self, lengths: list[int]) -> Callable[[int], float]:

@@ -92,14 +92,26 @@ class RowPace:
 
 
 @dataclass(slots=True)
+class _Window:
+    """One batch size's measurement in progress: its mode, and what it counted so far."""
+
+    drafting: bool
+    probe: bool  # a re-measurement of the mode that measured worse
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class ModeClock:
     """Whether a batch of this size drafts at all, judged by what it delivers: tokens a
-    second over windows of consecutive decode steps with drafting allowed and without, every
-    cost in (the wait for the pending tokens a drafting step needs, the lookups, verifies,
-    rollbacks and replays). The better mode runs; the other gets one window now and then to
-    re-measure it, less often each time it loses again. Steps that shared their time with a
-    prefill are not counted, nor the first step of a window (it carries its predecessor's
-    forward when the mode changed)."""
+    second over windows of decode steps with drafting allowed and without, every cost in
+    (the wait for the pending tokens a drafting step needs, the lookups, verifies, rollbacks
+    and replays). The better mode runs; the other gets one window now and then to re-measure
+    it, less often each time it loses again. Each batch size (in powers of two) keeps its own
+    window open while the batch passes through other sizes. Steps that shared their time
+    with a prefill are not counted, nor one that followed a step in the other mode (it
+    carries its predecessor's forward)."""
 
     window: int = 8  # counted steps per measurement
     first_gap: int = 8  # windows of the better mode before the other is measured again...
@@ -107,50 +119,45 @@ class ModeClock:
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)
     gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
     since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
-    _open: tuple[int, bool, bool] | None = None  # the window's bucket, mode, and if a probe
-    _skip: bool = True
-    _steps: int = 0
-    _tokens: int = 0
-    _seconds: float = 0.0
+    _open: dict[int, _Window] = field(default_factory=dict)
+    _last_mode: bool | None = None  # the mode of the last step recorded
 
     def drafting(self, rows: int) -> bool:
-        """The mode of a step of `rows` rows: the open window's, or a new window's."""
+        """The mode of a step of `rows` rows: its batch size's open window's."""
         bucket = StepClock.bucket(rows)
-        if self._open is not None and self._open[0] == bucket:
-            return self._open[1]
-        drafting, probe = self._choose(bucket)
-        self._open, self._skip = (bucket, drafting, probe), True
-        self._steps, self._tokens, self._seconds = 0, 0, 0.0
-        return drafting
+        window = self._open.get(bucket)
+        if window is None:
+            window = self._open[bucket] = _Window(*self._choose(bucket))
+        return window.drafting
 
     def record(self, rows: int, tokens: int, seconds: float, clean: bool) -> None:
         """The last step (of `rows` rows): the tokens it gave and the time to the next step's
         start; `clean` when no prefill shared that time."""
-        if self._open is None or self._open[0] != StepClock.bucket(rows):
+        bucket = StepClock.bucket(rows)
+        window = self._open.get(bucket)
+        if window is None:
             return
-        if self._skip or not clean:
-            self._skip = False
+        switched = self._last_mode is not None and self._last_mode != window.drafting
+        self._last_mode = window.drafting
+        if switched or not clean:
             return
-        self._steps, self._tokens, self._seconds = (
-            self._steps + 1,
-            self._tokens + tokens,
-            self._seconds + seconds,
-        )
-        if self._steps >= self.window and self._seconds > 0:
-            self._close(self._tokens / self._seconds)
+        window.steps += 1
+        window.tokens += tokens
+        window.seconds += seconds
+        if window.steps >= self.window and window.seconds > 0:
+            self._close(bucket, window)
 
-    def _close(self, rate: float) -> None:
-        assert self._open is not None
-        bucket, drafting, probe = self._open
-        key = (bucket, drafting)
+    def _close(self, bucket: int, window: _Window) -> None:
+        key = (bucket, window.drafting)
+        rate = window.tokens / window.seconds
         old = self.rates.get(key)
         self.rates[key] = rate if old is None else (old + rate) / 2
-        other = self.rates.get((bucket, not drafting))
-        if probe and other is not None:
+        other = self.rates.get((bucket, not window.drafting))
+        if window.probe and other is not None:
             lost = self.rates[key] < other
             gap = self.gaps.get(bucket, self.first_gap)
             self.gaps[bucket] = min(self.most_gap, gap * 2) if lost else self.first_gap
-        self._open = None
+        del self._open[bucket]
 
     def _choose(self, bucket: int) -> tuple[bool, bool]:
         """(drafting, whether that is a probe of the mode that measured worse)."""
