@@ -301,7 +301,8 @@ def measure_cell(
     """Warm-ups at this batch shape, then `rounds` of each worker in turn (the order flips
     every round, so a drift in the machine's speed does not favour one side)."""
     # A real model: each prompt once at c=1, one wave of requests above (its steps are long).
-    requests = max(len(prompts), level) if raw is None else max(4, 2 * level)
+    # The demo models: runs of a second or more (shorter ones are this machine's noise).
+    requests = max(len(prompts), level) if raw is None else max(16, 4 * level)
     cell = Cell()
     if raw is not None:
         raw.run(level, SHAPE, requests=level, prompts=prompts)
