@@ -96,8 +96,10 @@ def run_part(
     log_dir: Path,
     smg_python: Path | None,
     flags: tuple[str, ...] = (),
+    only: tuple[str, ...] = tuple(WORKERS),
 ) -> dict[str, Any]:
-    """Every worker on every case; a worker that fails is reported, the others go on."""
+    """Every worker (of `only`) on every case; a worker that fails is reported, the others
+    go on."""
     from mlx_lm.utils import load_tokenizer
 
     vocab_size = len(load_tokenizer(model).get_vocab())
@@ -105,6 +107,7 @@ def run_part(
     workers = {
         name: our_worker(model, batch, log_dir, f"long-{name}", (*flags, *extra))
         for name, extra in WORKERS.items()
+        if name in only
     }
     if smg_python is not None:
         workers["smg"] = smg_worker(smg_python, model, batch, log_dir, "long")
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="real", help="`real` (default) or a model directory")
     parser.add_argument("--cases", help="streams:tokens,... (default: the four of CASES)")
     parser.add_argument("--side-by-side", action="store_true", help="also smg-grpc-servicer")
+    parser.add_argument("--workers", default=",".join(WORKERS), help="ours of these only")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
@@ -166,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         from workers import smg_servicer_python
 
         smg = smg_servicer_python()
-    results = run_part(model, cases, args.out / "logs", smg)
+    only = tuple(args.workers.split(","))
+    results = run_part(model, cases, args.out / "logs", smg, only=only)
     print(render(results))
     report.save_json(args.out, "long-prompt", results)
     return 0

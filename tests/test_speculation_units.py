@@ -379,3 +379,31 @@ def test_the_clock_charges_each_step_its_own_forward(monkeypatch):
     timer.forward_begins(False)
     periods = {w: [round(s, 3) for s in p] for (_, w), p in clock.periods.items()}
     assert periods == {5: [0.2], 1: [0.16, 0.16], 3: [0.19, 0.19]}
+
+
+def test_a_lookup_tells_for_free_whether_it_would_have_drafted_the_last_token():
+    from servicer.engine.speculation.ngram import NgramIndex
+
+    index = NgramIndex((3, 2))
+    assert index.predicted([5, 6, 7, 5, 6, 7])  # "5 6" was followed by 7 before
+    assert not NgramIndex((3, 2)).predicted([5, 6, 7, 5, 6, 8])
+    assert not NgramIndex((3, 2)).predicted([1, 2, 3, 4])  # nothing to look up
+    grown = NgramIndex((3, 2))
+    context = [9, 1, 2, 3]
+    for token in [1, 2, 3, 1, 2]:  # incremental, as a row grows step by step
+        context.append(token)
+        grown.predicted(context)
+    assert grown.predicted([*context, 3]) and grown.draft(context, 3, 2) == [1, 2]
+
+
+def test_drafting_is_tried_only_where_the_lookups_promise_it():
+    from servicer.engine.speculation.config import ModeClock
+
+    clock = ModeClock(window=2, min_promise=0.25)
+    clock.shadow(1, [False])  # a row whose lookups never predict
+    assert not clock.drafting(1)  # plain from the start: drafting is not even tried
+    for _ in range(100):
+        clock.shadow(1, [True])  # the text turned repetitive
+    for _ in range(3):
+        clock.record(1, 1, 0.01, clean=True)  # the plain window closes
+    assert clock.drafting(1)  # now drafting is measured

@@ -148,7 +148,16 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._timer.step_ran(len(self.uids), 1)
         responses = super().next()
         self.speculator.counters.record(0, 0, [1] * len(responses))
+        if not any(ks) and len(self.uids) <= self.speculator.config.max_rows:
+            self._shadow()
         return responses
+
+    def _shadow(self) -> None:
+        """Whether the rows' lookups would have drafted the tokens they just got, for the
+        mode clock (sources that cannot tell for free say nothing)."""
+        predicted = getattr(self.speculator.source, "predicted", None)
+        if predicted is not None and self.speculator.config.costed:
+            self.speculator.modes.shadow(len(self.uids), predicted(self.tokens))
 
     def _plan(self) -> tuple[list[int], bool]:
         """Each row's draft length this step (its pace, within its max_tokens; nothing for

@@ -91,6 +91,9 @@ class RowPace:
             self.idle = 0
 
 
+_PROMISE_EWMA = 0.05  # weight of one step's shadow in a batch size's promise
+
+
 @dataclass(slots=True)
 class _Window:
     """One batch size's measurement in progress: its mode, and what it counted so far."""
@@ -116,6 +119,10 @@ class ModeClock:
     window: int = 8  # counted steps per measurement
     first_gap: int = 8  # windows of the better mode before the other is measured again...
     most_gap: int = 32  # ...doubling each time it loses again, up to this
+    # While a batch size does not draft, how often its rows' lookups would have drafted the
+    # token they got (`shadow`); drafting is tried only where this reaches `min_promise`.
+    min_promise: float = 0.25
+    promise: dict[int, float] = field(default_factory=dict)
     rates: dict[tuple[int, bool], float] = field(default_factory=dict)
     gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
     since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
@@ -129,6 +136,14 @@ class ModeClock:
         if window is None:
             window = self._open[bucket] = _Window(*self._choose(bucket))
         return window.drafting
+
+    def shadow(self, rows: int, predicted: list[bool]) -> None:
+        """A step without drafts: which rows' lookups would have drafted what they got."""
+        if predicted:
+            bucket = StepClock.bucket(rows)
+            hits = sum(predicted) / len(predicted)
+            old = self.promise.get(bucket, hits)
+            self.promise[bucket] = old + _PROMISE_EWMA * (hits - old)
 
     def record(self, rows: int, tokens: int, seconds: float, clean: bool) -> None:
         """The last step (of `rows` rows): the tokens it gave and the time to the next step's
@@ -160,15 +175,19 @@ class ModeClock:
         del self._open[bucket]
 
     def _choose(self, bucket: int) -> tuple[bool, bool]:
-        """(drafting, whether that is a probe of the mode that measured worse)."""
+        """(drafting, whether that is a probe of the mode that measured worse). Drafting is
+        tried (first, or again) only where the lookups promise it (no shadow: always)."""
+        promising = self.promise.get(bucket, 1.0) >= self.min_promise
         on, off = self.rates.get((bucket, True)), self.rates.get((bucket, False))
         if on is None:
-            return True, False
+            return promising, False
         if off is None:
             return False, False
         better = on >= off
         if self.since[bucket] >= self.gaps.get(bucket, self.first_gap):
             self.since[bucket] = 0
+            if not better and not promising:
+                return False, False  # nothing suggests drafting would do better now
             return not better, True
         self.since[bucket] += 1
         return better, False

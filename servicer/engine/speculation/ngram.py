@@ -57,16 +57,26 @@ class NgramIndex:
     def draft(self, tokens: list[int], pending: int, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the context's last
         n tokens (the longest n that occurred)."""
-        last = len(tokens)  # the pending token's position
+        return self._lookup(tokens, len(tokens), pending, k)
+
+    def predicted(self, tokens: list[int]) -> bool:
+        """Whether a one-token draft made a step ago (the last token still pending then)
+        would have been the last token: what drafting would have gained, measured for free
+        while the row does not draft."""
+        last = len(tokens) - 2
+        return last >= 1 and self._lookup(tokens, last, tokens[last], 1) == [tokens[-1]]
+
+    def _lookup(self, tokens: list[int], last: int, pending: int, k: int) -> list[int]:
+        """`draft` for the context `tokens[:last]` (later entries are not read)."""
         self._index(tokens, last)  # every position before the pending one
         for n in self._sizes:
             if last + 1 < n:
                 continue
-            key = _keys([*tokens[last + 1 - n :], pending], n) if n > 1 else pending
+            key = _keys([*tokens[last + 1 - n : last], pending], n) if n > 1 else pending
             end = self._ends[n].get(key)
             if end is not None:
                 start = end + 1
-                found = tokens[start : start + k]
+                found = tokens[start : min(start + k, last)]
                 if len(found) < k and start + len(found) == last:
                     found.append(pending)
                 return found
@@ -98,3 +108,7 @@ class PromptLookup:
 
     def accepted(self, kept: Sequence[int]) -> None:
         """Nothing to undo: the index only ever holds tokens the target kept."""
+
+    def predicted(self, tokens: Sequence[list[int]]) -> list[bool]:
+        """For each row, whether a one-token draft a step ago would have been accepted."""
+        return [row.predicted(context) for row, context in zip(self._rows, tokens, strict=True)]
