@@ -220,18 +220,6 @@ def test_pace_follows_acceptance_and_reprobes():
     assert pace.k(config) >= 1
 
 
-def test_a_row_whose_lookups_find_nothing_stops_asking_and_probes_again():
-    config = SpeculationConfig(k_max=4, probe_every=4, probe_k=2)
-    pace = RowPace()
-    for _ in range(10):
-        pace.looked(2, 0, config)  # asked, nothing found: no verify, but the batch waited
-    assert [pace.k(config) for _ in range(8)] == [0, 0, 0, 2, 0, 0, 0, 2]
-    assert pace.expected(4) < 1.1
-    for _ in range(5):
-        pace.looked(2, 2, config)  # the probes find drafts again
-    assert pace.k(config) >= 1
-
-
 def _run_steps(clock, rows: int, rates: dict[bool, float], steps: int) -> list[bool]:
     """The mode of each of `steps` steps of 10 ms when drafting gives rates[True] tokens a
     second and not drafting rates[False]."""

@@ -132,10 +132,6 @@ class SpeculativeGenerationBatch(GenerationBatch):
             self._timer.forward_begins(waited=True)
             source = self.speculator.source
             drafts = source.draft(self.tokens, pending, ks)
-            config = self.speculator.config
-            if config.costed:
-                for pace, asked, draft in zip(self._paces, ks, drafts, strict=True):
-                    pace.looked(asked, len(draft), config)
             if not probing:
                 drafts = self._worth_verifying(drafts)
             if any(drafts):

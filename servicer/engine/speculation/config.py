@@ -50,7 +50,6 @@ class RowPace:
 
     accepted: float = 1.0
     rejected: float = 0.5
-    found: float = 1.0  # how often a draft asked of the source came back non-empty (EWMA)
     idle: int = 0  # steps since the row last drafted while switched off
 
     @property
@@ -58,28 +57,19 @@ class RowPace:
         return self.accepted / max(self.accepted + self.rejected, 1e-9)
 
     def expected(self, k: int) -> float:
-        """Tokens a step with `k` drafts gives this row: its pending token, then, when the
-        source finds a draft, each draft while the ones before it were accepted."""
+        """Tokens a step with `k` drafts gives this row: its pending token, then each draft
+        while the ones before it were accepted."""
         rate = self.rate
-        return 1.0 + self.found * sum(rate**j for j in range(1, k + 1))
+        return 1.0 + sum(rate**j for j in range(1, k + 1))
 
     def k(self, config: SpeculationConfig) -> int:
         rate = self.rate
-        # A row whose lookups find nothing costs its batch the wait for the pending tokens
-        # a drafting step needs, for nothing: it switches off like a row that is rejected.
-        if rate * self.found < config.off_below:
+        if rate < config.off_below:
             self.idle += 1
             return min(config.probe_k, config.k_max) if self.idle % config.probe_every == 0 else 0
         # Expected run of accepted tokens is r / (1 - r): draft about that many.
         run = min(rate, 0.95) / (1.0 - min(rate, 0.95))
         return max(1, min(config.k_max, math.floor(run + 0.5)))
-
-    def looked(self, asked: int, drafted: int, config: SpeculationConfig) -> None:
-        """The source was asked for `asked` drafts and gave `drafted`."""
-        if asked > 0:
-            self.found += config.ewma * (float(drafted > 0) - self.found)
-            if self.rate * self.found >= config.off_below:
-                self.idle = 0
 
     def update(self, drafted: int, accepted: int, config: SpeculationConfig) -> None:
         if drafted == 0:
@@ -87,7 +77,7 @@ class RowPace:
         w = config.ewma
         self.accepted += w * (accepted - self.accepted)
         self.rejected += w * (float(accepted < drafted) - self.rejected)
-        if self.rate * self.found >= config.off_below:
+        if self.rate >= config.off_below:
             self.idle = 0
 
 
