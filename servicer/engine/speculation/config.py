@@ -28,7 +28,7 @@ class SpeculationConfig:
     probe_k: int = 2  # draft tokens of such a probe
     costed: bool = True  # below max_rows, draft only where the clocks say it pays
     mode_window: int = 8  # steps per measurement of drafting against not (ModeClock)
-    mode_gap: int = 8  # windows of the better mode before the other is re-measured (at first)
+    mode_gap: int = 4  # windows of the better mode before the other is re-measured (at first)
 
     def __post_init__(self) -> None:
         if self.k_max < 0 or self.max_rows < 0 or self.probe_every < 1:
@@ -82,6 +82,7 @@ class RowPace:
 
 
 _PROMISE_EWMA = 0.05  # weight of one step's shadow in a batch size's promise
+_RECENT_WINDOWS = 3
 
 
 @dataclass(slots=True)
@@ -107,17 +108,24 @@ class ModeClock:
     carries its predecessor's forward)."""
 
     window: int = 8  # counted steps per measurement
-    first_gap: int = 8  # windows of the better mode before the other is measured again...
+    first_gap: int = 4  # windows of the better mode before the other is measured again...
     most_gap: int = 32  # ...doubling each time it loses again, up to this
     # While a batch size does not draft, how often its rows' lookups would have drafted the
     # token they got (`shadow`); drafting is tried only where this reaches `min_promise`.
     min_promise: float = 0.25
     promise: dict[int, float] = field(default_factory=dict)
-    rates: dict[tuple[int, bool], float] = field(default_factory=dict)
+    # A mode's rate is the best of its last few windows: a one-off (a first verify at a new
+    # shape, caches adopted for drafting) does not rule it out for long.
+    recent: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
     gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
     since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
     _open: dict[int, _Window] = field(default_factory=dict)
     _last_mode: bool | None = None  # the mode of the last step recorded
+
+    @property
+    def rates(self) -> dict[tuple[int, bool], float]:
+        """Tokens a second by (batch size, drafting)."""
+        return {key: max(windows) for key, windows in self.recent.items()}
 
     def drafting(self, rows: int) -> bool:
         """The mode of a step of `rows` rows: its batch size's open window's."""
@@ -154,9 +162,9 @@ class ModeClock:
 
     def _close(self, bucket: int, window: _Window) -> None:
         key = (bucket, window.drafting)
-        rate = window.tokens / window.seconds
-        old = self.rates.get(key)
-        self.rates[key] = rate if old is None else (old + rate) / 2
+        self.recent.setdefault(key, deque(maxlen=_RECENT_WINDOWS)).append(
+            window.tokens / window.seconds
+        )
         other = self.rates.get((bucket, not window.drafting))
         if window.probe and other is not None:
             lost = self.rates[key] < other
