@@ -127,6 +127,10 @@ class ModeClock:
         """Tokens a second by (batch size, drafting)."""
         return {key: max(windows) for key, windows in self.recent.items()}
 
+    def _rate(self, bucket: int, drafting: bool) -> float | None:
+        windows = self.recent.get((bucket, drafting))
+        return max(windows) if windows else None
+
     def drafting(self, rows: int) -> bool:
         """The mode of a step of `rows` rows: its batch size's open window's."""
         bucket = StepClock.bucket(rows)
@@ -165,9 +169,9 @@ class ModeClock:
         self.recent.setdefault(key, deque(maxlen=_RECENT_WINDOWS)).append(
             window.tokens / window.seconds
         )
-        other = self.rates.get((bucket, not window.drafting))
+        other = self._rate(bucket, not window.drafting)
         if window.probe and other is not None:
-            lost = self.rates[key] < other
+            lost = max(self.recent[key]) < other
             gap = self.gaps.get(bucket, self.first_gap)
             self.gaps[bucket] = min(self.most_gap, gap * 2) if lost else self.first_gap
         del self._open[bucket]
@@ -176,7 +180,7 @@ class ModeClock:
         """(drafting, whether that is a probe of the mode that measured worse). Drafting is
         tried (first, or again) only where the lookups promise it (no shadow: always)."""
         promising = self.promise.get(bucket, 1.0) >= self.min_promise
-        on, off = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        on, off = self._rate(bucket, True), self._rate(bucket, False)
         if on is None:
             return promising, False
         if off is None:
