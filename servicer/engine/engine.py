@@ -33,6 +33,7 @@ from ..messages import (
     SpeculationFigures,
     StepOutput,
 )
+from .arch_fixes import prefill_rows
 from .batch import Batch, check_same_prefix
 from .embedding import Embedder
 from .inbox import Inbox, InboxTake
@@ -182,33 +183,6 @@ def _send_fatal(sink: Sink, reason: str) -> None:
         sink.put(StepOutput(fatal=reason), due=True)
     except Exception:
         log.exception("could not report the engine's death")
-
-
-# Architectures whose recurrent or convolution layers read mlx-lm's left padding as input:
-# prompts of different lengths prefilled together get wrong state (mlx-lm 0.32's
-# BatchGenerator gives the same wrong tokens). Prefilled one at a time, then merged into the
-# decoding batch (where no row is padded in those layers), they are exact.
-PADDING_BLIND = frozenset(
-    {
-        "afm7",
-        "baichuan_m1",
-        "bailing_moe_linear",
-        "falcon_mamba",
-        "jamba",
-        "mamba",
-        "olmo_hybrid",
-        "recurrent_gemma",
-        "rwkv7",
-    }
-)
-
-
-def prefill_rows(model_type: str, configured: int) -> int:
-    """Most prompts prefilled together: one for a model whose layers cannot take padding."""
-    if model_type in PADDING_BLIND and configured > 1:
-        log.info("%s prefills one prompt at a time (its layers read padding)", model_type)
-        return 1
-    return configured
 
 
 class EngineLoop:
