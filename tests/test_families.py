@@ -28,6 +28,7 @@ SUBSET = {
     "qwen3_next": "hybrid: gated delta net (ArraysCache) + attention",
     "mamba2": "pure recurrent (ArraysCache only)",
     "mamba": "recurrent layers that read left padding (prefilled one prompt at a time)",
+    "nemotron_h": "Mamba-2 + attention without positions (prefilled one prompt at a time)",
     "qwen3_moe": "mixture of experts (SwitchGLU)",
     "deepseek_v3": "multi-head latent attention (MLA) + MoE",
     "gpt_oss": "attention sinks + sliding window + MoE",

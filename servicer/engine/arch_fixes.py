@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 # Recurrent or convolution layers that read mlx-lm's left padding as input: prompts of
 # different lengths prefilled together get wrong state (mlx-lm 0.32's BatchGenerator gives the
-# same wrong tokens).
+# same wrong tokens). nemotron_h's layers do take padding, yet its batched prefill differs from
+# its single-sequence one past any near tie (family matrix, random weights); alone it is exact.
 PADDING_BLIND = frozenset(
     {
         "afm7",
@@ -32,6 +33,7 @@ PADDING_BLIND = frozenset(
         "falcon_mamba",
         "jamba",
         "mamba",
+        "nemotron_h",
         "olmo_hybrid",
         "recurrent_gemma",
         "rwkv7",

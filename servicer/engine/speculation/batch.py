@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
+from ...messages import FINISH_LENGTH, FINISH_STOP
 from .caches import adopt
 from .config import ModeClock, RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
@@ -331,9 +332,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
         (or None) and how many are emitted."""
         for used, token in enumerate(tokens, start=1):
             self._num_tokens[i] += 1
-            finish = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+            finish = FINISH_LENGTH if self._num_tokens[i] >= self.max_tokens[i] else None
             if self._matchers[i].advance(token):
-                finish = "stop"
+                finish = FINISH_STOP
             if finish is not None:
                 return finish, used
         return None, len(tokens)

@@ -65,7 +65,3 @@ class SpeculativeBatchGenerator(BatchGenerator):
     def speculation(self) -> SpeculationFigures:
         """The counters so far (a snapshot; read it on the engine thread)."""
         return self._speculator.counters.snapshot()
-
-    @property
-    def speculation_config(self) -> SpeculationConfig:
-        return self._speculator.config
