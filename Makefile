@@ -62,7 +62,7 @@ fuzz-cache: $(STAMP)
 FAMILY_JOBS ?= 2
 families: $(STAMP)
 	$(BIN)/python bench/families.py --jobs $(FAMILY_JOBS) --json bench/families-results.json \
-		--markdown bench/families-table.md $(ARGS)
+		--markdown bench/families-table.md --readme README.md $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

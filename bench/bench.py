@@ -163,7 +163,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.model = resolve_model(args.model)
     args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     if args.only:
-        args.skip |= set(PARTS) - {part.strip() for part in args.only.split(",")}
+        only = {part.strip() for part in args.only.split(",") if part.strip()}
+        if only - set(PARTS):
+            parser.error(f"unknown parts in --only: {', '.join(sorted(only - set(PARTS)))}")
+        args.skip |= set(PARTS) - only
     if args.results_md is None:
         args.results_md = not args.quick and not args.skip  # only a full run
     unknown = args.skip - set(PARTS)

@@ -600,8 +600,19 @@ def run_arch(arch: str, cells: Sequence[str], cache: Path, timeout: float) -> di
     return {**facts, "cells": result}
 
 
+def mlx_lm_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("mlx-lm")
+
+
 def markdown(results: dict[str, Any], cells: Sequence[str]) -> str:
-    lines = ["| architecture | " + " | ".join(cells) + " |", "|---|" + "---|" * len(cells)]
+    lines = [
+        f"mlx-lm {mlx_lm_version()}, {time.strftime('%Y-%m-%d')}, `make families`.",
+        "",
+        "| architecture | " + " | ".join(cells) + " |",
+        "|---|" + "---|" * len(cells),
+    ]
     for arch, result in sorted(results.items()):
         row = [result["cells"].get(c, {}).get("status", "-") for c in cells]
         lines.append(f"| {arch} | " + " | ".join(row) + " |")
@@ -623,6 +634,48 @@ def markdown(results: dict[str, Any], cells: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+README_BEGIN = "<!-- families table: written by `make families` -->"
+README_END = "<!-- end of the families table -->"
+
+
+def readme_summary(results: dict[str, Any], cells: Sequence[str]) -> str:
+    """The README's compact table: per cell, how many architectures are exact, and every other
+    one by its status."""
+    lines = [
+        f"mlx-lm {mlx_lm_version()}, {len(results)} architectures, {time.strftime('%Y-%m-%d')}:",
+        "",
+        "| cell | exact | not exact (status: architectures) |",
+        "|---|---|---|",
+    ]
+    for cell in cells:
+        others: dict[str, list[str]] = {}
+        exact = 0
+        for arch, result in sorted(results.items()):
+            status = result["cells"].get(cell, {}).get("status", "-")
+            if status == "exact":
+                exact += 1
+            elif status != "skipped":
+                others.setdefault(status, []).append(arch)
+        rest = "; ".join(
+            f"{status}: {', '.join(archs)}" for status, archs in sorted(others.items())
+        )
+        lines.append(f"| {cell} | {exact} | {rest or '-'} |")
+    skipped = sorted(
+        a for a, r in results.items() if r["cells"].get(cells[0], {}).get("status") == "skipped"
+    )
+    lines += [
+        "",
+        f"Skipped ({len(skipped)}, reasons in bench/families/skipped.json): {', '.join(skipped)}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(path: Path, summary: str) -> None:
+    text = path.read_text()
+    begin, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+    path.write_text(text[:begin] + "\n" + summary + text[end:])
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", help="comma-separated architectures (model_type names)")
@@ -632,6 +685,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache", type=Path, default=None, help="where models are built")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
+    parser.add_argument(
+        "--readme", type=Path, default=None, help="after a full run, update this file's summary"
+    )
     parser.add_argument("--build", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -674,6 +730,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(one, names))
     print(markdown(results, cells))
+    if args.readme and not args.only and list(cells) == list(CELLS):
+        write_readme(args.readme, readme_summary(results, cells))
     if missing:
         print(f"installed mlx-lm architectures without a config or a skip entry: {missing}")
     return 0

@@ -121,3 +121,12 @@ def test_measured_processes_get_openblas_only_when_it_is_installed(tmp_path: Pat
     env = workers.blas_env(library)
     if env:  # nothing preloaded in this process already
         assert env == {"LD_PRELOAD": str(library), "OPENBLAS_NUM_THREADS": "1"}
+
+
+def test_a_misspelt_part_in_only_is_an_error_not_an_empty_run(capsys) -> None:
+    import bench
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--only", "prefixx"])
+    assert "unknown parts in --only: prefixx" in capsys.readouterr().err
+    assert "prefix" not in bench.parse_args(["--only", "prefix"]).skip
