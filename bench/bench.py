@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import prefix
+import render_run
 import report
 from arrival import long_prompt_arrival
 from load import Client, Sampling, burst_summary, summarize_bursts
@@ -605,7 +606,7 @@ class Suite:
         json_path = out / f"bench-{self.stamp}.json"
         png_path = out / f"bench-{self.stamp}.png"
         report.write_json(self.run, json_path)
-        print(report.render(self.run))
+        print(render_run.render(self.run))
         if self.run["failures"]:
             print("\nFailures:\n" + "\n".join(f"- {f}" for f in self.run["failures"]))
         print(f"\nJSON: {json_path}")
@@ -617,7 +618,7 @@ class Suite:
         if report.plot_arrival(self.run, arrival_png):
             print(f"arrival plot: {arrival_png}")
         if self.args.results_md:
-            report.update_results_md(self.run)
+            report.update_results_md(render_run.render(self.run))
             print(f"updated {report.RESULTS_MD}")
         return 1 if self.run["failures"] else 0
 

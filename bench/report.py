@@ -2,12 +2,11 @@
 
 A run is one JSON-able dict (see bench.py): machine, settings, and per worker the sweep
 levels, the burst and the cancel-and-reuse numbers. Everything here reads only that dict,
-so a saved JSON can be re-rendered (`python bench/report.py results/bench-....json`).
+so a saved JSON can be re-rendered (`python bench/render_run.py results/bench-....json`).
 """
 
 from __future__ import annotations
 
-import argparse
 import html
 import importlib.metadata
 import json
@@ -15,7 +14,6 @@ import os
 import platform
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -367,10 +365,6 @@ def machine_line(run: Run) -> str:
 def _parts(s: dict[str, Any]) -> dict[str, tuple[Callable[[], str], Callable[[Run], str]]]:
     """The parts after the sweep, by their key in a run: a title (from the settings) and
     a table."""
-    import faces
-    import kv_quant
-    import speculation
-
     shape, burst, cancel = s["shape"], s.get("burst", {}), s.get("cancel", {})
     prefix = s.get("prefix", {})
     return {
@@ -415,28 +409,15 @@ def _parts(s: dict[str, Any]) -> dict[str, tuple[Callable[[], str], Callable[[Ru
             ),
             arrival_table,
         ),
-        "speculation": (
-            lambda: (
-                "### Speculation (our worker with speculation on and off, the raw "
-                "BatchGenerator without it: the demo llama, the target bench/fixtures.py "
-                "builds with the demo llama drafting, and the real model when ../shared has it; "
-                f"{speculation.MAX_TOKENS} new tokens, K = {speculation.K})"
-            ),
-            lambda run: speculation.render(run["speculation"]),
-        ),
-        "kv_quant": (
-            lambda: "### Quantized KV cache (--kv-bits)",
-            lambda run: kv_quant.render(run["kv_quant"]),
-        ),
-        "faces": (
-            lambda: "### vLLM face vs MLX face through smg (`--protocols mlx,vllm` ÷ `mlx`)",
-            lambda run: faces.render(run["faces"]),
-        ),
     }
 
 
-def render(run: Run) -> str:
-    """The whole report as markdown (what the terminal shows and RESULTS.md holds)."""
+Sections = dict[str, tuple[Callable[[], str], Callable[[Run], str]]]
+
+
+def render(run: Run, sections: Sections | None = None) -> str:
+    """The whole report as markdown (what the terminal shows and RESULTS.md holds); `sections`:
+    the parts whose modules render their own tables (bench/render_run.py has them), by key."""
     s = run["settings"]
     shape = s["shape"]
     parts = [
@@ -485,7 +466,7 @@ def render(run: Run) -> str:
             "prompts share a first token now and then, so a few per level are expected): "
             + ", ".join(f"{name} {count}" for name, count in cached.items()),
         ]
-    for key, (title, table) in _parts(s).items():
+    for key, (title, table) in {**_parts(s), **(sections or {})}.items():
         if run.get(key):
             parts += ["", title(), "", table(run)]
     return "\n".join(parts)
@@ -664,9 +645,10 @@ this night: <a href="record.json">record.json</a>, <a href="verdict.md">verdict.
     return path
 
 
-def update_results_md(run: Run, path: Path = RESULTS_MD) -> None:
-    """Replace the generated block of RESULTS.md (between the markers), keeping the rest."""
-    block = f"{BEGIN}\n{render(run)}\n{END}"
+def update_results_md(markdown: str, path: Path = RESULTS_MD) -> None:
+    """Replace the generated block of RESULTS.md (between the markers) with a run's
+    `markdown`, keeping the rest."""
+    block = f"{BEGIN}\n{markdown}\n{END}"
     if path.exists():
         text = path.read_text()
         if BEGIN in text and END in text:
@@ -677,22 +659,3 @@ def update_results_md(run: Run, path: Path = RESULTS_MD) -> None:
         path.write_text(text.rstrip() + "\n\n" + block + "\n")
         return
     path.write_text(f"# Benchmark results\n\n{block}\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Re-render a saved benchmark JSON")
-    parser.add_argument("json", type=Path)
-    parser.add_argument("--plot", type=Path, help="also draw the PNG here")
-    parser.add_argument("--results-md", action="store_true", help="rewrite bench/RESULTS.md")
-    args = parser.parse_args(argv)
-    run = json.loads(args.json.read_text())
-    print(render(run))
-    if args.plot:
-        plot(run, args.plot)
-    if args.results_md:
-        update_results_md(run)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

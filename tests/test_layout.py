@@ -70,3 +70,74 @@ def test_classes_and_functions_stay_small():
             if is_function and lines > MAX_FUNCTION_LINES and node.name not in ARGUMENT_PARSERS:
                 too_long.append(f"{path.name}: {node.name}() has {lines} lines")
     assert too_long == []
+
+
+def _module_name(path, folder, package: bool) -> str:
+    if not package:
+        return path.stem
+    parts = list(path.relative_to(folder.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(folder, package: bool) -> dict[str, set[str]]:
+    """Module -> the modules of `folder` it imports (anywhere in its body, lazily too)."""
+    import ast
+
+    files = {_module_name(p, folder, package): p for p in folder.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                targets = [module] + [f"{module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in files and t != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles_in_the_package_or_the_bench():
+    package = _imports(ROOT / "servicer", package=True)
+    assert package["servicer.messages"] >= {"servicer.admission"}  # the graph sees imports
+    assert _circles(package) == []
+    assert _circles(_imports(ROOT / "bench", package=False)) == []
+
+
+def test_the_circle_finder_finds_circles():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
