@@ -46,3 +46,26 @@ def test_a_snapshot_past_the_last_reusable_token_is_not_cut_back():
     assert _match(index, prompt) == 32  # the snapshot after 32, never the one after 33
     lone = _index(False, [(prompt, True)], block=64)
     assert _match(lone, prompt) == 0
+
+
+def test_the_null_store_answers_everything_the_engine_asks_a_store():
+    import re
+    from pathlib import Path
+
+    from servicer.engine.prefix.store import NoPrefixStore, PrefixStore
+
+    engine = Path(__file__).resolve().parent.parent / "servicer" / "engine"
+    asked = set()
+    calls = (("engine.py", r"self\.store\.(\w+)"), ("batch.py", r"self\._prefix\.(\w+)"))
+    for name, pattern in calls:
+        asked |= set(re.findall(pattern, (engine / name).read_text()))
+    assert {"fetch_admitted", "ready", "keep"} <= asked  # the patterns still find the calls
+    from mlx_lm.models.cache import KVCache
+
+    from servicer.engine.prefix.store import CacheLayout
+
+    real = PrefixStore(CacheLayout.of([KVCache()]), 16, 64, 1 << 20)
+    null = NoPrefixStore()
+    assert all(hasattr(null, name) and hasattr(real, name) for name in asked), asked
+    assert null.match(None).length == 0 and null.fetch_admitted(None) is None
+    assert null.ready(None) and not null.loading and null.stats() is None

@@ -34,10 +34,11 @@ def test_admits_in_arrival_order_while_memory_lasts():
     scheduler.enqueue([_request(1, 40), _request(2, 40), _request(3, 40)])
     admits = scheduler.schedule(IDLE).admits
     assert [a.request.ticket for a in admits] == [1, 2]
-    assert scheduler.reserved == 80 * 1024 and scheduler.waiting == 1
-    assert scheduler.schedule(BatchView(rows=2, first_tokens_due=False)).admits == []  # 3 waits
-    scheduler.release(admits[0].reserved)
-    assert [a.request.ticket for a in scheduler.schedule(BatchView(2, False)).admits] == [3]
+    assert sum(a.reserved for a in admits) == 80 * 1024 and scheduler.waiting == 1
+    full = BatchView(rows=2, first_tokens_due=False, reserved=80 * 1024)
+    assert scheduler.schedule(full).admits == []  # 3 waits
+    one_left = BatchView(rows=1, first_tokens_due=False, reserved=admits[1].reserved)
+    assert [a.request.ticket for a in scheduler.schedule(one_left).admits] == [3]
 
 
 def test_a_request_alone_is_admitted_even_past_the_limit():
@@ -54,7 +55,7 @@ def test_nothing_is_admitted_while_a_first_token_is_due():
     assert len(scheduler.schedule(BatchView(rows=1, first_tokens_due=False)).admits) == 1
 
 
-def test_withdraw_drain_and_forgetting_reservations():
+def test_withdraw_and_drain():
     scheduler = Scheduler(ADMISSION)
     scheduler.enqueue([_request(1), _request(2), _request(3)])
     assert scheduler.withdraw({2, 9}) == [2]
@@ -62,8 +63,6 @@ def test_withdraw_drain_and_forgetting_reservations():
     assert [a.request.ticket for a in admitted] == [1, 3]
     scheduler.enqueue([_request(4)])
     assert scheduler.drain() == [4] and scheduler.waiting == 0
-    scheduler.forget_reservations()
-    assert scheduler.reserved == 0
 
 
 # With a prefill budget.
@@ -226,17 +225,15 @@ def test_without_a_budget_nothing_widens_and_nothing_is_held_back():
         scheduler.enqueue([_request(10 * step + i, 4) for i in range(3)], now=0.0)
         admits = scheduler.schedule(starting, now=float(step)).admits
         assert admits, f"step {step}: admission held back with the budget off"
-        for admit in admits:
-            scheduler.release(admit.reserved)
     assert scheduler.widening.factor == 1.0
 
 
 def test_a_line_held_back_by_memory_does_not_widen():
     scheduler = Scheduler(ADMISSION, POLICY)
     scheduler.cost = _linear_cost(5e-4)
-    decoding = BatchView(rows=1, first_tokens_due=False)
     scheduler.enqueue([_prompt(1, 40)], now=0.0)
-    assert len(scheduler.schedule(IDLE, now=0.0).admits) == 1  # 56 of the 100 KiB
+    (admit,) = scheduler.schedule(IDLE, now=0.0).admits  # 56 of the 100 KiB
+    decoding = BatchView(rows=1, first_tokens_due=False, reserved=admit.reserved)
     for step in range(8):  # more arrive and wait, for memory alone
         scheduler.enqueue([_prompt(100 + step, 40)], now=0.1 * step)
         assert scheduler.schedule(decoding, now=1.0 + step).admits == []

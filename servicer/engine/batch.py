@@ -28,7 +28,7 @@ from .constraints import GrammarProcessor
 from .lockstep import LockstepBroken
 from .prefill import PrefillRow, PrefillSample
 from .prefix.index import Node
-from .prefix.store import Hit, PrefixStore
+from .prefix.store import AnyPrefixStore, Hit
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
 
@@ -76,15 +76,14 @@ class Row:
 
 
 class Batch:
-    """Rows by uid, and the generator that steps them. `on_leave` hears of every row that
-    leaves (its reservation is released)."""
+    """Rows by uid, and the generator that steps them. Each row holds its admission (the
+    memory it reserved, which `view` sums) and its prefix pins until it leaves."""
 
     def __init__(
         self,
         new_generator: Callable[[], BatchGenerator],
         sampling: SamplingFactory,
-        prefix: PrefixStore | None,
-        on_leave: Callable[[Admit], None],
+        prefix: AnyPrefixStore,
         faults: FaultPlan | None = None,
         wants_logprobs: bool = True,
         new_row: Callable[[], list[Any]] | None = None,
@@ -96,7 +95,6 @@ class Batch:
         self._generator = new_generator()
         self._sampling = sampling
         self._prefix = prefix
-        self._on_leave = on_leave
         self._faults = faults
         self._wants_logprobs = wants_logprobs  # only rank 0 sends them anywhere
         self._errors = RateLimitedLog(log, 10.0)
@@ -116,7 +114,8 @@ class Batch:
             PrefillRow(row.prefill_left - 1, row.context) for row in rows if row.prefill_left > 1
         )
         starting = sum(1 for row in rows if row.prefill_left == 1)
-        return BatchView(len(self.rows), due, prefilling, self.decode_step_s, starting)
+        reserved = sum(row.admit.reserved for row in rows)
+        return BatchView(len(self.rows), due, prefilling, self.decode_step_s, starting, reserved)
 
     def set_chunk(self, tokens: int) -> None:
         """Prompt tokens per row the next step prefills (mlx-lm reads it at every step)."""
@@ -149,9 +148,8 @@ class Batch:
             except Exception as exc:
                 message = f"preparing the request failed: {type(exc).__name__}: {exc}"
                 out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, message))
-                if hit is not None and self._prefix is not None:
+                if hit is not None:
                     self._prefix.release(hit.nodes)
-                self._on_leave(admit)
         if not parts:
             return
         requests = [admit.request for admit, _, _, _ in parts]
@@ -167,7 +165,7 @@ class Batch:
             )
         except BaseException:
             for _, hit, _, _ in parts:
-                if hit is not None and self._prefix is not None:
+                if hit is not None:
                     self._prefix.release(hit.nodes)
             raise
         for uid, (admit, hit, chain, _) in zip(uids, parts, strict=True):
@@ -185,15 +183,14 @@ class Batch:
     def _segments(self, request: GenerationRequest, cached: int) -> list[list[int]]:
         """The prompt past its reused prefix, cut where the prefix store wants a snapshot."""
         prompt = request.prompt
-        points = self._prefix.snapshot_points(request, cached) if self._prefix else []
+        points = self._prefix.snapshot_points(request, cached)
         cuts = [cached, *points, len(prompt)]
         return [prompt[a:b] for a, b in itertools.pairwise(cuts) if b > a]
 
     def _drop(self, row: Row) -> None:
         del self.rows[row.uid]
-        if row.blocks and self._prefix is not None:
+        if row.blocks:
             self._prefix.release(row.blocks)
-        self._on_leave(row.admit)
 
     # ----- stepping -----
 
@@ -233,8 +230,7 @@ class Batch:
                 done, total = progress.progress
                 row.prefill_left = total - done
                 row.context = row.admit.cached_tokens + done
-        if self._prefix is not None:
-            self._snapshot_prefills(prompt_progress)
+        self._snapshot_prefills(prompt_progress)
 
     def _prefill_sample(
         self, before: dict[int, tuple[int, int]], seconds: float
@@ -302,13 +298,12 @@ class Batch:
 
     def _finish(self, row: Row, response: Any) -> None:
         self._drop(row)
-        if self._prefix is not None and response.prompt_cache is not None:
+        if response.prompt_cache is not None:
             self._prefix.keep(response.all_tokens, response.prompt_cache, snapshot=True)
 
     def _snapshot_prefills(self, progress: list[Any]) -> None:
         """Keep the blocks of prompts whose prefill just reached a snapshot point or their last
         token."""
-        assert self._prefix is not None
         done = [p.uid for p in progress if p.end_of_segment and not p.end_of_prompt]
         if done:
             for cache, tokens in self._generator.extract_cache(done).values():

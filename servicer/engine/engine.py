@@ -40,8 +40,7 @@ from .inbox import Inbox, InboxTake
 from .lockstep import LockstepBroken
 from .parts import build_parts, new_generator, warm_up
 from .prefill import PrefillPolicy
-from .prefix.disk_link import NoDisk
-from .prefix.store import Hit, PrefixStore
+from .prefix.store import AnyPrefixStore, Hit
 from .scheduler import Admit, Plan, Scheduler
 from .speculation import SpeculationCounters
 from .watchdog import StepWatch
@@ -106,7 +105,7 @@ class Engine:
         return self._capabilities
 
     @property
-    def prefix_cache(self) -> PrefixStore | None:
+    def prefix_cache(self) -> AnyPrefixStore | None:
         """The engine thread's prefix store, for tests that look inside an idle engine."""
         return self._loop.store if self._loop is not None else None
 
@@ -218,15 +217,13 @@ class EngineLoop:
             ),
             parts.sampling,
             parts.prefix,
-            self._left,
             config.faults,
             wants_logprobs=self._leads,
             new_row=parts.new_row,
         )
         if config.warmup:
             warm_up(self.batch.generator, info.bos_token_id or 0, parts.new_row)
-        self.disk = NoDisk() if self.store is None or self.store.disk is None else self.store.disk
-        self.disk.on_done(inbox.nudge)
+        self.store.on_disk_done(inbox.nudge)
         policy = PrefillPolicy(
             max_stall_s=config.max_prefill_stall_ms / 1000,
             step_tokens=config.prefill_step_size,
@@ -237,21 +234,19 @@ class EngineLoop:
             parts.admission,
             policy,
             reusable=self._reusable,
-            ready=self._ready,
+            ready=self.store.ready,
             max_rows=config.completion_batch_size,
         )
         self.embedder = Embedder.of(
             parts.loaded.model, self._lockstep is not None, config.prefill_step_size
         )
-        block = self.store.block_size if self.store is not None else 0
         self.capabilities = EngineCapabilities(
-            parts.admission, parts.has_thinking, block, self.embedder.size
+            parts.admission, parts.has_thinking, self.store.block_size, self.embedder.size
         )
 
     def close(self) -> None:
         self.batch.close()
-        if self.store is not None:
-            self.store.close()
+        self.store.close()
 
     def run(self) -> None:
         batch = self.batch
@@ -276,7 +271,6 @@ class EngineLoop:
                 if self._lockstep is not None:
                     raise  # the ranks may no longer hold the same batch: nothing to recover
                 batch.recover(exc, plan, out)
-                self.scheduler.forget_reservations()
             if self._embeds:
                 self._embed(out)
             if self._lockstep is not None:
@@ -292,14 +286,7 @@ class EngineLoop:
         """How much of its prompt a cached prefix would cover, for planning."""
         if self.config.faults is not None:
             self.config.faults.before_call("plan")
-        return self.store.match(request).length if self.store is not None else 0
-
-    def _ready(self, request: GenerationRequest) -> bool:
-        store = self.store
-        return store is None or self.disk.ready(request, lambda: store.match(request))
-
-    def _left(self, admit: Admit) -> None:
-        self.scheduler.release(admit.reserved)
+        return self.store.match(request).length
 
     def _shared_plan(self, out: StepOutput) -> Plan:
         """Rank 0's plan, the same on every rank."""
@@ -316,7 +303,7 @@ class EngineLoop:
         scheduler, batch, lockstep = self.scheduler, self.batch, self._lockstep
         # Requests that only wait for their blocks from disk leave the engine idle: a finished
         # load wakes it (or a timeout, should the wake be lost).
-        loading = self.disk.loading and not batch.rows
+        loading = self.store.loading and not batch.rows
         take = self._inbox.take(
             idle=not batch.rows and (not scheduler.waiting or loading),
             quiet_s=self.config.coalesce_quiet_s,
@@ -327,14 +314,13 @@ class EngineLoop:
         self._watch.begin()  # the wait for work is over: planning counts from here
         now = time.monotonic()
         scheduler.enqueue(take.requests, now)
-        if self.store is not None:
-            out.disk_load_seconds.extend(self.store.collect())
+        out.disk_load_seconds.extend(self.store.collect())
         plan = Plan(stop=take.stopping, check=batch.check)
         self._commands(take, out)
         if take.aborts:  # requests not admitted yet end here; admitted rows end on every rank
             for ticket in scheduler.withdraw(take.aborts):
                 out.events.append(RowEvent(ticket, None, FINISH_ABORT))
-                self.disk.forget(ticket)
+                self.store.forget(ticket)
             plan.aborts = sorted(take.aborts & batch.tickets())
         if plan.stop:
             return plan
@@ -343,7 +329,7 @@ class EngineLoop:
         self._widened = choice.widened
         for request, reason in choice.failed:
             out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, reason))
-            self.disk.forget(request.ticket)
+            self.store.forget(request.ticket)
         plan.admits = [self._with_prefix(admit) for admit in choice.admits]
         return plan
 
@@ -359,8 +345,7 @@ class EngineLoop:
             )
             return
         if take.flushes:
-            if self.store is not None:
-                self.store.flush()
+            self.store.flush()
             out.flushed.extend(take.flushes)
         if take.stopping:
             out.embeddings.extend(self.embedder.refuse(take.embeds, "the engine is stopping"))
@@ -370,12 +355,8 @@ class EngineLoop:
     def _with_prefix(self, admit: Admit) -> Admit:
         """`admit` with its cached prefix fetched (kept for `_apply`); the store turns its own
         faults into a miss."""
-        ticket = admit.request.ticket
-        hit = None
-        if self.store is not None:
-            from_disk = self.disk.admitted(ticket)
-            hit = self.store.fetch(admit.request, from_disk)
-        self._fetched[ticket] = hit
+        hit = self.store.fetch_admitted(admit.request)
+        self._fetched[admit.request.ticket] = hit
         return Admit(admit.request, admit.reserved, hit.length if hit is not None else 0)
 
     # ----- applying, stepping, sending (every rank) -----
@@ -391,10 +372,9 @@ class EngineLoop:
             if plan.aborts:
                 batch.remove(plan.aborts, out)
         except BaseException:
-            if self.store is not None:
-                for hit in hits:
-                    if hit is not None:
-                        self.store.release(hit.nodes)
+            for hit in hits:
+                if hit is not None:
+                    self.store.release(hit.nodes)
             raise
         if plan.admits:
             batch.insert(plan.admits, hits, out)  # it owns the pins from here
@@ -402,7 +382,7 @@ class EngineLoop:
     def _take_fetched(self, admit: Admit) -> Hit | None:
         if self._leads:
             return self._fetched.pop(admit.request.ticket)
-        hit = self.store.fetch(admit.request) if self.store is not None else None
+        hit = self.store.fetch(admit.request)
         check_same_prefix(hit.length if hit is not None else 0, admit.cached_tokens)
         return hit
 
@@ -432,14 +412,13 @@ class EngineLoop:
             out.embeddings.extend(self.embedder.refuse(embeds, f"embedding failed: {exc}"))
 
     def _take_events(self, out: StepOutput) -> None:
-        if self.store is not None:
-            out.kv_events.extend(self.store.take_events())
+        out.kv_events.extend(self.store.take_events())
 
     def _publish(self, out: StepOutput) -> None:
         """The figures go out with this output when they changed."""
         budget = self.scheduler.budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
         figures = EngineFigures(
-            self.store.stats() if self.store is not None else None,
+            self.store.stats(),
             budget,
             self._speculation_figures(),
         )

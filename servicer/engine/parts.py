@@ -23,7 +23,7 @@ from .constraints import GrammarFactory
 from .memory import device_memory_bytes, measure, weights_bytes
 from .model import LoadedModel, load_model, log_blas_hint
 from .prefix.disk_tier import DiskTier, model_identity
-from .prefix.store import CacheLayout, PrefixStore
+from .prefix.store import AnyPrefixStore, CacheLayout, NoPrefixStore, PrefixStore
 from .quantized_kv import check_quantization, make_row_cache
 from .sampling import SamplingFactory
 from .speculation import (
@@ -71,7 +71,7 @@ class EngineParts:
     loaded: LoadedModel
     sampling: SamplingFactory
     admission: Admission
-    prefix: PrefixStore | None
+    prefix: AnyPrefixStore
     has_thinking: bool
     speculation: Speculation | None = None  # None: off (not asked for, or not possible)
     # One request's empty caches: quantized attention layers with --kv-bits (None: mlx-lm's)
@@ -242,9 +242,9 @@ def _prefix_store(
     loaded: LoadedModel,
     info: ModelInfo,
     layout: CacheLayout,
-) -> PrefixStore | None:
+) -> AnyPrefixStore:
     if config.prompt_cache_size <= 0:
-        return None
+        return NoPrefixStore()
     max_bytes = config.prompt_cache_bytes
     shared = config.lockstep is not None
     if max_bytes is None:

@@ -67,6 +67,7 @@ class BatchView:
     prefilling: tuple[PrefillRow, ...] = ()  # rows with prompt chunks still to process
     decode_step_s: float = 0.0  # how long a step without prefill takes lately
     starting: int = 0  # rows whose prompt is through: the next step runs their first token
+    reserved: int = 0  # bytes of cache state the rows set aside when they were admitted
 
     @property
     def decoding(self) -> bool:
@@ -85,7 +86,8 @@ class StepChoice:
 
 
 class Scheduler:
-    """The waiting line, in arrival order, and the cache memory reserved by admitted requests.
+    """The waiting line, in arrival order, and which requests join the batch: those whose
+    cache memory fits beside what the batch's rows reserved (the batch says how much).
 
     A request that cannot fit beside the running ones waits until they finish; one that could
     never fit was refused before it got here.
@@ -109,7 +111,6 @@ class Scheduler:
         self._max_rows = max_rows
         self._waiting: deque[GenerationRequest] = deque()
         self._arrived: dict[int, float] = {}  # ticket -> when it joined the line
-        self._reserved = 0
         self.cost = PrefillCost()
         self.widening = Widening()
         self.budget_s = self._policy.max_stall_s  # the budget the last step was planned with
@@ -118,10 +119,6 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
-
-    @property
-    def reserved(self) -> int:
-        return self._reserved
 
     def enqueue(self, requests: Iterable[GenerationRequest], now: float = 0.0) -> None:
         for request in requests:
@@ -163,6 +160,7 @@ class Scheduler:
         min_chunk, rows = policy.min_chunk, [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
         failed: list[tuple[GenerationRequest, str]] = []
+        reserved = batch.reserved
         # Widened (prompts are queueing): new prompts wait out a step whose first tokens are
         # due, as without a budget, so the next step starts twice as many in one prefill call
         # and one first-token forward.
@@ -172,7 +170,7 @@ class Scheduler:
             if policy.budgeted and full:
                 break
             try:
-                looked = self._look(request, occupied=bool(batch.rows or admits))
+                looked = self._look(request, reserved, occupied=bool(batch.rows or admits))
             except Exception as exc:  # planning this one request failed: it fails alone
                 self._leave_line(request)
                 failed.append((request, f"planning the request failed: {_describe(exc)}"))
@@ -188,7 +186,7 @@ class Scheduler:
             if policy.budgeted and rows and not joins:
                 continue  # too long to start beside the prompts in prefill now
             self._leave_line(request)
-            self._reserved += need
+            reserved += need
             admits.append(Admit(request, need))
             rows.append(remaining)
         if not policy.budgeted:
@@ -213,12 +211,14 @@ class Scheduler:
         slow = batch.decode_step_s >= policy.max_stall_s
         return policy.budgeted and slow and self.waiting >= max(BULK_MIN_WAITING, decoding_rows)
 
-    def _look(self, request: GenerationRequest, occupied: bool) -> tuple[int, int] | object | None:
+    def _look(
+        self, request: GenerationRequest, reserved: int, occupied: bool
+    ) -> tuple[int, int] | object | None:
         """(bytes it reserves, prompt tokens it must prefill) for a request that may join;
         None while its prefix is loading; `_MEMORY_FULL` when it does not fit beside the
-        running requests (`occupied`)."""
+        `reserved` bytes of the running requests (`occupied`)."""
         need = self._admission.estimate(request.cache_tokens)
-        if occupied and self._reserved + need > self._admission.limit_bytes:
+        if occupied and reserved + need > self._admission.limit_bytes:
             return _MEMORY_FULL
         if not self._ready(request):
             return None
@@ -238,15 +238,11 @@ class Scheduler:
         if not self._waiting or not batch.rows:
             return False
         need = self._admission.estimate(self._waiting[0].cache_tokens)
-        return self._reserved + need > self._admission.limit_bytes
+        return batch.reserved + need > self._admission.limit_bytes
 
     def over_budget(self, sample: PrefillSample) -> bool:
         """Whether a step's prefill took longer than the budget it was planned with."""
         return self._policy.budgeted and not self.bulk and sample.seconds > self.budget_s
-
-    def release(self, reserved: int) -> None:
-        """An admitted request left the batch."""
-        self._reserved -= reserved
 
     def drain(self) -> list[int]:
         """Empty the waiting line (shutdown); returns the tickets that were in it."""
@@ -254,7 +250,3 @@ class Scheduler:
         self._waiting.clear()
         self._arrived.clear()
         return tickets
-
-    def forget_reservations(self) -> None:
-        """The batch was rebuilt empty: nothing is reserved any more."""
-        self._reserved = 0

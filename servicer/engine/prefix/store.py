@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,9 +139,9 @@ class PrefixStore:
         self.max_blocks = max_blocks
         self.index = BlockIndex(block_size, layout.cuttable)
         self.counters = StoreCounters()
-        self.disk = DiskLink(self.index, layout, disk) if disk is not None else None
-        if self.disk is not None:
-            self.disk.index_files()
+        self._link = DiskLink(self.index, layout, disk) if disk is not None else None
+        if self._link is not None:
+            self._link.index_files()
 
     # ----- finding -----
 
@@ -298,9 +299,9 @@ class PrefixStore:
             if node is None:
                 return  # everything left is pinned
             data = node.ram
-            index.drop_ram(node, keep=self.disk is not None)
-            if self.disk is not None:
-                self.disk.spill(node, data)
+            index.drop_ram(node, keep=self._link is not None)
+            if self._link is not None:
+                self._link.spill(node, data)
             self.counters.evictions += 1
 
     def _inject(self, kind: str) -> None:
@@ -315,15 +316,42 @@ class PrefixStore:
 
     def collect(self) -> list[float]:
         """What the disk threads finished; returns the disk load times since the last call."""
-        if self.disk is None:
+        if self._link is None:
             return []
-        self.disk.collect()
+        self._link.collect()
         self.enforce_budget()
-        return self.disk.take_load_seconds()
+        return self._link.take_load_seconds()
 
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
+        if self._link is not None:
+            self._link.close()
+
+    # ----- requests whose blocks are on disk -----
+
+    def ready(self, request: GenerationRequest) -> bool:
+        """Whether `request` may join the batch now (its blocks on disk are loaded, or there
+        is nothing to load, or the load took too long); the first call starts the load."""
+        return self._link is None or self._link.ready(request, lambda: self.match(request))
+
+    @property
+    def loading(self) -> bool:
+        """Some waiting request's blocks are being loaded from disk."""
+        return self._link is not None and self._link.loading
+
+    def fetch_admitted(self, request: GenerationRequest) -> Hit | None:
+        """`fetch` for a request that joins the batch now (the disk load's pins end)."""
+        from_disk = self._link is not None and self._link.admitted(request.ticket)
+        return self.fetch(request, from_disk)
+
+    def forget(self, ticket: int) -> None:
+        """A waiting request left (aborted or failed): its disk load's pins end."""
+        if self._link is not None:
+            self._link.forget(ticket)
+
+    def on_disk_done(self, wake: Callable[[], None]) -> None:
+        """`wake` is called (from a disk thread) whenever a write or a load finishes."""
+        if self._link is not None:
+            self._link.on_done(wake)
 
     # ----- flushing, and what changed -----
 
@@ -332,8 +360,8 @@ class PrefixStore:
         the blocks, and releasing a block the index forgot changes nothing. The files go on
         the writer thread, after the writes queued before them."""
         entries = self.index.clear()
-        if self.disk is not None:
-            self.disk.forget_files(entries)
+        if self._link is not None:
+            self._link.forget_files(entries)
 
     def take_events(self) -> list[KvBlockEvent]:
         """The full blocks that entered or left a tier since the last call (engine thread;
@@ -358,6 +386,59 @@ class PrefixStore:
             pinned_blocks=self.index.pinned_blocks,
             faults=counters.faults,
             snapshot_hits=counters.snapshot_hits,
-            dropped_writes=self.disk.disk.counters.dropped_writes if self.disk else 0,
-            disk_faults=sum(self.disk.disk.counters.faults.values()) if self.disk else 0,
+            dropped_writes=self._link.disk.counters.dropped_writes if self._link else 0,
+            disk_faults=sum(self._link.disk.counters.faults.values()) if self._link else 0,
         )
+
+
+class NoPrefixStore:
+    """The prompt cache turned off (`--prompt-cache-size 0`, or not possible): every lookup
+    a miss, nothing kept, nothing to load."""
+
+    block_size = 0
+    loading = False
+
+    def match(self, request: GenerationRequest) -> Match:
+        return Match()
+
+    def fetch(self, request: GenerationRequest, from_disk: bool = False) -> Hit | None:
+        return None
+
+    def fetch_admitted(self, request: GenerationRequest) -> Hit | None:
+        return None
+
+    def release(self, nodes: tuple[Node, ...]) -> None:
+        pass
+
+    def snapshot_points(self, request: GenerationRequest, start: int) -> list[int]:
+        return []
+
+    def keep(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
+        pass
+
+    def ready(self, request: GenerationRequest) -> bool:
+        return True
+
+    def forget(self, ticket: int) -> None:
+        pass
+
+    def on_disk_done(self, wake: Callable[[], None]) -> None:
+        pass
+
+    def collect(self) -> list[float]:
+        return []
+
+    def flush(self) -> None:
+        pass
+
+    def take_events(self) -> list[KvBlockEvent]:
+        return []
+
+    def stats(self) -> PrefixCacheStats | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+AnyPrefixStore = PrefixStore | NoPrefixStore
