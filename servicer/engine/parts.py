@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +48,7 @@ class Speculation:
 
     kind: str
     draft: nn.Module | None = None
-    k_max: int = 4
-    max_rows: int = 4
-    costed: bool = True
+    config: SpeculationConfig = field(default_factory=SpeculationConfig)
     catch_up_s: float = 0.0  # a draft model's catch-up a step (the prefill budget; 0: none)
 
     def source(self) -> DraftSource:
@@ -61,7 +59,7 @@ class Speculation:
         return PromptLookup()
 
     def settings(self) -> SpeculationConfig:
-        return SpeculationConfig(k_max=self.k_max, max_rows=self.max_rows, costed=self.costed)
+        return self.config
 
 
 @dataclass
@@ -205,14 +203,12 @@ def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | Non
         config.speculate_k,
         config.speculate_max_batch,
     )
-    return Speculation(
-        config.speculate,
-        draft,
-        config.speculate_k,
-        config.speculate_max_batch,
-        config.speculate_costed,
-        config.max_prefill_stall_ms / 1000,
+    settings = SpeculationConfig(
+        k_max=config.speculate_k,
+        max_rows=config.speculate_max_batch,
+        costed=config.speculate_costed,
     )
+    return Speculation(config.speculate, draft, settings, config.max_prefill_stall_ms / 1000)
 
 
 def _admission(
