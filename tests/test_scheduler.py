@@ -192,7 +192,7 @@ def test_a_queue_widens_what_a_step_may_prefill():
     later = [scheduler.schedule(decoding, now=1.0 + i) for i in range(8)]
     assert len(first.admits) == 1 and not first.widened
     assert len(later[-1].admits) >= 3 and later[-1].widened
-    assert scheduler.budget_s == 0.2  # 4 x 50 ms
+    assert later[-1].budget_s == 0.2  # 4 x 50 ms
 
 
 def test_while_widened_new_prompts_wait_out_a_step_whose_first_tokens_are_due():
@@ -213,9 +213,9 @@ def test_planning_and_the_over_budget_count_use_the_same_budget():
     slow = BatchView(rows=4, first_tokens_due=False, decode_step_s=0.3)  # a slow model
     choice = scheduler.schedule(slow)
     planned = scheduler.cost.seconds(1, choice.chunk, 0)
-    assert planned <= scheduler.budget_s == 4 * 0.3
-    assert not scheduler.over_budget(PrefillSample(1, choice.chunk, 0, planned))
-    assert scheduler.over_budget(PrefillSample(1, choice.chunk, 0, 1.21))
+    assert planned <= choice.budget_s == 4 * 0.3
+    assert not scheduler.over_budget(PrefillSample(1, choice.chunk, 0, planned), choice)
+    assert scheduler.over_budget(PrefillSample(1, choice.chunk, 0, 1.21), choice)
 
 
 def test_without_a_budget_nothing_widens_and_nothing_is_held_back():
@@ -257,7 +257,7 @@ def test_on_a_memory_bound_model_a_short_prompt_is_prefilled_in_one_call():
     # Split to fit one decode step it took three calls, three weight reads.
     assert [a.request.ticket for a in choice.admits] == [1]
     assert choice.chunk == 128
-    assert scheduler.budget_s > 0.23  # planned past the base budget, so not over it
+    assert choice.budget_s > 0.23  # planned past the base budget, so not over it
 
 
 def test_on_a_memory_bound_model_prompts_waiting_together_share_one_call():
@@ -282,16 +282,16 @@ def test_on_a_memory_bound_model_a_burst_as_large_as_the_batch_is_prefilled_whol
     # 8 rows just started decoding, 24 prompts wait: one call takes the next 8, as if idle.
     choice = scheduler.schedule(BatchView(rows=8, first_tokens_due=False, decode_step_s=0.23))
     assert [a.request.ticket for a in choice.admits] == list(range(1, 9))
-    assert choice.chunk == 128 and scheduler.bulk  # every one of them finishes in the call
-    assert not scheduler.over_budget(PrefillSample(8, 128, 0, 3.0))
+    assert choice.chunk == 128 and choice.bulk  # every one of them finishes in the call
+    assert not scheduler.over_budget(PrefillSample(8, 128, 0, 3.0), choice)
 
 
 def test_a_lone_arrival_or_a_fast_model_keeps_the_budget():
     lone = _budgeted(_memory_bound_cost())
     lone.enqueue([_prompt(1, 4000)])
     choice = lone.schedule(BatchView(rows=1, first_tokens_due=False, decode_step_s=0.23))
-    assert choice.chunk < 300 and not lone.bulk
+    assert choice.chunk < 300 and not choice.bulk
     fast = _budgeted(_linear_cost(5e-4))
     fast.enqueue([_prompt(t, 400) for t in range(1, 25)])
     choice = fast.schedule(BatchView(rows=8, first_tokens_due=False, decode_step_s=0.003))
-    assert choice.chunk < 399 and not fast.bulk  # split, the budget widened by the queue
+    assert choice.chunk < 399 and not choice.bulk  # split, the budget widened by the queue

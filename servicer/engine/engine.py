@@ -205,7 +205,6 @@ class EngineLoop:
         self._leads = self._lockstep is None or self._lockstep.leads
         self._fetched: dict[int, Hit | None] = {}  # prefixes rank 0 found while planning
         self._published: EngineFigures | None = None
-        self._widened = False  # this step was planned with a widened prefill budget
         self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
         parts = build_parts(config, info)
         self.parts = parts
@@ -265,7 +264,7 @@ class EngineLoop:
             try:
                 self._apply(plan, out)
                 if batch.rows:
-                    due = self._step(out)
+                    due = self._step(out, plan)
                     out.step_seconds.append(time.perf_counter() - started)
             except Exception as exc:
                 if self._lockstep is not None:
@@ -276,7 +275,7 @@ class EngineLoop:
             if self._lockstep is not None:
                 self._lockstep.progress()
             self._take_events(out)
-            self._publish(out)
+            self._publish(out, plan.budget_s)
             self._send(out, due)
             self._watch.end()
 
@@ -325,8 +324,8 @@ class EngineLoop:
         if plan.stop:
             return plan
         choice = scheduler.schedule(batch.view(), now)
-        plan.chunk = choice.chunk
-        self._widened = choice.widened
+        plan.chunk, plan.widened = choice.chunk, choice.widened
+        plan.budget_s, plan.bulk = choice.budget_s, choice.bulk
         for request, reason in choice.failed:
             out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, reason))
             self.store.forget(request.ticket)
@@ -386,7 +385,7 @@ class EngineLoop:
         check_same_prefix(hit.length if hit is not None else 0, admit.cached_tokens)
         return hit
 
-    def _step(self, out: StepOutput) -> bool:
+    def _step(self, out: StepOutput, plan: Plan) -> bool:
         """One step; what it prefilled teaches the scheduler's cost model (rank 0 plans)."""
         batch, scheduler = self.batch, self.scheduler
         decoding = batch.view().decoding
@@ -396,9 +395,9 @@ class EngineLoop:
         sample = report.prefill
         if sample is not None and self._leads:
             scheduler.cost.observe(sample)
-            if decoding and scheduler.over_budget(sample):
+            if decoding and scheduler.over_budget(sample, plan):
                 out.over_budget += 1
-            out.widened_steps += self._widened
+            out.widened_steps += plan.widened
         return report.due
 
     def _embed(self, out: StepOutput) -> None:
@@ -414,14 +413,11 @@ class EngineLoop:
     def _take_events(self, out: StepOutput) -> None:
         out.kv_events.extend(self.store.take_events())
 
-    def _publish(self, out: StepOutput) -> None:
-        """The figures go out with this output when they changed."""
-        budget = self.scheduler.budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
-        figures = EngineFigures(
-            self.store.stats(),
-            budget,
-            self._speculation_figures(),
-        )
+    def _publish(self, out: StepOutput, budget_s: float) -> None:
+        """The figures go out with this output when they changed (`budget_s`: the prefill
+        budget the step was planned with)."""
+        budget = budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
+        figures = EngineFigures(self.store.stats(), budget, self._speculation_figures())
         if figures != self._published:
             out.figures = self._published = figures
 
@@ -432,7 +428,7 @@ class EngineLoop:
 
     def _publish_now(self) -> None:
         out = StepOutput()
-        self._publish(out)
+        self._publish(out, self.config.max_prefill_stall_ms / 1000)
         self._sink.put(out, due=True)
 
     def _send(self, out: StepOutput, due: bool) -> None:

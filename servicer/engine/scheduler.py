@@ -56,6 +56,11 @@ class Plan(Wire):
     chunk: int = DEFAULT_PREFILL_STEP  # prompt tokens per row this step prefills
     stop: bool = False
     check: int = 0  # what the previous step produced, so the ranks can compare notes
+    # Rank 0's own: the prefill budget this step was planned with, whether it was widened
+    # (prompts queue) and whether it prefills in bulk (`Scheduler._bulk`).
+    budget_s: float = 0.0
+    widened: bool = False
+    bulk: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,8 @@ class StepChoice:
     # Requests whose own planning failed (a cache or disk fault while looking at them): they
     # fail alone, with the reason.
     failed: list[tuple[GenerationRequest, str]] = field(default_factory=list)
+    budget_s: float = 0.0  # the prefill budget the step is planned with
+    bulk: bool = False  # it prefills as if nothing decoded (`Scheduler._bulk`)
 
 
 class Scheduler:
@@ -113,8 +120,6 @@ class Scheduler:
         self._arrived: dict[int, float] = {}  # ticket -> when it joined the line
         self.cost = PrefillCost()
         self.widening = Widening()
-        self.budget_s = self._policy.max_stall_s  # the budget the last step was planned with
-        self.bulk = False  # the last step was planned without it (see `_bulk`)
 
     @property
     def waiting(self) -> int:
@@ -147,15 +152,13 @@ class Scheduler:
         if not policy.budgeted and batch.first_tokens_due:
             return StepChoice([], policy.step_tokens)
         widen = self._widen(batch, now)
-        self.budget_s = step_budget(policy, widen, batch.decode_step_s)
+        budget_s = step_budget(policy, widen, batch.decode_step_s)
         context = max((row.context for row in batch.prefilling), default=0)
         decoding = batch.decoding and not self._bulk(batch)
-        self.bulk = batch.decoding and not decoding
-        capacity = step_capacity(
-            policy, self.cost, decoding, context, self.budget_s, batch.starting
-        )
+        bulk = batch.decoding and not decoding
+        capacity = step_capacity(policy, self.cost, decoding, context, budget_s, batch.starting)
         # It may take more to finish every prompt in one call (prefill.FINISH_DECODE_STEPS).
-        finish_s = finish_budget(self.budget_s, batch.decode_step_s)
+        finish_s = finish_budget(budget_s, batch.decode_step_s)
         finish = step_capacity(policy, self.cost, decoding, context, finish_s, batch.starting)
         min_chunk, rows = policy.min_chunk, [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
@@ -190,14 +193,15 @@ class Scheduler:
             admits.append(Admit(request, need))
             rows.append(remaining)
         if not policy.budgeted:
-            return StepChoice(admits, policy.step_tokens, False, failed)
+            return StepChoice(admits, policy.step_tokens, False, failed, budget_s)
         widened = widen > 1.0 and decoding
         left = [r for r in rows if r > 0]
         if left and finishes_within(left, finish):
-            if decoding:
-                self.budget_s = finish_s  # planned past the base budget, on purpose
-            return StepChoice(admits, max(left), widened, failed)
-        return StepChoice(admits, chunk_for(left, capacity, min_chunk), widened, failed)
+            # Planned past the base budget on purpose, where rows decode.
+            planned = finish_s if decoding else budget_s
+            return StepChoice(admits, max(left), widened, failed, planned, bulk)
+        chunk = chunk_for(left, capacity, min_chunk)
+        return StepChoice(admits, chunk, widened, failed, budget_s, bulk)
 
     def _bulk(self, batch: BatchView) -> bool:
         """Whether this step prefills as if nothing decoded: on a model whose decode step
@@ -240,9 +244,9 @@ class Scheduler:
         need = self._admission.estimate(self._waiting[0].cache_tokens)
         return batch.reserved + need > self._admission.limit_bytes
 
-    def over_budget(self, sample: PrefillSample) -> bool:
+    def over_budget(self, sample: PrefillSample, plan: Plan | StepChoice) -> bool:
         """Whether a step's prefill took longer than the budget it was planned with."""
-        return self._policy.budgeted and not self.bulk and sample.seconds > self.budget_s
+        return self._policy.budgeted and not plan.bulk and sample.seconds > plan.budget_s
 
     def drain(self) -> list[int]:
         """Empty the waiting line (shutdown); returns the tickets that were in it."""
