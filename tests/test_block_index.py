@@ -69,3 +69,15 @@ def test_the_null_store_answers_everything_the_engine_asks_a_store():
     assert all(hasattr(null, name) and hasattr(real, name) for name in asked), asked
     assert null.match(None).length == 0 and null.fetch_admitted(None) is None
     assert null.ready(None) and not null.loading and null.stats() is None
+
+
+def test_a_hits_pins_are_released_once_whoever_holds_them():
+    from servicer.engine.prefix.store import Hit, Pins
+
+    released = []
+    hit = Hit([], Pins(("a", "b"), released.append), 32)
+    row_pins = hit.pins  # the row takes them over
+    hit.release()
+    row_pins.release()
+    hit.release()
+    assert released == [("a", "b")] and hit.nodes == ("a", "b")

@@ -27,8 +27,7 @@ from ..ratelimit import RateLimitedLog
 from .constraints import GrammarProcessor
 from .lockstep import LockstepBroken
 from .prefill import PrefillRow, PrefillSample
-from .prefix.index import Node
-from .prefix.store import AnyPrefixStore, Hit
+from .prefix.store import AnyPrefixStore, Hit, Pins
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
 
@@ -60,7 +59,7 @@ class Row:
     unsent: int = 0  # events produced since the last hand-off
     prefilled: bool = False  # its prompt is in; its first token comes with the next step
     grammar: GrammarProcessor | None = None  # its structured-output processor, if any
-    blocks: tuple[Node, ...] = ()  # the prefix blocks it reused, pinned while it runs
+    pins: Pins | None = None  # the blocks of the prefix it reused, pinned while it runs
 
     @property
     def ticket(self) -> int:
@@ -149,7 +148,7 @@ class Batch:
                 message = f"preparing the request failed: {type(exc).__name__}: {exc}"
                 out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, message))
                 if hit is not None:
-                    self._prefix.release(hit.nodes)
+                    hit.release()
         if not parts:
             return
         requests = [admit.request for admit, _, _, _ in parts]
@@ -166,13 +165,13 @@ class Batch:
         except BaseException:
             for _, hit, _, _ in parts:
                 if hit is not None:
-                    self._prefix.release(hit.nodes)
+                    hit.release()
             raise
         for uid, (admit, hit, chain, _) in zip(uids, parts, strict=True):
             grammar = next((p for p in chain if isinstance(p, GrammarProcessor)), None)
             left = len(admit.request.prompt) - admit.cached_tokens
-            blocks = hit.nodes if hit is not None else ()
-            row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, blocks=blocks)
+            pins = hit.pins if hit is not None else None
+            row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, pins=pins)
             self.rows[uid] = row
 
     def _cache_for(self, hit: Hit | None) -> list[Any] | None:
@@ -189,8 +188,8 @@ class Batch:
 
     def _drop(self, row: Row) -> None:
         del self.rows[row.uid]
-        if row.blocks:
-            self._prefix.release(row.blocks)
+        if row.pins is not None:
+            row.pins.release()
 
     # ----- stepping -----
 

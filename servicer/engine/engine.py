@@ -373,7 +373,7 @@ class EngineLoop:
         except BaseException:
             for hit in hits:
                 if hit is not None:
-                    self.store.release(hit.nodes)
+                    hit.release()
             raise
         if plan.admits:
             batch.insert(plan.admits, hits, out)  # it owns the pins from here

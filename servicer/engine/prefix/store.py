@@ -106,13 +106,34 @@ class UnusableBlock(ValueError):
     """A block's data cannot serve the match the index promised: the request is a miss."""
 
 
+@dataclass
+class Pins:
+    """A hit's blocks, pinned until released: once, whoever holds it then (the plan, then
+    the row); later calls do nothing."""
+
+    nodes: tuple[Node, ...]
+    unpin: Callable[[tuple[Node, ...]], None] | None
+
+    def release(self) -> None:
+        unpin, self.unpin = self.unpin, None
+        if unpin is not None:
+            unpin(self.nodes)
+
+
 @dataclass(frozen=True)
 class Hit:
     """A private cache for a request, the blocks it came from (pinned), and what it covers."""
 
     cache: list[Any]
-    nodes: tuple[Node, ...]
+    pins: Pins
     length: int
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return self.pins.nodes
+
+    def release(self) -> None:
+        self.pins.release()
 
 
 class PrefixStore:
@@ -172,7 +193,7 @@ class PrefixStore:
         self.counters.snapshot_hits += not self.layout.cuttable
         self.index.touch(match.nodes)
         self.index.pin(match.nodes)
-        return Hit(cache, match.nodes, match.length)
+        return Hit(cache, Pins(match.nodes, self.index.unpin), match.length)
 
     def _usable(self, match: Match) -> Match:
         """The longest part of `match` a hit can be built from now: its blocks in RAM and,
@@ -184,9 +205,6 @@ class PrefixStore:
             if self.layout.cuttable or node.ram_snapshot:
                 return Match(match.nodes[:depth], min(node.end, match.length))
         return Match()
-
-    def release(self, nodes: tuple[Node, ...]) -> None:
-        self.index.unpin(nodes)
 
     def _build(self, match: Match) -> list[Any]:
         """The request's cache from its blocks' RAM copies; `UnusableBlock` when they cannot
@@ -406,9 +424,6 @@ class NoPrefixStore:
 
     def fetch_admitted(self, request: GenerationRequest) -> Hit | None:
         return None
-
-    def release(self, nodes: tuple[Node, ...]) -> None:
-        pass
 
     def snapshot_points(self, request: GenerationRequest, start: int) -> list[int]:
         return []
