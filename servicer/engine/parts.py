@@ -3,6 +3,7 @@ the admission guard's limits, the prefix cache and the BatchGenerator (engine th
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from ..messages import ModelInfo
 from ..model_files import ModelLoadError, ModelSpec, resolve_model_dir
 from .constraints import GrammarFactory
 from .memory import device_memory_bytes, measure, weights_bytes
+from .mlx_lm_compat import missing_touch_points
 from .model import LoadedModel, load_model, log_blas_hint
 from .prefix.disk_tier import DiskTier, model_identity
 from .prefix.store import AnyPrefixStore, CacheLayout, NoPrefixStore, PrefixStore
@@ -185,6 +187,14 @@ def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | Non
     supported, reason = speculation_supported(loaded.model)
     if not supported:
         log.info("speculative decoding stays off: %s", reason)
+        return None
+    if missing := missing_touch_points():
+        log.warning(
+            "speculative decoding stays off: this mlx-lm (%s) lacks %s (servicer/engine/"
+            "mlx_lm_compat.py)",
+            importlib.metadata.version("mlx-lm"),
+            ", ".join(missing),
+        )
         return None
     draft = None
     if config.speculate == "draft":
