@@ -1,7 +1,8 @@
 """Architectures whose mlx-lm code breaks in a batch (servicer/engine/arch_fixes.py): a batch of
 prompts of different lengths, prefilled together and decoded a step, gives each row the logits
 it gets alone. Without the fixes gemma2 (grouped heads) applies one row's mask to another
-(or raises, by batch size) and gpt_bigcode (learned positions) raises on per-row offsets."""
+(or raises, by batch size), gpt_bigcode (learned positions) raises on per-row offsets, and afm7's
+KV-reuse layers place a padded row's queries at the wrong position."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def alone(model, prompt: list[int], follow: int) -> tuple[mx.array, mx.array]:
 def together(model, follow: list[int]) -> tuple[mx.array, mx.array]:
     width = max(len(p) for p in PROMPTS)
     padding = [width - len(p) for p in PROMPTS]
-    cache = [BatchKVCache(padding) for _ in model.layers]
+    cache = [BatchKVCache(padding) for _ in make_prompt_cache(model)]
     inputs = mx.array([[0] * pad + p for pad, p in zip(padding, PROMPTS, strict=True)])
     first = model(inputs, cache=cache)[:, -1]
     second = model(mx.array([[t] for t in follow]), cache=cache)[:, -1]
@@ -62,7 +63,7 @@ def rows_match(model) -> bool:
     return True
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gpt_bigcode"])
+@pytest.mark.parametrize("arch", ["afm7", "gemma2", "gpt_bigcode"])
 def test_a_batch_gives_each_row_its_own_logits(arch: str) -> None:
     model = build(arch)
     assert not rows_match(model), "mlx-lm batches this architecture right now: drop its fix"

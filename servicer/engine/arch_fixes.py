@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,48 @@ class RowPositions:
         return self.ln_f(hidden)
 
 
+class RowQueryPositions:
+    """afm7: the KV-reuse layers place their queries at the shared cache's length minus the
+    chunk; in a batch that length counts each row's left padding. A row's own position is the
+    shared cache's offset (one per row) minus the chunk."""
+
+    embedding: nn.Embedding
+    layers: list[nn.Module]
+    kv_reuse_layers: list[nn.Module]
+    output_norm: nn.Module
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        offset = None if cache is None else cache[-1].offset
+        if not isinstance(offset, mx.array):
+            return super().__call__(inputs, cache)  # type: ignore[misc]
+        assert cache is not None
+        hidden = self.embedding(inputs)
+        mask = create_attention_mask(hidden, cache[0])
+        for layer, layer_cache in zip(self.layers, cache):  # noqa: B905 - as mlx-lm's own
+            hidden = layer(hidden, mask, cache=layer_cache)
+        keys, values = cache[-1].keys_and_values()
+        start = cache[-1].offset - inputs.shape[1]
+        for block in self.kv_reuse_layers:
+            hidden = _kv_reuse_block(block, hidden, keys, values, mask, start)
+        return self.output_norm(hidden)
+
+
+def _kv_reuse_block(
+    block: Any, x: mx.array, keys: mx.array, values: mx.array, mask: Any, start: mx.array
+) -> mx.array:
+    """mlx-lm's KVReuseTransformerBlock with its queries at per-row positions `start`."""
+    attention = block.self_attn
+    normed = block.input_layernorm(x)
+    batch, length, _ = normed.shape
+    queries = attention.q_proj(normed).reshape(batch, length, attention.n_heads, -1)
+    queries = attention.q_norm(attention.rope(queries.transpose(0, 2, 1, 3), offset=start))
+    out = scaled_dot_product_attention(
+        queries, keys, values, cache=None, scale=attention.scale, mask=mask
+    )
+    hidden = x + attention.out_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+    return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+
 def _swap_class(module: nn.Module, fix: type) -> None:
     original = type(module)
     if issubclass(original, fix):
@@ -103,7 +145,16 @@ def _gpt_bigcode(model: nn.Module) -> int:
     return 1
 
 
-FIXES: dict[str, Callable[[nn.Module], int]] = {"gemma2": _gemma2, "gpt_bigcode": _gpt_bigcode}
+def _afm7(model: nn.Module) -> int:
+    _swap_class(model.model, RowQueryPositions)
+    return 1
+
+
+FIXES: dict[str, Callable[[nn.Module], int]] = {
+    "afm7": _afm7,
+    "gemma2": _gemma2,
+    "gpt_bigcode": _gpt_bigcode,
+}
 
 
 def fix_for_batching(model: nn.Module) -> None:
