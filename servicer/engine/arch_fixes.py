@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 # Recurrent or convolution layers that read mlx-lm's left padding as input: prompts of
 # different lengths prefilled together get wrong state (mlx-lm 0.32's BatchGenerator gives the
-# same wrong tokens). nemotron_h's layers do take padding, yet its batched prefill differs from
+# same wrong tokens); longcat_flash_ngram's n-gram embeddings hash the padding in with a
+# row's first tokens. nemotron_h's layers do take padding, yet its batched prefill differs from
 # its single-sequence one past any near tie (family matrix, random weights); alone it is exact.
 PADDING_BLIND = frozenset(
     {
@@ -32,6 +33,7 @@ PADDING_BLIND = frozenset(
         "bailing_moe_linear",
         "falcon_mamba",
         "jamba",
+        "longcat_flash_ngram",
         "mamba",
         "nemotron_h",
         "olmo_hybrid",
