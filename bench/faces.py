@@ -242,33 +242,53 @@ def measure_model(
     max_tokens: int,
     log_dir: Path,
     flags: list[str],
+    fresh: bool = False,
 ) -> dict[str, Any]:
-    """Both faces on `model`, alternating within every round and level."""
+    """Both faces on `model`, alternating within every round and level; with `fresh`, both
+    workers (and routers) start anew for every round, so that neither keeps for the whole
+    run whatever placement its process happened to get."""
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {f: {c: [] for c in levels} for f in FACES}
-    with contextlib.ExitStack() as stack:
-        faces = {}
-        for face in FACES:
-            log(f"faces {name}: starting our worker with --protocols {FACES[face]} and a router")
-            faces[face] = stack.enter_context(Face(face, model, log_dir, name, flags))
-        runtimes = {face: faces[face].runtime() for face in faces}
-        log(f"faces {name}: the routers took the workers for {runtimes}")
-        for face in faces.values():  # a wave at each level, on prompts never measured
-            for level in levels:
-                face.run(level, questions(level, f"warm-up-{level}"), 8)
+    runtimes: dict[str, str | None] = {}
+    with contextlib.ExitStack() as whole:
+        faces = {} if fresh else _start(whole, model, name, levels, log_dir, flags, runtimes)
         for round_no in range(1, rounds + 1):
-            order = list(FACES) if round_no % 2 else list(reversed(FACES))
-            for level in levels:
-                texts = questions(requests[level], f"{name}-r{round_no}-c{level}")
-                for face in order:
-                    stats = faces[face].run(level, texts, max_tokens)
-                    row = {"round": round_no, **stats.__dict__}
-                    runs[face][level].append(row)
-                    log(
-                        f"faces {name} round {round_no} c={level}: {face} "
-                        f"{stats.tokens_per_s:.1f} tok/s, TTFT p50 {stats.ttft_p50_ms or 0:.0f} "
-                        f"ms, {stats.errors} errors"
-                    )
+            with contextlib.ExitStack() as this_round:
+                if fresh:
+                    faces = _start(this_round, model, name, levels, log_dir, flags, runtimes)
+                order = list(FACES) if round_no % 2 else list(reversed(FACES))
+                for level in levels:
+                    texts = questions(requests[level], f"{name}-r{round_no}-c{level}")
+                    for face in order:
+                        stats = faces[face].run(level, texts, max_tokens)
+                        runs[face][level].append({"round": round_no, **stats.__dict__})
+                        log(
+                            f"faces {name} round {round_no} c={level}: {face} "
+                            f"{stats.tokens_per_s:.1f} tok/s, TTFT p50 "
+                            f"{stats.ttft_p50_ms or 0:.0f} ms, {stats.errors} errors"
+                        )
     return {"model": str(model), "name": name, "runtimes": runtimes, **summarise(runs, levels)}
+
+
+def _start(
+    stack: contextlib.ExitStack,
+    model: Path,
+    name: str,
+    levels: tuple[int, ...],
+    log_dir: Path,
+    flags: list[str],
+    runtimes: dict[str, str | None],
+) -> dict[str, Face]:
+    """Both faces' workers and routers, warmed with a wave at each level (never measured)."""
+    faces = {}
+    for face in FACES:
+        log(f"faces {name}: starting our worker with --protocols {FACES[face]} and a router")
+        faces[face] = stack.enter_context(Face(face, model, log_dir, name, flags))
+    runtimes.update({face: faces[face].runtime() for face in faces})
+    log(f"faces {name}: the routers took the workers for {runtimes}")
+    for face in faces.values():
+        for level in levels:
+            face.run(level, questions(level, f"warm-up-{level}"), 8)
+    return faces
 
 
 def summarise(runs: dict[str, dict[int, list[dict[str, Any]]]], levels) -> dict[str, Any]:
@@ -304,6 +324,7 @@ def run_part(
     requests: dict[int, int] | None = None,
     max_tokens: int = MAX_TOKENS,
     flags: list[str] | None = None,
+    fresh: bool = False,
 ) -> dict[str, Any]:
     """Every model in `models` (None: the demo model; `real`: both real models)."""
     wanted: list[str | None] = []
@@ -317,6 +338,7 @@ def run_part(
         "max_tokens": max_tokens,
         "target": TARGET,
         "worker_flags": flags or [],
+        "fresh_workers": fresh,
     }
     results: dict[str, Any] = {"settings": settings, "models": [], "failures": []}
     for spec in wanted:
@@ -324,7 +346,7 @@ def run_part(
         name = path.name
         try:
             found = measure_model(
-                path, name, levels, rounds, requests, max_tokens, log_dir, flags or []
+                path, name, levels, rounds, requests, max_tokens, log_dir, flags or [], fresh
             )
         except RuntimeError as error:
             log(f"faces {name}: FAILED {error}")
@@ -412,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     parser.add_argument("--worker-flags", default="", help="extra flags for both workers")
+    parser.add_argument(
+        "--fresh-workers",
+        action="store_true",
+        help="start both workers and routers anew for every round (slower; evens out what "
+        "each process got at start)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
@@ -429,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         requests=requests,
         max_tokens=args.max_tokens,
         flags=shlex.split(args.worker_flags),
+        fresh=args.fresh_workers,
     )
     results["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
     results["machine"] = report.machine_info()
