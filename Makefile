@@ -58,7 +58,8 @@ fuzz-cache: $(STAMP)
 	$(BIN)/python tests/cache_fuzz.py --seeds $(SEEDS) $(ARGS)
 
 # Every mlx-lm text architecture (tiny random weights) served by the worker in six cells and
-# compared with mlx-lm's greedy output; a table in bench/families-table.md (ARGS="--only llama").
+# compared with mlx-lm's greedy output: bench/families-table.md and the README's summary
+# (ARGS="--only llama" redoes one and keeps the others from the last full run).
 FAMILY_JOBS ?= 2
 families: $(STAMP)
 	$(BIN)/python bench/families.py --jobs $(FAMILY_JOBS) --json bench/families-results.json \
