@@ -21,24 +21,6 @@ from .keys import ROOT, block_key
 LOAD_TIMEOUT_S = 10.0  # a request waits this long for its blocks from disk, at most
 
 
-class NoDisk:
-    """A prefix store without a disk tier: nothing to load, ever."""
-
-    loading = False
-
-    def ready(self, request: GenerationRequest, match: Callable[[], Match]) -> bool:
-        return True
-
-    def admitted(self, ticket: int) -> bool:
-        return False
-
-    def forget(self, ticket: int) -> None:
-        pass
-
-    def on_done(self, wake: Callable[[], None]) -> None:
-        pass
-
-
 class DiskLink:
     def __init__(self, index: BlockIndex, layout: Any, disk: DiskTier) -> None:
         self.index = index
