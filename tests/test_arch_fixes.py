@@ -20,9 +20,10 @@ CONFIGS = Path(__file__).resolve().parent.parent / "bench" / "families" / "confi
 PROMPTS = ([5, 17, 42, 99, 3], [7, 8, 9, 10, 11, 12, 13, 200, 201])
 
 
-def build(arch: str):
+def build(arch: str, **text_config):
     config = json.loads((CONFIGS / f"{arch}.json").read_text())
     config.pop("families", None)
+    config.get("text_config", {}).update(text_config)
     model_class, args_class = _get_classes(config)
     mx.random.seed(0)
     model = model_class(args_class.from_dict(config))
@@ -70,3 +71,39 @@ def test_a_batch_gives_each_row_its_own_logits(arch: str) -> None:
     fix_for_batching(model)
     fix_for_batching(model)  # a second call changes nothing
     assert rows_match(model)
+
+
+def test_llama4_chunked_attention_batches_exactly() -> None:
+    """llama4's chunked layers (mlx-lm's ChunkedKVCache, no batched form) keep the whole
+    history in a batch, masked to each row's own chunk: every row's logits, through a prefill
+    that crosses chunk boundaries and decode steps that cross more, equal mlx-lm's alone."""
+    model = build("llama4", floor_scale=4)  # chunks of 8; query temperature moves every 4
+    prompts = ([5, 17, 42, 99, 3], [7, 8, 9, 10, 11, 12, 13, 200, 201, 4, 6, 90, 91])
+    follow = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
+    want = []
+    for prompt, tokens in zip(prompts, follow, strict=True):
+        cache = make_prompt_cache(model)  # mlx-lm's own: ChunkedKVCache and KVCache
+        rows = [model(mx.array([prompt]), cache=cache)[0, -1]]
+        rows += [model(mx.array([[t]]), cache=cache)[0, -1] for t in tokens]
+        want.append(rows)
+    width = max(len(p) for p in prompts)
+    padding = [width - len(p) for p in prompts]
+    with pytest.raises(ValueError, match="batching"):
+        from mlx_lm.generate import _merge_caches
+
+        _merge_caches([make_prompt_cache(model) for _ in prompts])
+    fix_for_batching(model)
+    cache = [BatchKVCache(padding) for _ in make_prompt_cache(model)]
+    inputs = mx.array([[0] * pad + p for pad, p in zip(padding, prompts, strict=True)])
+    got = [model(inputs, cache=cache)[:, -1]]
+    for step in range(len(follow[0])):
+        got.append(model(mx.array([[f[step]] for f in follow]), cache=cache)[:, -1])
+    for row in range(len(prompts)):
+        for step, logits in enumerate(got):
+            assert mx.allclose(logits[row], want[row][step], atol=1e-4).item(), (row, step)
+    # One sequence through the fixed model (plain KV caches) gives mlx-lm's logits too.
+    cache = make_prompt_cache(model)
+    alone = [model(mx.array([prompts[1]]), cache=cache)[0, -1]]
+    alone += [model(mx.array([[t]]), cache=cache)[0, -1] for t in follow[1]]
+    for step, logits in enumerate(alone):
+        assert mx.allclose(logits, want[1][step], atol=1e-4).item(), step

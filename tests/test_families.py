@@ -37,9 +37,7 @@ SUBSET = {
 # model_type -> reason; strict xfails (fill from `make families`: status and first difference).
 KNOWN_FAILURES: dict[str, str] = {}
 # model_type -> the words of the refusal at start (served wrong never; refused with a reason)
-REFUSED = {
-    "llama4": "ChunkedKVCache",  # mlx-lm 0.32: "does not yet support batching with history"
-}
+REFUSED: dict[str, str] = {}
 CELLS = ("defaults", "prefix")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import ChunkedKVCache, KVCache
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,102 @@ def _kv_reuse_block(
     return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
 
+class WholeHistoryCaches:
+    """llama4: mlx-lm's ChunkedKVCache cannot join a batch (it has no batched form); the
+    chunked-attention layers keep the whole history in a plain KV cache instead, and their mask
+    keeps each query to its own chunk (`ChunkedRowMasks`). Past one chunk (8,192 tokens on the
+    real models) those layers hold more than mlx-lm's cache would, as the global layers do."""
+
+    layers: list[nn.Module]
+
+    def make_cache(self) -> list[Any]:
+        return [KVCache() for _ in self.layers]
+
+
+class ChunkedRowMasks:
+    """llama4's text model: the chunked layers' mask from per-row positions. A batch's caches
+    give each row's first slot (its left padding) and its length so far (`offset`)."""
+
+    embed_tokens: nn.Embedding
+    layers: list[nn.Module]
+    norm: nn.Module
+    attention_chunk_size: int
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        if cache is None or isinstance(cache[0], ChunkedKVCache):
+            return super().__call__(inputs, cache)  # type: ignore[misc]
+        hidden = self.embed_tokens(inputs)
+        global_mask = create_attention_mask(hidden, cache[3], return_array=True)
+        chunk_mask = _same_chunk(cache[0], inputs.shape[1], self.attention_chunk_size)
+        if global_mask is not None and not isinstance(global_mask, str):
+            chunk_mask = chunk_mask & global_mask
+        for index, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
+            mask = chunk_mask if (index + 1) % 4 != 0 else global_mask
+            hidden = layer(hidden, mask, cache=layer_cache)
+        return self.norm(hidden)
+
+
+def _same_chunk(cache: Any, length: int, chunk: int) -> mx.array:
+    """True where a key slot is at or before the query and in the query's chunk: (L, S) for
+    one sequence, (B, 1, L, S) for a batch."""
+    offset = cache.offset
+    if not isinstance(offset, mx.array):
+        queries = mx.arange(offset, offset + length)[:, None]
+        keys = mx.arange(offset + length)[None]
+        return (keys <= queries) & (keys // chunk == queries // chunk)
+    first = _first_slots(cache)
+    width = int(mx.max(first + offset).item()) + length
+    queries = (offset[:, None] + mx.arange(length))[:, None, :, None]
+    keys = mx.arange(width)[None, None, None, :] - first[:, None, None, None]
+    return (keys <= queries) & (keys // chunk == queries // chunk)
+
+
+def _first_slots(cache: Any) -> mx.array:
+    """Where each row's first token sits in a batch cache's buffer."""
+    padding = getattr(cache, "left_padding", None)
+    if padding is not None:
+        return padding
+    return mx.array(cache.row_starts)
+
+
+class RowTemperature:
+    """llama4's attention without positions scales its queries by their position (temperature
+    tuning) from an integer offset; a batch's offset is one per row, negative over padding."""
+
+    use_rope: int
+    attn_temperature_tuning: int
+    floor_scale: int
+    attn_scale: float
+    n_heads: int
+    n_kv_heads: int
+    scale: float
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        offset = None if cache is None else cache.offset
+        if self.use_rope or not self.attn_temperature_tuning or not isinstance(offset, mx.array):
+            return super().__call__(x, mask, cache)  # type: ignore[misc]
+        batch, length, _ = x.shape
+
+        def heads(projected: mx.array, count: int) -> mx.array:
+            return projected.reshape(batch, length, count, -1).transpose(0, 2, 1, 3)
+
+        queries = heads(self.q_proj(x), self.n_heads)
+        keys = heads(self.k_proj(x), self.n_kv_heads)
+        values = heads(self.v_proj(x), self.n_kv_heads)
+        positions = mx.maximum(offset[:, None] + mx.arange(1, length + 1), 0)
+        scales = mx.log(mx.floor(positions / self.floor_scale) + 1.0) * self.attn_scale + 1.0
+        queries = (queries * scales[:, None, :, None]).astype(queries.dtype)
+        keys, values = cache.update_and_fetch(keys, values)
+        out = scaled_dot_product_attention(
+            queries, keys, values, cache=cache, scale=self.scale, mask=mask
+        )
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
 def _swap_class(module: nn.Module, fix: type) -> None:
     original = type(module)
     if issubclass(original, fix):
@@ -152,10 +249,20 @@ def _afm7(model: nn.Module) -> int:
     return 1
 
 
+def _llama4(model: nn.Module) -> int:
+    _swap_class(model, WholeHistoryCaches)
+    _swap_class(model.language_model.model, ChunkedRowMasks)
+    attentions = [layer.self_attn for layer in model.layers]
+    for attention in attentions:
+        _swap_class(attention, RowTemperature)
+    return 2 + len(attentions)
+
+
 FIXES: dict[str, Callable[[nn.Module], int]] = {
     "afm7": _afm7,
     "gemma2": _gemma2,
     "gpt_bigcode": _gpt_bigcode,
+    "llama4": _llama4,
 }
 
 

@@ -96,6 +96,11 @@ class RaggedKVCache(_BaseCache):
     def _sync(self) -> None:
         self.offset = mx.array([e - s for s, e in zip(self._start, self._end, strict=True)])
 
+    @property
+    def row_starts(self) -> list[int]:
+        """Each row's first slot on the shared time axis."""
+        return list(self._start)
+
     @classmethod
     def adopt(cls, layer: BatchKVCache) -> RaggedKVCache:
         """mlx-lm's left-padded batch cache, as is (no copy)."""
