@@ -11,6 +11,7 @@ from conftest import demo_config
 from support import ServerThread, generate
 
 from servicer.engine.parts import cache_head_sizes, kv_group_size
+from servicer.engine.quantized_kv import check_quantization, make_row_cache
 from servicer.messages import EngineStartupError
 from servicer.model_files import ModelLoadError
 
@@ -64,3 +65,61 @@ def test_a_group_that_does_not_divide_the_head_fails_startup_naming_the_flag(dem
         ServerThread(config),
     ):
         pass
+
+
+def _tiny(model_type: str, **config):
+    """An mlx-lm model of `model_type` built from a config dict (random weights)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes({"model_type": model_type, **config})
+    return model_class(args_class.from_dict({"model_type": model_type, **config}))
+
+
+def test_a_model_without_attention_kv_takes_kv_bits_whatever_its_head_dim():
+    """mamba2's `head_dim` is an SSM head (16 here): no layer is quantized, so nothing to refuse."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = _tiny(
+        "mamba2",
+        num_heads=8,
+        head_dim=16,
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=128,
+        state_size=32,
+        num_hidden_layers=1,
+        layer_norm_epsilon=1e-4,
+        conv_kernel=3,
+        n_groups=4,
+        use_bias=False,
+        use_conv_bias=False,
+        tie_word_embeddings=True,
+        time_step_limit=[0.01, 10.0],
+        time_step_rank="auto",
+        expand=1,
+    )
+    assert cache_head_sizes(model) == set()
+    check_quantization(model, 8, kv_group_size(set(), None))
+    rows = make_row_cache(model, 8, 64)
+    assert [type(c) for c in rows] == [type(c) for c in make_prompt_cache(model)]
+
+
+def test_an_attention_that_cannot_take_quantized_kv_is_refused_with_the_reason():
+    """stablelm casts its keys (`keys.astype`): a quantized cache's tuples fail there, and the
+    start check says so instead of the bare AttributeError."""
+    model = _tiny(
+        "stablelm",
+        vocab_size=64,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        num_key_value_heads=2,
+        partial_rotary_factor=1.0,
+        intermediate_size=64,
+        layer_norm_eps=0.01,
+        rope_theta=10000,
+        use_qkv_bias=False,
+    )
+    assert cache_head_sizes(model) == {32}
+    with pytest.raises(ValueError, match="stablelm model does not run on a quantized KV cache"):
+        check_quantization(model, 8, 32)

@@ -326,19 +326,41 @@ def make_row_cache(model: nn.Module, bits: int = 8, group_size: int = 64) -> lis
     """One request's per-layer caches for ``BatchGenerator.insert(caches=...)``: a quantized
     row for each plain full-attention layer (``KVCache``); every other layer kind (recurrent
     ``ArraysCache``, sliding-window ``RotatingKVCache``, ...) as ``make_prompt_cache`` makes it."""
-    check_quantization(model, bits, group_size)
+    caches = make_prompt_cache(model)
+    _check_settings(model, bits, group_size, caches)
     return [
         QuantizedRowCache(group_size=group_size, bits=bits) if type(c) is KVCache else c
-        for c in make_prompt_cache(model)
+        for c in caches
     ]
 
 
 def check_quantization(model: nn.Module, bits: int, group_size: int) -> None:
-    """Refuse settings MLX cannot quantize with before a prefill fails on them mid-batch."""
+    """Refuse settings MLX cannot quantize with, and a model whose attention code cannot take
+    quantized keys and values (attention sinks, MLA's latent cache, a direct call of
+    ``mx.fast.scaled_dot_product_attention``), before a prefill fails on them mid-batch."""
+    rows = make_row_cache(model, bits, group_size)
+    if not any(isinstance(c, QuantizedRowCache) for c in rows):
+        return  # no layer is quantized (no plain attention KV cache): nothing to try
+    try:
+        mx.eval(model(mx.array([[0]]), cache=rows))
+    except Exception as exc:
+        name = type(model).__module__.rpartition(".")[2]
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        if reason.endswith(":") and ". " in reason:  # "...: incompatible arguments. These:"
+            reason = reason.rpartition(". ")[0]
+        raise ValueError(
+            f"mlx-lm's {name} model does not run on a quantized KV cache "
+            f"({type(exc).__name__}: {reason}); serve it without --kv-bits"
+        ) from exc
+
+
+def _check_settings(model: nn.Module, bits: int, group_size: int, caches: list[Any]) -> None:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"KV bits must be one of {SUPPORTED_BITS}, got {bits}")
     if group_size not in SUPPORTED_GROUP_SIZES:
         raise ValueError(f"KV group size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+    if not any(type(c) is KVCache for c in caches):
+        return  # `head_dim` of a model without such layers is not an attention head (mamba2)
     head_dim = getattr(getattr(model, "args", None), "head_dim", None)
     if isinstance(head_dim, int) and head_dim % group_size:
         raise ValueError(f"head_dim {head_dim} is not a multiple of KV group size {group_size}")
