@@ -68,6 +68,8 @@ TAIL_LENGTHS = (5, 9, 13)  # the second wave adds these to the first wave's prom
 RSS_LIMIT = 3 << 30
 BLOCK = "16"
 BUILD_VERSION = "f2"  # bump when building or the reference changes
+KV8_VERSION = "k1"  # bump when the kv8 reference (kv8_main) changes
+VARIANTS = ("kv8",)  # cells that may build their own model: "families": {"kv8": {overrides}}
 READY = re.compile(r"ready: serving .* on [\d.]+:(\d+)")
 SEED = 0
 
@@ -81,6 +83,28 @@ def log(message: str) -> None:
 
 def load_configs() -> dict[str, dict[str, Any]]:
     return {path.stem: json.loads(path.read_text()) for path in sorted(CONFIGS.glob("*.json"))}
+
+
+def arch_config(arch: str, variant: str | None = None) -> dict[str, Any]:
+    """The config a build uses: the file's, less its variants' overrides ("families": {"kv8":
+    {...}}); with `variant`, that variant's overrides merged in (nested dicts key by key), a
+    model of its own (e.g. the kv8 cell's, with head sizes MLX can quantize in groups of 32)."""
+    config = json.loads(json.dumps(load_configs()[arch]))
+    options = config.get("families", {})
+    overrides = {name: options.pop(name) for name in VARIANTS if name in options}
+    if "families" in config and not options:
+        del config["families"]
+
+    def merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
+        for key, value in extra.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                merge(into[key], value)
+            else:
+                into[key] = value
+
+    if variant is not None:
+        merge(config, overrides[variant])
+    return config
 
 
 def load_skipped() -> dict[str, str]:
@@ -150,11 +174,25 @@ def _fan_in(name: str, shape: Sequence[int]) -> int:
     return shape[-1]
 
 
-def randomize(model: Any, seed: int, gain: float) -> None:
+def randomize(
+    model: Any,
+    seed: int,
+    gain: float,
+    gains: dict[str, float] | None = None,
+    norms: float | None = None,
+) -> None:
     """Every floating weight of two or more dimensions drawn again from N(0, gain^2/fan_in):
     big enough that each layer moves the residual stream, so the next token depends on the
     context rather than only on the last token. Norms, biases and 1-D parameters keep their
-    initial values."""
+    initial values.
+
+    Build options (the config's "families" dict) for architectures that stay degenerate:
+    `gains` maps a name fragment to its own gain for the weights whose dotted name contains it
+    (the first fragment that matches; e.g. {"embed_tokens": 0.3} keeps a tied, scaled
+    embedding from making every token predict itself); `norms` adds N(0, norms^2) noise to
+    every 1-D floating parameter but biases (norm scales, per-channel and layer scalars) around
+    its initial value, as training leaves them: no norm keeps one uniform scale on every
+    channel and no scale initialised to zero keeps its path switched off."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
@@ -162,9 +200,18 @@ def randomize(model: Any, seed: int, gain: float) -> None:
     updated = []
     for index, (name, value) in enumerate(tree_flatten(model.parameters())):
         if value.ndim >= 2 and mx.issubdtype(value.dtype, mx.floating):
-            std = gain / _fan_in(name, value.shape) ** 0.5
+            scale = next((g for part, g in (gains or {}).items() if part in name), gain)
+            std = scale / _fan_in(name, value.shape) ** 0.5
             noise = mx.random.normal(value.shape, key=mx.random.split(key, index + 2)[-1])
             value = (noise * std).astype(value.dtype)
+        elif (
+            norms
+            and value.ndim == 1
+            and not name.endswith("bias")
+            and mx.issubdtype(value.dtype, mx.floating)
+        ):
+            noise = mx.random.normal(value.shape, key=mx.random.split(key, index + 2)[-1])
+            value = (value + noise * norms).astype(value.dtype)
         updated.append((name, value))
     model.update(tree_unflatten(updated))
 
@@ -201,7 +248,13 @@ def write_model(arch: str, config: dict[str, Any], out: Path) -> Any:
     model_class, args_class = _get_classes(config)
     mx.random.seed(options.get("seed", SEED))
     model = model_class(args_class.from_dict(config))
-    randomize(model, options.get("seed", SEED), options.get("gain", 1.0))
+    randomize(
+        model,
+        options.get("seed", SEED),
+        options.get("gain", 1.0),
+        gains=options.get("gains"),
+        norms=options.get("norms"),
+    )
     model.set_dtype(mx.float32)
     _save(model, config, out)
     try:
@@ -252,9 +305,29 @@ def cache_facts(model: Any) -> dict[str, Any]:
     return {"cache_kinds": kinds, "head_dims": sorted(heads)}
 
 
-def kv_group(head_dims: list[int]) -> int | None:
+def kv8_dims(model: Any) -> list[int]:
+    """The key and the value vector sizes of the layers `--kv-bits` quantizes (plain KVCache
+    layers; those inside a CacheList stay full precision in the worker), after one token."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[5]]), cache=cache))
+    return sorted(
+        {
+            int(array.shape[-1])
+            for layer in cache
+            if type(layer) is KVCache and layer.keys is not None
+            for array in (layer.keys, layer.values)
+        }
+    )
+
+
+def kv_group(dims: list[int]) -> int | None:
+    """The group the worker picks without --kv-group-size: the largest of 64 and 32 that
+    divides every key and value size (MLA's differ)."""
     for group in (64, 32):
-        if head_dims and all(dim % group == 0 for dim in head_dims):
+        if dims and all(dim % group == 0 for dim in dims):
             return group
     return None
 
@@ -274,45 +347,110 @@ def reference(model: Any, out: Path) -> dict[str, Any]:
         "shard": hasattr(model, "shard"),
         **facts,
     }
-    group = kv_group(facts["head_dims"])
-    if group is not None:
-        try:
-            result["ref_kv8"] = [
-                greedy(model, prompt, NEW_TOKENS, prompt_cache=quantized_cache(model, group))
-                for prompt in first
-            ]
-        except Exception as exc:  # mlx-lm itself cannot quantize this cache
-            result["ref_kv8_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return result
 
 
-def quantized_cache(model: Any, group: int) -> list[Any]:
+def quantized_cache(model: Any, group: int, round_trip: bool = False) -> list[Any]:
     """mlx-lm's own caches for one sequence with every plain KVCache layer an 8-bit
     QuantizedKVCache from the first token, as `--kv-bits 8` quantizes (other kinds as they
-    are). mlx-lm's `kv_bits` would run the prompt in full precision and quantize after it."""
+    are). mlx-lm's `kv_bits` would run the prompt in full precision and quantize after it.
+    With `round_trip`, those layers are instead KVCaches that keep each key and value quantized
+    and dequantized again (mx.quantize, mx.dequantize): the model's own attention on the values
+    a quantized cache holds, for models whose attention cannot take quantized tuples."""
+    import mlx.core as mx
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-    return [
-        QuantizedKVCache(group_size=group, bits=8) if type(c) is KVCache else c
-        for c in make_prompt_cache(model)
-    ]
+    def rounded(x: Any) -> Any:
+        packed = mx.quantize(x, group_size=group, bits=8)
+        return mx.dequantize(*packed, group_size=group, bits=8).astype(x.dtype)
+
+    class RoundTripKVCache(KVCache):
+        def update_and_fetch(self, keys: Any, values: Any) -> Any:
+            return super().update_and_fetch(rounded(keys), rounded(values))
+
+    def swap(c: Any) -> Any:
+        if type(c) is not KVCache:
+            return c
+        return RoundTripKVCache() if round_trip else QuantizedKVCache(group_size=group, bits=8)
+
+    return [swap(c) for c in make_prompt_cache(model)]
 
 
-def build_main(arch: str, out: Path) -> None:
+def kv8_reference(model: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """What `--kv-bits 8` should answer: "kind" plain (no layer is quantized: the plain
+    reference), mlx-lm (its QuantizedKVCache from the first token), round-trip (mlx-lm's
+    quantized attention fails on this model: keys and values quantized and dequantized, then the
+    model's own attention; equal up to float rounding), or none ("error" says why)."""
+    dims = kv8_dims(model)
+    facts: dict[str, Any] = {"kv_dims": dims, "group": kv_group(dims), "kind": "none"}
+    if not dims:
+        facts["kind"] = "plain"
+        return facts
+    group = facts["group"]
+    if group is None:
+        facts["error"] = f"no group of 64 or 32 divides the key and value sizes {dims}"
+        return facts
+    try:
+        facts["tokens"] = [
+            greedy(model, prompt, NEW_TOKENS, prompt_cache=quantized_cache(model, group))
+            for prompt in prompts
+        ]
+        facts["kind"] = "mlx-lm"
+    except Exception as exc:  # mlx-lm's own quantized attention cannot run this model
+        facts["mlx_lm_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        facts["tokens"] = [
+            greedy(model, prompt, NEW_TOKENS, prompt_cache=quantized_cache(model, group, True))
+            for prompt in prompts
+        ]
+        facts["kind"] = "round-trip"
+    return facts
+
+
+def kv8_main(model_dir: Path) -> None:
+    """Subprocess entry: the kv8 reference of the model built in `model_dir`."""
+    from mlx_lm.utils import load_model
+
+    model = load_model(model_dir)[0]
+    prompts = json.loads((model_dir / "reference.json").read_text())["wave1"]
+    facts = kv8_reference(model, prompts)
+    (model_dir / f"kv8-{KV8_VERSION}.json").write_text(json.dumps(facts) + "\n")
+
+
+def kv8_facts(model_dir: Path, timeout: float) -> dict[str, Any] | str:
+    """The kv8 reference of a built model (made once, next to its reference.json), or the
+    error text."""
+    path = model_dir / f"kv8-{KV8_VERSION}.json"
+    if not path.exists():
+        command = [sys.executable, __file__, "--kv8-reference", str(model_dir)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"the kv8 reference took over {timeout:.0f} s"
+        if done.returncode != 0 or not path.exists():
+            lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+            return (lines[-1] if lines else f"exited {done.returncode}")[:400]
+    return json.loads(path.read_text())
+
+
+def build_main(arch: str, out: Path, variant: str | None = None) -> None:
     """Subprocess entry: build `arch` into `out` and write reference.json last."""
-    config = load_configs()[arch]
+    config = arch_config(arch, variant)
     out.mkdir(parents=True, exist_ok=True)
     model = write_model(arch, json.loads(json.dumps(config)), out)
     facts = reference(model, out)
     (out / "reference.json").write_text(json.dumps(facts) + "\n")
 
 
-def build(arch: str, cache: Path, timeout: float) -> tuple[Path, dict[str, Any] | str]:
+def build(
+    arch: str, cache: Path, timeout: float, variant: str | None = None
+) -> tuple[Path, dict[str, Any] | str]:
     """The built model's directory and its reference, or the build's error text."""
-    out = cache / f"{arch}-{build_key(load_configs()[arch])}"
+    name = arch if variant is None else f"{arch}-{variant}"
+    out = cache / f"{name}-{build_key(arch_config(arch, variant))}"
     ref = out / "reference.json"
     if not ref.exists():
         command = [sys.executable, __file__, "--build", arch, "--out", str(out)]
+        command += [] if variant is None else ["--variant", variant]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -544,7 +682,7 @@ def prefix_cell(results: list[dict[str, Any]], ref: dict[str, Any]) -> Cell:
 
 
 def single_cells(
-    model_dir: Path, ref: dict[str, Any], cells: Sequence[str], timeout: float
+    model_dir: Path, ref: dict[str, Any], cells: Sequence[str], timeout: float, arch: str = ""
 ) -> dict[str, Cell]:
     base = ("--model", str(model_dir), "--prompt-cache-block", BLOCK)
     out: dict[str, Cell] = {}
@@ -552,9 +690,8 @@ def single_cells(
         wanted = [c for c in ([cell, "prefix"] if cell == "defaults" else [cell]) if c in cells]
         if not wanted:
             continue
-        if cell == "kv8" and "ref_kv8" not in ref:
-            reason = ref.get("ref_kv8_error") or f"no group of 64 or 32 fits {ref['head_dims']}"
-            out[cell] = Cell("skipped", f"no mlx-lm kv8 reference: {reason}")
+        if cell == "kv8":
+            out[cell] = kv8_cell(arch, model_dir, ref, timeout)
             continue
         if wanted == ["prefix"]:  # the prefix cell rides on a defaults worker
             wanted = ["defaults", "prefix"]
@@ -562,6 +699,40 @@ def single_cells(
         found = serve_and_compare([worker], ref, wanted, timeout)
         out.update({k: v for k, v in found.items() if k in cells})
     return out
+
+
+def kv8_cell(arch: str, model_dir: Path, ref: dict[str, Any], timeout: float) -> Cell:
+    """`--kv-bits 8` against its reference (kv8_reference), on the kv8 variant's own build
+    when the config has one. A model the worker will not quantize is refused with its reason;
+    one with no quantized layer is compared with the plain reference."""
+    extra: dict[str, Any] = {}
+    if arch and "kv8" in load_configs()[arch].get("families", {}):
+        model_dir, ref = build(arch, model_dir.parent, max(300.0, 5 * timeout), variant="kv8")
+        if isinstance(ref, str):
+            return Cell("build", f"the kv8 build: {ref}")
+        extra["model"] = model_dir.name
+        if ref["degenerate"]:
+            distinct = f"distinct tokens {ref['distinct']} of {VARIETY_TOKENS}"
+            return Cell("degenerate", f"the kv8 build's greedy output: {distinct}", extra)
+    facts = kv8_facts(model_dir, max(300.0, 5 * timeout))
+    if isinstance(facts, str):
+        return Cell("build", f"the kv8 reference: {facts}", extra)
+    extra.update(reference=facts["kind"], group=facts["group"], kv_dims=facts["kv_dims"])
+    notes = {
+        "plain": f"no layer is quantized (cache kinds {', '.join(ref['cache_kinds'])})",
+        "round-trip": f"mlx-lm's QuantizedKVCache fails: {facts.get('mlx_lm_error')}",
+        "none": facts.get("error", ""),
+    }
+    if facts["kind"] in notes:
+        extra["note"] = notes[facts["kind"]]
+    want = ref["ref1"] if facts["kind"] == "plain" else facts.get("tokens")
+    worker = Worker(["--model", str(model_dir), "--prompt-cache-block", BLOCK, "--kv-bits", "8"])
+    found = serve_and_compare([worker], {**ref, "ref_kv8": want or ref["ref1"]}, ["kv8"], timeout)
+    cell = found["kv8"]
+    if want is None and cell.status not in ("refused", "error", "hang", "memory"):
+        cell = Cell("skipped", f"the worker served it; no reference: {facts.get('error')}")
+    cell.extra.update(extra)
+    return cell
 
 
 def distributed_cell(model_dir: Path, ref: dict[str, Any], timeout: float, scratch: Path) -> Cell:
@@ -605,7 +776,7 @@ def run_arch(arch: str, cells: Sequence[str], cache: Path, timeout: float) -> di
     if ref["degenerate"]:
         note = f"greedy output too uniform: distinct tokens {ref['distinct']} of {VARIETY_TOKENS}"
         return {**facts, "cells": {c: Cell("degenerate", note).as_dict() for c in cells}}
-    found = single_cells(model_dir, ref, cells, timeout)
+    found = single_cells(model_dir, ref, cells, timeout, arch)
     if "distributed" in cells:
         found["distributed"] = distributed_cell(model_dir, ref, timeout, model_dir / "dist")
     result = {c: found[c].as_dict() for c in cells if c in found}
@@ -710,6 +881,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--build", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--kv8-reference", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -727,7 +900,10 @@ def architectures(only: str | None) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.build:
-        build_main(args.build, args.out)
+        build_main(args.build, args.out, args.variant)
+        return 0
+    if args.kv8_reference:
+        kv8_main(args.kv8_reference)
         return 0
     cells = [c.strip() for c in args.cells.split(",") if c.strip()]
     if bad := [c for c in cells if c not in CELLS]:
