@@ -189,8 +189,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stream-interval",
         type=_positive,
         default=1,
-        help="tokens per streamed chunk after the first (default 1: every token as soon as "
-        "it is sampled); more sends fewer messages and leaves more CPU to the engine",
+        help="tokens per streamed chunk after the first (default 1); more sends fewer messages "
+        "and leaves more CPU to the engine",
+    )
+    parser.add_argument(
+        "--stream-window-ms",
+        type=_non_negative,
+        default=10.0,
+        metavar="MS",
+        help="after the first token, a streamed chunk waits this long for more tokens to share "
+        "it (default 10; 0: every token as soon as it is sampled); a model slower than this "
+        "per token streams every token at once",
     )
     parser.add_argument(
         "--prepend-bos",
@@ -356,6 +365,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         max_queued_requests=args.max_queued_requests,
         stream_interval=args.stream_interval,
+        stream_window_ms=args.stream_window_ms,
         prepend_bos=args.prepend_bos,
         max_load_wait_s=args.max_load_wait,
         embedding_pooling=args.embedding_pooling,

@@ -121,6 +121,9 @@ class HandlerOptions:
     # Tokens per streamed chunk after the first (the last chunk may hold fewer). Each message
     # costs the loop a wake and a gRPC write, so more per chunk leaves more CPU to the engine.
     stream_interval: int = 1
+    # ...and a chunk waits this long for more tokens to join it (0: never): on a fast model
+    # (a step of a few ms) messages then carry several tokens, at no cost to a slow one.
+    stream_window_ms: float = 10.0
     # Put the model's BOS before prompts that lack it, when its tokenizer adds one to every
     # encoding (the smg router tokenizes raw-text completions without it).
     prepend_bos: bool = True
@@ -488,6 +491,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             text_ids,
             self._options.stream_interval,
             self._block_size,
+            self._options.stream_window_ms / 1000,
         )
         try:
             if request.sampling_params.WhichOneof("constraint") is None:

@@ -85,6 +85,8 @@ class GenerationRequest(Wire):
     # The handler wants this request's tokens this many at a time after the first (and at
     # its finish), so the engine may hold them back until then instead of waking the loop.
     tokens_per_handoff: int = 1
+    # ...and at most every this many seconds (the first token and the finish never wait).
+    handoff_window_s: float = 0.0
     bos_added: bool = False  # the worker put the model's BOS before ids that lacked it
     min_tokens: int = 0  # its stop tokens are masked until it has generated this many
 

@@ -2,24 +2,37 @@
 
 `handoff_due` is the one rule: a request needs its handler for its first token (alone, so the
 time to first token never waits for a batch), for every `tokens_per_handoff` tokens after
-that, and for its finish. The engine applies it to hold a step's output back while no request
-needs it; each stream applies it to decide when its handler wakes. `Outbox` is the one place
-output is merged on its way out of the engine: to the event loop, or, in the engine process,
-to the pipe.
+that once its hand-off window has passed, and for its finish. The engine applies it to hold
+a step's output back while no request needs it; each stream applies it (without the window)
+to decide when its handler wakes. `Outbox` is the one place output is merged on its way out
+of the engine: to the event loop, or, in the engine process, to the pipe.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 
 from .messages import StepOutput
 
 
-def handoff_due(*, started: bool, pending: int, per_handoff: int, finished: bool) -> bool:
+def handoff_due(
+    *,
+    started: bool,
+    pending: int,
+    per_handoff: int,
+    finished: bool,
+    waited: float = math.inf,
+    window: float = 0.0,
+) -> bool:
     """Whether `pending` undelivered events of one request must go to its handler now
-    (`started`: it has had tokens before)."""
-    return pending > 0 and (not started or finished or pending >= per_handoff)
+    (`started`: it has had tokens before). After the first token a message waits for at least
+    `per_handoff` tokens and for `window` seconds since the request's last hand-off (`waited`,
+    counted to the end of the next step), so a fast model's tokens share messages."""
+    return pending > 0 and (
+        not started or finished or (pending >= per_handoff and waited >= window)
+    )
 
 
 class Outbox:

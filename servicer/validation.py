@@ -322,13 +322,15 @@ def build_request(
     text_ids: list[int] | None = None,
     stream_interval: int = 1,
     block_size: int = 0,
+    stream_window_s: float = 0.0,
 ) -> tuple[GenerationRequest, TextOptions | None]:
     """Validate and normalise; raises RequestError with the status to send.
 
-    `stream_interval` is the tokens per streamed chunk after the first. A unary call needs
-    its handler only for the first token (time-to-first-token metric) and the finish, unless
-    it watches for stop strings. `block_size`: name the prompt's blocks for prefix reuse (0:
-    the worker keeps no prefixes)."""
+    `stream_interval` is the tokens per streamed chunk after the first, `stream_window_s` the
+    least time between two chunks (both after the first token; the finish never waits). A unary
+    call needs its handler only for the first token (time-to-first-token metric) and the
+    finish, unless it watches for stop strings. `block_size`: name the prompt's blocks for
+    prefix reuse (0: the worker keeps no prefixes)."""
     if not request.request_id:
         raise _invalid("request_id is empty")
     prompt, bos_added = prompt_ids(request, limits, text_ids)
@@ -366,6 +368,7 @@ def build_request(
         constraint=grammar,
         thinking_budget=thinking_budget,
         tokens_per_handoff=sys.maxsize if unary else stream_interval,
+        handoff_window_s=stream_window_s,
         block_keys=block_keys(prompt, block_size) if block_size else (),
         bos_added=bos_added,
         min_tokens=params.min_tokens,

@@ -115,12 +115,21 @@ def test_logprobs_report_the_token_and_sorted_alternatives(channel, reference, p
     prompt = prompts[4]
     outcome = generate(channel, prompt, temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     expected = list(generate_step(mx.array(prompt), reference.model, max_tokens=6))
-    assert len(outcome.chunks) == 6
-    for chunk, (token, logprobs) in zip(outcome.chunks, expected, strict=True):
-        lp = chunk.output_logprobs
-        assert list(lp.token_ids) == [int(token)] == list(chunk.token_ids)
-        assert math.isclose(lp.token_logprobs[0], logprobs[int(token)].item(), abs_tol=1e-4)
-        (top,) = lp.top_logprobs
+    # A chunk carries one entry per token it holds (several when they shared a message).
+    entries = [
+        (token, logprob, top)
+        for chunk in outcome.chunks
+        for token, logprob, top in zip(
+            chunk.output_logprobs.token_ids,
+            chunk.output_logprobs.token_logprobs,
+            chunk.output_logprobs.top_logprobs,
+            strict=True,
+        )
+    ]
+    assert [t for chunk in outcome.chunks for t in chunk.token_ids] == [t for t, _, _ in entries]
+    for (got, logprob, top), (token, logprobs) in zip(entries, expected, strict=True):
+        assert got == int(token)
+        assert math.isclose(logprob, logprobs[int(token)].item(), abs_tol=1e-4)
         assert len(top.values) == len(top.token_ids) == 3
         assert list(top.values) == sorted(top.values, reverse=True)
         assert top.token_ids[0] == int(token)  # greedy picks the most likely token

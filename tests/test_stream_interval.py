@@ -1,4 +1,5 @@
-"""`--stream-interval N`: the first token alone, then chunks of at least N tokens, same output."""
+"""`--stream-interval N` and `--stream-window-ms MS`: the first token alone, then chunks of at
+least N tokens that waited up to MS for company; the same output either way."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from test_extensions import _spanning_stop
 
 from servicer.cli import config_from_args, parse_args
 from servicer.handlers import HandlerOptions
+from servicer.outbox import handoff_due
 
 INTERVAL = 4
 
@@ -83,9 +85,44 @@ def test_unary_calls_are_unchanged(interval_server, reference, prompts):
     assert outcome.complete.finish_reason == "length"
 
 
-def test_the_flag_reaches_the_handlers():
-    assert config_from_args(parse_args([])).handlers.stream_interval == 1
-    args = parse_args(["--stream-interval", "8"])
-    assert config_from_args(args).handlers.stream_interval == 8
-    with pytest.raises(SystemExit):
-        parse_args(["--stream-interval", "0"])
+def test_the_flags_reach_the_handlers():
+    defaults = config_from_args(parse_args([])).handlers
+    assert (defaults.stream_interval, defaults.stream_window_ms) == (1, 10.0)
+    args = parse_args(["--stream-interval", "8", "--stream-window-ms", "0"])
+    handlers = config_from_args(args).handlers
+    assert (handlers.stream_interval, handlers.stream_window_ms) == (8, 0.0)
+    for bad in (["--stream-interval", "0"], ["--stream-window-ms", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_the_window_holds_tokens_back_only_after_the_first_and_never_a_finish():
+    rule = {"per_handoff": 1, "window": 0.01}
+    assert handoff_due(started=False, pending=1, finished=False, waited=0.0, **rule)
+    assert not handoff_due(started=True, pending=3, finished=False, waited=0.005, **rule)
+    assert handoff_due(started=True, pending=1, finished=False, waited=0.01, **rule)
+    assert handoff_due(started=True, pending=1, finished=True, waited=0.0, **rule)
+    assert not handoff_due(started=True, pending=0, finished=False, waited=1.0, **rule)
+    counted = {"per_handoff": 4, "window": 0.01}  # both: at least 4 tokens and 10 ms
+    assert not handoff_due(started=True, pending=3, finished=False, waited=1.0, **counted)
+    assert handoff_due(started=True, pending=4, finished=False, waited=0.01, **counted)
+
+
+def _server(demo_dir, window_ms: float) -> ServerThread:
+    config = demo_config(demo_dir)
+    options = HandlerOptions(stream_window_ms=window_ms)
+    return ServerThread(type(config)(engine=config.engine, handlers=options, port=0))
+
+
+def test_a_fast_model_streams_several_tokens_a_message(demo_dir, reference, prompts):
+    """The demo's decode step takes milliseconds: with a 200 ms window the tokens after the
+    first share messages; with none, every token is a message. The tokens are the same."""
+    sizes = {}
+    for window in (200.0, 0.0):
+        with _server(demo_dir, window) as running, running.channel() as channel:
+            outcome = generate(channel, prompts[3], temperature=0, max_tokens=24, ignore_eos=True)
+        assert outcome.error is None
+        assert outcome.tokens == reference.greedy(prompts[3], 24)
+        sizes[window] = [len(chunk.token_ids) for chunk in outcome.chunks]
+    assert sizes[0.0] == [1] * 24
+    assert sizes[200.0][0] == 1 and len(sizes[200.0]) < 24, sizes

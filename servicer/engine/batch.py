@@ -57,6 +57,7 @@ class Row:
     generated: int = 0
     handed: int = 0  # tokens handed to the handlers so far
     unsent: int = 0  # events produced since the last hand-off
+    handed_at: float = 0.0  # when the last hand-off went (perf_counter)
     prefilled: bool = False  # its prompt is in; its first token comes with the next step
     grammar: GrammarProcessor | None = None  # its structured-output processor, if any
     pins: Pins | None = None  # the blocks of the prefix it reused, pinned while it runs
@@ -65,12 +66,15 @@ class Row:
     def ticket(self) -> int:
         return self.admit.request.ticket
 
-    def handoff_due(self, finished: bool) -> bool:
+    def handoff_due(self, finished: bool, waited: float) -> bool:
+        request = self.admit.request
         return handoff_due(
             started=self.handed > 0,
             pending=self.unsent,
-            per_handoff=self.admit.request.tokens_per_handoff,
+            per_handoff=request.tokens_per_handoff,
             finished=finished,
+            waited=waited,
+            window=request.handoff_window_s,
         )
 
 
@@ -252,6 +256,9 @@ class Batch:
     def _collect(self, responses: list[Any], out: StepOutput) -> bool:
         """The step's tokens as events in `out`; True when some handler needs them now."""
         due, broken, wanted = False, [], []
+        # Whether a row's tokens could wait for another step: time since its last hand-off,
+        # counted to the end of the next step.
+        horizon = time.perf_counter() + self.decode_step_s
         for response in responses:
             row = self.rows.get(response.uid)
             if row is None:  # removed earlier in this step
@@ -265,7 +272,7 @@ class Batch:
             event = self._event(row, response)
             out.events.append(event)
             row.unsent += 1
-            due = due or row.handoff_due(event.finish_reason is not None)
+            due = due or row.handoff_due(event.finish_reason is not None, horizon - row.handed_at)
             if row.admit.request.top_logprobs is not None and self._wants_logprobs:
                 wanted.append((event, response.logprobs, row.admit.request.top_logprobs))
             if event.finish_reason is not None:
@@ -309,10 +316,12 @@ class Batch:
                 self._prefix.keep(tokens, cache, snapshot=True)
 
     def handed_over(self) -> None:
-        """Every row's events so far went to the handlers."""
+        """Every row's events so far went to the handlers; each row's window starts again."""
+        now = time.perf_counter()
         for row in self.rows.values():
             row.handed += row.unsent
             row.unsent = 0
+            row.handed_at = now
 
     # ----- failures and the end -----
 
