@@ -107,3 +107,17 @@ def test_llama4_chunked_attention_batches_exactly() -> None:
     alone += [model(mx.array([[t]]), cache=cache)[0, -1] for t in follow[1]]
     for step, logits in enumerate(alone):
         assert mx.allclose(logits, want[1][step], atol=1e-4).item(), step
+
+
+def test_phi3small_is_refused_with_the_reason() -> None:
+    """mlx-lm's phi3small lets a prompt's tokens see later tokens of their block (its boolean
+    mask is added as numbers): wrong alone, so no batching fix helps; the worker refuses it."""
+    from servicer.engine.arch_fixes import UnservableModel
+
+    model = build("phi3small")
+    prompt = list(range(5, 40))
+    full = model(mx.array([prompt]))[0, 3]
+    cut = model(mx.array([prompt[:4]]))[0, 3]  # position 3 without the tokens after it
+    assert not mx.allclose(full, cut, atol=1e-3).item(), "mlx-lm's phi3small is causal now"
+    with pytest.raises(UnservableModel, match="block-sparse"):
+        fix_for_batching(model)

@@ -44,6 +44,21 @@ PADDING_BLIND = frozenset(
 )
 
 
+# Architectures whose mlx-lm code is wrong for one sequence as well, so no batching fix can
+# make them right: refused at start with the reason rather than served wrong.
+UNSERVABLE = {
+    "phi3small": (
+        "mlx-lm 0.32's phi3small block-sparse attention adds its boolean causal mask to the "
+        "scores as numbers (+1 / +0, not -inf), so a prompt's tokens attend to later tokens of "
+        "their 64-token block; the worker refuses it rather than serve that output"
+    ),
+}
+
+
+class UnservableModel(ValueError):
+    """mlx-lm computes this architecture wrongly even for one sequence."""
+
+
 def prefill_rows(model_type: str, configured: int) -> int:
     """Most prompts prefilled together: one for a model whose layers cannot take padding."""
     if model_type in PADDING_BLIND and configured > 1:
@@ -269,6 +284,8 @@ FIXES: dict[str, Callable[[nn.Module], int]] = {
 def fix_for_batching(model: nn.Module) -> None:
     """Apply the model's architecture's fix, if it has one (a second call changes nothing)."""
     model_type = getattr(model, "model_type", None)
+    if model_type in UNSERVABLE:
+        raise UnservableModel(f"{model_type}: {UNSERVABLE[model_type]}")
     fix = FIXES.get(model_type or "")
     if fix is None:
         return

@@ -13,7 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import sharded_load
 
 from ..model_files import ModelLoadError
-from .arch_fixes import fix_for_batching
+from .arch_fixes import UnservableModel, fix_for_batching
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,10 @@ def load_model(
         raise
     except Exception as exc:
         raise ModelLoadError(f"mlx-lm could not load {model_dir}: {exc}") from exc
-    fix_for_batching(mlx_model)
+    try:
+        fix_for_batching(mlx_model)
+    except UnservableModel as exc:
+        raise ModelLoadError(f"cannot serve {model_dir}: {exc}") from exc
     return LoadedModel(model=mlx_model, tokenizer=tokenizer)
 
 
