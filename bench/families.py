@@ -9,7 +9,10 @@ configurations (cells) and its greedy tokens are compared with mlx-lm's, token f
 - defaults: `python -m servicer` as shipped (engine in a child process), three prompts at once;
 - prefix: the same worker, a second wave repeating the prompts with new tails (prefix hits);
 - thread: `--engine-mode thread`;  ngram: `--speculate ngram`;  kv8: `--kv-bits 8` (against
-  mlx-lm's own quantized-cache generation);  distributed: two ranks over the `ring` backend.
+  mlx-lm's own quantized-cache generation, or keys and values quantized and dequantized where
+  mlx-lm's quantized attention cannot run the model, or the plain reference where no layer is
+  quantized; on a build of its own where the config's "families": {"kv8": {...}} overrides
+  head sizes that MLX cannot quantize);  distributed: two ranks over the `ring` backend.
 
 Every cell uses `--prompt-cache-block 16` so the short prompts span several blocks. A cell is
 exact, near-tie (first differing position where mlx-lm's top two logits are within MARGIN),
@@ -68,7 +71,7 @@ TAIL_LENGTHS = (5, 9, 13)  # the second wave adds these to the first wave's prom
 RSS_LIMIT = 3 << 30
 BLOCK = "16"
 BUILD_VERSION = "f2"  # bump when building or the reference changes
-KV8_VERSION = "k1"  # bump when the kv8 reference (kv8_main) changes
+KV8_VERSION = "k2"  # bump when the kv8 reference (kv8_main) changes
 VARIANTS = ("kv8",)  # cells that may build their own model: "families": {"kv8": {overrides}}
 READY = re.compile(r"ready: serving .* on [\d.]+:(\d+)")
 SEED = 0
@@ -397,7 +400,8 @@ def kv8_reference(model: Any, prompts: list[list[int]]) -> dict[str, Any]:
         ]
         facts["kind"] = "mlx-lm"
     except Exception as exc:  # mlx-lm's own quantized attention cannot run this model
-        facts["mlx_lm_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        facts["mlx_lm_error"] = reason.split(". The following argument types")[0][:300]
         facts["tokens"] = [
             greedy(model, prompt, NEW_TOKENS, prompt_cache=quantized_cache(model, group, True))
             for prompt in prompts
