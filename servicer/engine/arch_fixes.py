@@ -4,21 +4,27 @@ Two kinds of answer:
 - a fix in place after loading: the affected modules' class is swapped for a subclass that
   turns what a batch gives them (a per-row mask, per-row offsets) into what the original code
   expects. With one sequence (an integer offset, a shared mask) each fix runs the original
-  code unchanged, so mlx-lm's single-sequence output is the reference;
+  code unchanged, so mlx-lm's single-sequence output is the reference. One exception:
+  plamo3's cache (`WindowPlusOneCaches`) holds one token more than mlx-lm 0.32 gives it, so
+  that decode sees the window its mask (and HF's model) gives prompt tokens; its reference
+  is mlx-lm's forward with no cache, which any chunking now equals;
 - prompts prefilled one at a time, for layers that read the batch's left padding as input
-  (`PADDING_BLIND`): merged into the decoding batch afterwards, they are exact.
+  (`PADDING_BLIND`): merged into the decoding batch afterwards, they are exact;
+- a refusal at start with the reason (`UNSERVABLE`), where mlx-lm's code is wrong alone or
+  its caches have no batched form.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
-from mlx_lm.models.cache import ChunkedKVCache, KVCache
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +50,31 @@ PADDING_BLIND = frozenset(
 )
 
 
-# Architectures whose mlx-lm code is wrong for one sequence as well, so no batching fix can
-# make them right: refused at start with the reason rather than served wrong.
-UNSERVABLE = {
+# Architectures refused at start with the reason: mlx-lm's code is wrong for one sequence as
+# well (no batching fix can make it right), or its caches have no batched form and giving them
+# one is a large piece of work. Each entry: (still applies to this model?, the reason).
+UNSERVABLE: dict[str, tuple[Callable[[nn.Module], bool], str]] = {
     "phi3small": (
+        lambda model: True,
         "mlx-lm 0.32's phi3small block-sparse attention adds its boolean causal mask to the "
         "scores as numbers (+1 / +0, not -inf), so a prompt's tokens attend to later tokens of "
-        "their 64-token block; the worker refuses it rather than serve that output"
+        "their 64-token block; the worker refuses it rather than serve that output",
+    ),
+    # A batched deepseek_v41 needs per-row positions through the window indices, the
+    # compressor's open groups (a different number of pending rows per row), the compressed
+    # KV and index keys (a different count per row) and the indexer's visible groups, plus
+    # merge/extract/filter/extend for LayerCache and the prefix store's snapshots of it.
+    "deepseek_v41": (
+        lambda model: not all(hasattr(c, "merge") for c in model.make_cache()),
+        "mlx-lm 0.32's deepseek_v41 LayerCache (sliding window, compressed KV groups, index "
+        "keys) has no batched form (no merge, extract or filter) and its forward takes one "
+        "integer position for every row; the worker batches every request, so it refuses it",
     ),
 }
 
 
 class UnservableModel(ValueError):
-    """mlx-lm computes this architecture wrongly even for one sequence."""
+    """The worker refuses this architecture (`UNSERVABLE` says why)."""
 
 
 def prefill_rows(model_type: str, configured: int) -> int:
@@ -240,6 +258,146 @@ class RowTemperature:
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 
+class WindowPlusOneCaches:
+    """plamo3: its sliding-window mask lets each token see itself and the `window_size`
+    tokens before it (HF PLaMo 3's width), but mlx-lm 0.32 gives those layers a
+    `RotatingKVCache(max_size=window_size)`: a decode step sees one earlier token less than a
+    prompt token, and a prefill chunk's first token as well (the cache keeps `max_size - 1`
+    earlier tokens between calls), so the output changes with the chunking. A window of
+    `window_size + 1` slots (as later mlx-lm makes it) holds what the mask lets every token
+    see, in prefill chunks of any size and in decode: a whole sequence through the model with
+    no cache at all gives the same logits."""
+
+    def make_cache(self) -> list[Any]:
+        window = self.config.window_size  # type: ignore[attr-defined]
+        caches = super().make_cache()  # type: ignore[misc]
+        return [
+            RotatingKVCache(max_size=window + 1, keep=c.keep)
+            if type(c) is RotatingKVCache and c.max_size == window
+            else c
+            for c in caches
+        ]
+
+
+class AttentionLayerCaches:
+    """nemotron-nas: mlx-lm makes a KV cache for every layer whose attention is not a no-op,
+    the linear replacements (`replace_with_linear`) included, which never write theirs; an
+    empty cache in a batch breaks mlx-lm's batch caches (`extract` of a cache with no keys).
+    Only the layers with real attention get a cache; `AttentionCachesOnly` hands them out."""
+
+    layers: list[nn.Module]
+
+    def make_cache(self) -> list[Any]:
+        return [KVCache() for layer in self.layers if _attends(layer)]
+
+
+class AttentionCachesOnly:
+    """nemotron-nas's model: each layer with real attention takes the next cache, every other
+    layer none (a linear replacement ignores it). With mlx-lm's own cache list (one per
+    layer that is not a no-op) the original code runs."""
+
+    embed_tokens: nn.Embedding
+    layers: list[nn.Module]
+    norm: nn.Module
+    num_attn_layers: int
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        if cache is None or len(cache) == self.num_attn_layers:
+            return super().__call__(inputs, cache)  # type: ignore[misc]
+        hidden = self.embed_tokens(inputs)
+        mask = create_attention_mask(hidden, cache[0] if cache else None)
+        caches = iter(cache)
+        for layer in self.layers:
+            hidden = layer(hidden, mask, cache=next(caches) if _attends(layer) else None)
+        return self.norm(hidden)
+
+
+def _attends(layer: nn.Module) -> bool:
+    """A nemotron-nas layer with real attention (not a no-op, not a linear replacement)."""
+    attention = getattr(layer, "self_attn", None)
+    if attention is None:
+        return False
+    module = sys.modules[type(layer).__module__]
+    return not isinstance(attention, module.LinearSubblockReplacement)
+
+
+class RowBlocks:
+    """minimax_m3_vl's sparse attention: its indexer cuts the keys into blocks by cache slot
+    and keeps each query's top-k blocks (and its own); in a batch the slots count a row's
+    left padding, so a row whose padding is not a multiple of the block size gets other block
+    boundaries and keeps other keys than alone. Here the blocks are cut at each row's own
+    positions (slot minus the row's first slot) and a query's own block is the one of its
+    position; one sequence (an integer offset) runs the original code."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_block_size: int
+    index_topk_blocks: int
+    index_local_blocks: int
+    num_attention_heads: int
+    index_k_proj: nn.Module
+    index_k_norm: nn.Module
+    index_q_proj: nn.Module
+    index_q_norm: nn.Module
+    index_rope: nn.Module
+
+    def _block_mask(self, x: mx.array, mask: Any, offset: Any, cache: Any) -> Any:
+        if cache is None or not isinstance(offset, mx.array):
+            return super()._block_mask(x, mask, offset, cache)  # type: ignore[misc]
+        batch, length, _ = x.shape
+        heads, dim = self.index_n_heads, self.index_head_dim
+        block, topk = self.index_block_size, self.index_topk_blocks
+        positions = offset[:, None] + mx.arange(length)  # (B, L): each query's own position
+
+        keys = self.index_k_proj(x).reshape(batch, length, 1, dim)
+        keys = self.index_rope(self.index_k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
+        keys, _ = cache.update_and_fetch(keys, mx.zeros((batch, 1, length, 0), keys.dtype))
+        slots = keys.shape[2]
+        blocks = -(-slots // block)
+        if topk >= blocks:  # no row has more blocks than the budget: nothing is dropped
+            return mask
+
+        queries = self.index_q_proj(x).reshape(batch, length, heads, dim)
+        queries = self.index_rope(self.index_q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
+        first = _first_slots(cache)[:, None]  # (B, 1)
+        key_positions = mx.arange(slots)[None] - first  # (B, S): negative over padding
+        if isinstance(mask, mx.array):
+            per_key = mask
+        else:
+            seen = key_positions[:, None, :] <= positions[:, :, None]
+            per_key = (seen & (key_positions[:, None, :] >= 0))[:, None]
+        scores = queries.astype(mx.float32) @ keys.astype(mx.float32).swapaxes(-1, -2)
+        scores = mx.where(per_key, scores, -mx.inf)  # (B, H, L, S)
+
+        # Each row's scores from its first slot on, so that block n holds its positions
+        # n * block ... (n + 1) * block - 1; slots past the buffer score -inf.
+        aligned = mx.arange(blocks * block)[None] + first  # (B, P): slot of each position
+        inside = aligned < slots
+        gathered = mx.take_along_axis(
+            scores, mx.minimum(aligned, slots - 1)[:, None, None, :], axis=-1
+        )
+        gathered = mx.where(inside[:, None, None, :], gathered, -mx.inf)
+        block_scores = gathered.reshape(batch, heads, length, blocks, block).max(axis=-1)
+        if self.index_local_blocks > 0:
+            own = (positions // block)[:, None, :, None]  # (B, 1, L, 1)
+            ids = mx.arange(blocks)
+            local = (ids <= own) & (ids > own - self.index_local_blocks)
+            block_scores = mx.where(local, mx.inf, block_scores)
+
+        chosen = mx.stop_gradient(mx.argpartition(-block_scores, kth=topk - 1, axis=-1))
+        keep = mx.put_along_axis(
+            mx.zeros(block_scores.shape, dtype=mx.bool_),
+            chosen[..., :topk],
+            mx.array(True),
+            axis=-1,
+        )
+        # Back from positions to slots: slot s of row b holds position s - first[b].
+        by_position = mx.repeat(keep, block, axis=-1)  # (B, H, L, P)
+        index = mx.clip(key_positions, 0, blocks * block - 1)[:, None, None, :]
+        keep = mx.take_along_axis(by_position, index, axis=-1) & per_key
+        return mx.repeat(keep, self.num_attention_heads // heads, axis=1)
+
+
 def _swap_class(module: nn.Module, fix: type) -> None:
     original = type(module)
     if issubclass(original, fix):
@@ -273,11 +431,32 @@ def _llama4(model: nn.Module) -> int:
     return 2 + len(attentions)
 
 
+def _plamo3(model: nn.Module) -> int:
+    _swap_class(model, WindowPlusOneCaches)
+    return 1
+
+
+def _nemotron_nas(model: nn.Module) -> int:
+    _swap_class(model, AttentionLayerCaches)
+    _swap_class(model.model, AttentionCachesOnly)
+    return 2
+
+
+def _minimax_m3_vl(model: nn.Module) -> int:
+    attentions = [layer.self_attn for layer in model.layers if layer.self_attn.is_sparse_attn]
+    for attention in attentions:
+        _swap_class(attention, RowBlocks)
+    return len(attentions)
+
+
 FIXES: dict[str, Callable[[nn.Module], int]] = {
     "afm7": _afm7,
     "gemma2": _gemma2,
     "gpt_bigcode": _gpt_bigcode,
     "llama4": _llama4,
+    "minimax_m3_vl": _minimax_m3_vl,
+    "nemotron-nas": _nemotron_nas,
+    "plamo3": _plamo3,
 }
 
 
@@ -285,7 +464,9 @@ def fix_for_batching(model: nn.Module) -> None:
     """Apply the model's architecture's fix, if it has one (a second call changes nothing)."""
     model_type = getattr(model, "model_type", None)
     if model_type in UNSERVABLE:
-        raise UnservableModel(f"{model_type}: {UNSERVABLE[model_type]}")
+        applies, reason = UNSERVABLE[model_type]
+        if applies(model):
+            raise UnservableModel(f"{model_type}: {reason}")
     fix = FIXES.get(model_type or "")
     if fix is None:
         return
