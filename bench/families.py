@@ -148,7 +148,9 @@ def build_key(config: dict[str, Any]) -> str:
 
 
 def make_prompts(tokenizer_file: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """The first wave (three lengths) and the second (each first-wave prompt plus a new tail)."""
+    """The first wave (three lengths) and the second (each first-wave prompt plus a new tail).
+    A tokenizer that puts a BOS before every encoding (Gemma's) gets it first in each prompt,
+    as the worker would put it there."""
     from tokenizers import Tokenizer
 
     from servicer.demo_model import _CORPUS_PATH
@@ -156,10 +158,12 @@ def make_prompts(tokenizer_file: Path) -> tuple[list[list[int]], list[list[int]]
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     paragraphs = [p for p in _CORPUS_PATH.read_text(encoding="utf-8").split("\n\n") if p.strip()]
     ids = tokenizer.encode(" ".join(paragraphs[:40]), add_special_tokens=False).ids
+    plain, special = (tokenizer.encode("a", add_special_tokens=b).ids for b in (False, True))
+    bos = special[:1] if len(special) > len(plain) and special[1:] == plain else []
     first: list[list[int]] = []
     start = 0
     for length in PROMPT_LENGTHS:
-        first.append(ids[start : start + length])
+        first.append(bos + ids[start : start + length])
         start += length + 7
     second = []
     for prompt, tail in zip(first, TAIL_LENGTHS, strict=True):
@@ -335,8 +339,8 @@ def kv_group(dims: list[int]) -> int | None:
     return None
 
 
-def reference(model: Any, out: Path) -> dict[str, Any]:
-    first, second = make_prompts(out / "tokenizer.json")
+def reference(model: Any, tokenizer_file: Path) -> dict[str, Any]:
+    first, second = make_prompts(tokenizer_file)
     wave1 = [greedy(model, prompt, VARIETY_TOKENS) for prompt in first]
     distinct = [len(set(run["tokens"])) for run in wave1]
     facts = cache_facts(model)
@@ -441,7 +445,7 @@ def build_main(arch: str, out: Path, variant: str | None = None) -> None:
     config = arch_config(arch, variant)
     out.mkdir(parents=True, exist_ok=True)
     model = write_model(arch, json.loads(json.dumps(config)), out)
-    facts = reference(model, out)
+    facts = reference(model, out / "tokenizer.json")
     (out / "reference.json").write_text(json.dumps(facts) + "\n")
 
 
@@ -465,6 +469,102 @@ def build(
     return out, json.loads(ref.read_text())
 
 
+# --------------------------------------------------------------------------- real models
+
+REAL_PREFIX = "real:"
+# name -> (the shared script's MODEL, quantized to 4 bits as users run it)
+REAL_MODELS = {
+    "gemma-3-270m": ("gemma-3-270m", False),
+    "gemma-3-270m-4bit": ("gemma-3-270m", True),
+    "smollm2-135m-instruct": ("smollm2-135m-instruct", False),
+    "smollm2-135m-instruct-4bit": ("smollm2-135m-instruct", True),
+}
+REAL_MODEL_SCRIPT = ROOT.parent / "shared" / "tools" / "real_model.sh"
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
+REAL_TIMEOUT = 600.0  # seconds a cell may take on a real model (float32 on a CPU)
+
+
+def blas_env() -> dict[str, str]:
+    """OpenBLAS preloaded where it is installed (a real model's prefill is ~10x faster)."""
+    if not OPENBLAS.exists() or os.environ.get("LD_PRELOAD"):
+        return {}
+    return {"LD_PRELOAD": str(OPENBLAS), "OPENBLAS_NUM_THREADS": "1"}
+
+
+def process_env() -> dict[str, str]:
+    return {**os.environ, **blas_env()}
+
+
+def real_model_dir(name: str, cache: Path, timeout: float) -> Path | str:
+    """The real model's directory (the shared script's build, converted to 4 bits by mlx-lm
+    for a -4bit entry), or why not."""
+    model, quantize = REAL_MODELS[name]
+    if not REAL_MODEL_SCRIPT.exists():
+        return f"{REAL_MODEL_SCRIPT} is absent (the shared tools are not beside the checkout)"
+    env = {**os.environ, "MODEL": model}
+    try:
+        done = subprocess.run(
+            ["bash", str(REAL_MODEL_SCRIPT)], capture_output=True, text=True, env=env,
+            timeout=timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"{REAL_MODEL_SCRIPT.name} took over {timeout:.0f} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines or not Path(lines[-1]).is_dir():
+        return f"{REAL_MODEL_SCRIPT.name} failed: {done.stderr.strip()[-300:]}"
+    source = Path(lines[-1])
+    if not quantize:
+        return source
+    out = cache / f"real-{name}"
+    if not (out / "config.json").exists():
+        command = [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(source)]
+        command += ["--mlx-path", str(out), "-q", "--q-bits", "4", "--q-group-size", "64"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            return f"mlx_lm convert failed: {done.stderr.strip()[-300:]}"
+    return out
+
+
+def real_reference_main(model_dir: Path, out: Path) -> None:
+    """Subprocess entry: mlx-lm's references for a real model, into `out`/reference.json."""
+    from mlx_lm.utils import load_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_model(model_dir)[0]
+    facts = reference(model, model_dir / "tokenizer.json")
+    facts["kv8"] = kv8_reference(model, facts["wave1"])
+    (out / "reference.json").write_text(json.dumps(facts) + "\n")
+
+
+def run_real(name: str, cells: Sequence[str], cache: Path, timeout: float) -> dict[str, Any]:
+    """A real model in the same cells as the tiny builds."""
+    started = time.monotonic()
+    timeout = max(timeout, REAL_TIMEOUT)
+    model_dir = real_model_dir(name, cache, 4 * timeout)
+    if isinstance(model_dir, str):
+        return {"cells": {c: Cell("skipped", model_dir).as_dict() for c in cells}}
+    out = cache / f"real-ref-{name}-{BUILD_VERSION}-{KV8_VERSION}"
+    if not (out / "reference.json").exists():
+        command = [sys.executable, __file__, "--real-reference", str(model_dir), "--out", str(out)]
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=4 * timeout, env=process_env()
+        )
+        if done.returncode != 0:
+            reason = (done.stderr.strip().splitlines() or ["no output"])[-1][:400]
+            return {"cells": {c: Cell("build", reason).as_dict() for c in cells}}
+    ref = json.loads((out / "reference.json").read_text())
+    found = single_cells(model_dir, ref, [c for c in cells if c != "kv8"], timeout)
+    if "kv8" in cells:
+        found["kv8"] = kv8_served(model_dir, ref, ref["kv8"], timeout)
+    if "distributed" in cells:
+        found["distributed"] = distributed_cell(model_dir, ref, timeout, out / "dist")
+    result = {c: found[c].as_dict() for c in cells if c in found}
+    summary = " ".join(f"{c}={found[c].status}" for c in cells if c in found)
+    log(f"{REAL_PREFIX}{name}: {summary} ({time.monotonic() - started:.0f} s)")
+    facts = {k: ref[k] for k in ("distinct", "cache_kinds", "head_dims", "shard")}
+    return {**facts, "cells": result}
+
+
 # --------------------------------------------------------------------------- the worker
 
 
@@ -473,7 +573,7 @@ class Worker:
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
         self.args = list(args)
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {**process_env(), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.lines: list[str] = []
         self.port = 0
         self.ready = threading.Event()
@@ -721,6 +821,14 @@ def kv8_cell(arch: str, model_dir: Path, ref: dict[str, Any], timeout: float) ->
     facts = kv8_facts(model_dir, max(300.0, 5 * timeout))
     if isinstance(facts, str):
         return Cell("build", f"the kv8 reference: {facts}", extra)
+    cell = kv8_served(model_dir, ref, facts, timeout)
+    cell.extra.update(extra)
+    return cell
+
+
+def kv8_served(model_dir: Path, ref: dict[str, Any], facts: dict[str, Any], timeout: float) -> Cell:
+    """The worker with `--kv-bits 8` against the kv8 reference `facts` (kv8_reference)."""
+    extra: dict[str, Any] = {}
     extra.update(reference=facts["kind"], group=facts["group"], kv_dims=facts["kv_dims"])
     notes = {
         "plain": f"no layer is quantized (cache kinds {', '.join(ref['cache_kinds'])})",
@@ -827,11 +935,26 @@ README_BEGIN = "<!-- families table: written by `make families` -->"
 README_END = "<!-- end of the families table -->"
 
 
+def _not_exact(result: dict[str, Any], cells: Sequence[str]) -> str:
+    """A result's cells that are neither exact nor skipped, by status ("" if none)."""
+    by_status: dict[str, list[str]] = {}
+    for cell in cells:
+        status = result["cells"][cell]["status"]
+        if status not in ("exact", "skipped"):
+            by_status.setdefault(status, []).append(cell)
+    return "; ".join(
+        f"{status} {'everywhere' if len(found) == len(cells) else ', '.join(found)}"
+        for status, found in by_status.items()
+    )
+
+
 def readme_summary(results: dict[str, Any], cells: Sequence[str]) -> str:
     """The README's compact table: architectures per status and cell, then every architecture
-    with a cell that is neither exact nor skipped, with those cells."""
-    skipped = sorted(a for a, r in results.items() if r["cells"][cells[0]]["status"] == "skipped")
-    tested = {a: r for a, r in results.items() if a not in skipped}
+    with a cell that is neither exact nor skipped, with those cells; the real models apart."""
+    reals = {a: r for a, r in results.items() if a.startswith(REAL_PREFIX)}
+    tiny = {a: r for a, r in results.items() if a not in reals}
+    skipped = sorted(a for a, r in tiny.items() if r["cells"][cells[0]]["status"] == "skipped")
+    tested = {a: r for a, r in tiny.items() if a not in skipped}
     statuses = [
         s
         for s in STATUSES
@@ -847,21 +970,26 @@ def readme_summary(results: dict[str, Any], cells: Sequence[str]) -> str:
     for status in statuses:
         counts = [sum(r["cells"][c]["status"] == status for r in tested.values()) for c in cells]
         lines.append(f"| {status} | " + " | ".join(str(n) for n in counts) + " |")
-    others = []
+    kv8_only, others = [], []
     for arch, result in sorted(tested.items()):
-        by_status: dict[str, list[str]] = {}
-        for cell in cells:
-            status = result["cells"][cell]["status"]
-            if status not in ("exact", "skipped"):
-                by_status.setdefault(status, []).append(cell)
-        parts = [
-            f"{status} {'everywhere' if len(found) == len(cells) else ', '.join(found)}"
-            for status, found in by_status.items()
-        ]
-        if parts:
-            others.append(f"{arch} ({'; '.join(parts)})")
+        parts = _not_exact(result, cells)
+        if parts == "refused kv8":
+            kv8_only.append(arch)
+        elif parts:
+            others.append(f"{arch} ({parts})")
+    if kv8_only:
+        others.append(
+            "refused in kv8 alone (mlx-lm's attention code cannot take a quantized cache): "
+            + ", ".join(kv8_only)
+        )
     rest = "Neither exact nor skipped: " + "; ".join(others) + "."
     lines += ["", rest if others else "Every tested cell is exact."]
+    if reals:
+        described = [
+            f"{a.removeprefix(REAL_PREFIX)} ({_not_exact(r, cells) or 'exact'})"
+            for a, r in sorted(reals.items())
+        ]
+        lines += ["", "Real models (`ARGS=--real`), cells not exact: " + "; ".join(described) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -873,7 +1001,15 @@ def write_readme(path: Path, summary: str) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", help="comma-separated architectures (model_type names)")
+    parser.add_argument(
+        "--only", help="comma-separated architectures (model_type names, or real:NAME)"
+    )
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help=f"also the real models ({', '.join(REAL_MODELS)}; ../shared/tools/real_model.sh, "
+        "4-bit by mlx_lm convert) in the same cells",
+    )
     parser.add_argument("--cells", default=",".join(CELLS), help=f"subset of {','.join(CELLS)}")
     parser.add_argument("--jobs", type=int, default=1, help="architectures run at once")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per cell")
@@ -887,18 +1023,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--kv8-reference", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--real-reference", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def architectures(only: str | None) -> list[str]:
-    known = set(load_configs()) | set(load_skipped())
+def architectures(only: str | None, real: bool = False) -> list[str]:
+    """The names to run: --only's, or every architecture; with `real`, the real models too."""
+    reals = [f"{REAL_PREFIX}{name}" for name in REAL_MODELS]
+    known = set(load_configs()) | set(load_skipped()) | set(reals)
     if only:
         names = [name.strip() for name in only.split(",") if name.strip()]
         unknown = [name for name in names if name not in known]
         if unknown:
             raise SystemExit(f"no config for {unknown}; known: {sorted(known)}")
-        return names
-    return sorted(known)
+        return names + [r for r in reals if real and r not in names]
+    return sorted(known - set(reals)) + (reals if real else [])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -909,13 +1048,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kv8_reference:
         kv8_main(args.kv8_reference)
         return 0
+    if args.real_reference:
+        real_reference_main(args.real_reference, args.out)
+        return 0
     cells = [c.strip() for c in args.cells.split(",") if c.strip()]
     if bad := [c for c in cells if c not in CELLS]:
         raise SystemExit(f"unknown cells {bad}; known: {list(CELLS)}")
     from servicer.demo_model import default_cache_dir
 
     cache = args.cache or default_cache_dir() / "families"
-    names = architectures(args.only)
+    names = architectures(args.only, args.real)
     missing = sorted(set(installed_architectures()) - set(names)) if not args.only else []
     demo_dir()  # build the tokenizer's source once, before the jobs start
     results: dict[str, Any] = {}
@@ -927,7 +1069,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     lock = threading.Lock()
 
     def one(arch: str) -> None:
-        result = run_arch(arch, cells, cache, args.timeout)
+        if arch.startswith(REAL_PREFIX):
+            result = run_real(arch.removeprefix(REAL_PREFIX), cells, cache, args.timeout)
+        else:
+            result = run_arch(arch, cells, cache, args.timeout)
         with lock:  # written after every architecture, so a cut-short run still reports
             results[arch] = result
             write_outputs(args, cells, results, missing)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -74,7 +75,10 @@ class ServerThread:
 
     def stop(self, timeout: float = 60) -> None:
         if self.loop is not None and self.server is not None and self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.server.request_shutdown)
+            # A server that stopped itself (the fatal path) may close its loop between the
+            # check and the call: then there is nothing left to ask.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.server.request_shutdown)
         self._thread.join(timeout)
 
     @property
