@@ -418,7 +418,7 @@ def kv8_main(model_dir: Path) -> None:
     """Subprocess entry: the kv8 reference of the model built in `model_dir`."""
     from mlx_lm.utils import load_model
 
-    model = load_model(model_dir)[0]
+    model = as_served(load_model(model_dir)[0])
     prompts = json.loads((model_dir / "reference.json").read_text())["wave1"]
     facts = kv8_reference(model, prompts)
     (model_dir / f"kv8-{KV8_VERSION}.json").write_text(json.dumps(facts) + "\n")
@@ -440,11 +440,21 @@ def kv8_facts(model_dir: Path, timeout: float) -> dict[str, Any] | str:
     return json.loads(path.read_text())
 
 
+def as_served(model: Any) -> Any:
+    """The model as the reference runs it: mlx-lm's own code, except where the worker's fix
+    changes one sequence's output as well (arch_fixes.CHANGES_ONE_SEQUENCE)."""
+    from servicer.engine.arch_fixes import CHANGES_ONE_SEQUENCE, fix_for_batching
+
+    if getattr(model, "model_type", None) in CHANGES_ONE_SEQUENCE:
+        fix_for_batching(model)
+    return model
+
+
 def build_main(arch: str, out: Path, variant: str | None = None) -> None:
     """Subprocess entry: build `arch` into `out` and write reference.json last."""
     config = arch_config(arch, variant)
     out.mkdir(parents=True, exist_ok=True)
-    model = write_model(arch, json.loads(json.dumps(config)), out)
+    model = as_served(write_model(arch, json.loads(json.dumps(config)), out))
     facts = reference(model, out / "tokenizer.json")
     (out / "reference.json").write_text(json.dumps(facts) + "\n")
 

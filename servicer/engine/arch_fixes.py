@@ -53,6 +53,10 @@ PADDING_BLIND = frozenset(
 # Architectures refused at start with the reason: mlx-lm's code is wrong for one sequence as
 # well (no batching fix can make it right), or its caches have no batched form and giving them
 # one is a large piece of work. Each entry: (still applies to this model?, the reason).
+# Architectures whose fix changes one sequence's output too (the fix is the right one; the
+# reference for such a model is mlx-lm's generation with the fix applied).
+CHANGES_ONE_SEQUENCE = frozenset({"plamo3"})
+
 UNSERVABLE: dict[str, tuple[Callable[[nn.Module], bool], str]] = {
     "phi3small": (
         lambda model: True,
