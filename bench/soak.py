@@ -22,11 +22,10 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from servicer.proto import mlx_engine_pb2 as pb
+from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
 
-from servicer.proto import mlx_engine_pb2 as pb  # noqa: E402
-from servicer.proto import mlx_engine_pb2_grpc as pb_grpc  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 VOCAB = 512  # the demo model's
 LONG = 3000
@@ -219,10 +218,10 @@ def main() -> int:
     worker = None
     address = args.address
     if address is None:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from support import WorkerProcess
+        from workers import BatchConfig, model_or_demo, our_worker
 
-        worker = WorkerProcess().start().wait_ready()
+        logs = args.out.parent / "logs"
+        worker = our_worker(model_or_demo(None), BatchConfig(), logs, "soak").start()
         address = worker.address
     try:
         rss_before = _rss(worker)
@@ -230,8 +229,7 @@ def main() -> int:
         rss_after = _rss(worker)
     finally:
         if worker is not None:
-            worker.terminate()
-            worker.wait(60)
+            worker.stop(60)
     print(report.table())
     if rss_before is not None and rss_after is not None:
         print(f"{'worker RSS MiB before/after':<28}{rss_before:>8.0f} / {rss_after:.0f}")

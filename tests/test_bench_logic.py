@@ -7,11 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import ROOT
-
-sys.path.insert(0, str(ROOT / "bench"))
-
 import report
+from support import ROOT
 from workload import StealMeter, disturbed
 
 

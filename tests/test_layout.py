@@ -141,3 +141,16 @@ def test_no_import_circles_in_the_package_or_the_bench():
 
 def test_the_circle_finder_finds_circles():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_tests_and_bench_never_put_each_other_on_sys_path():
+    """The bench's modules reach the tests through pytest's `pythonpath` (pyproject.toml), and
+    the bench starts workers with its own code: no file edits sys.path to reach the other."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for folder in ("tests", "bench")
+        for path in sorted((ROOT / folder).glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "sys.path.insert" in line and ('"bench"' in line or '"tests"' in line)
+    ]
+    assert offenders == []

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
+import history
+import nightly
 import pytest
 
+from servicer.faults import FaultPlan
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import history  # noqa: E402
-import nightly  # noqa: E402
-
-from servicer.faults import FaultPlan  # noqa: E402
 
 MACHINE = {"cpu": "test cpu", "cores": 2, "gpu": "none", "memory_gib": 23}
 

@@ -9,17 +9,14 @@ count agrees with the clients', and its resident memory grew by less than RSS_BO
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import grpc
 import httpx
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from support import ROOT, WorkerProcess, free_port, server_info, wait_until
-
-sys.path.insert(0, str(ROOT / "bench"))
 from soak import soak
+from support import WorkerProcess, free_port, server_info, wait_until
 
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
