@@ -16,17 +16,15 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import report
 from load import served_run
-from workers import BatchConfig, Worker, log, our_worker, resolve_model
+from workers import BatchConfig, Worker, log, our_worker, resolve_model, scrape_metrics
 from workload import make_prompts, percentile
 
 from servicer.demo_model import demo_model_path
@@ -122,9 +120,8 @@ def render_model_bytes(found: dict[str, Any]) -> str:
 
 
 def running_now(port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    match = re.search(r"^mlx_worker_running_requests ([0-9.e+]+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    name = "mlx_worker_running_requests"
+    return scrape_metrics(port, [name])[name]
 
 
 def live_admission(model: Path, flags: tuple[str, ...], log_dir: Path, tag: str) -> int:

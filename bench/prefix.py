@@ -8,14 +8,12 @@ keeps no blocks on disk and reports no cache bytes).
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from load import Client, _median_ms
-from workers import Worker
+from workers import Worker, scrape_metrics
 from workload import chat_prompt, make_prompts, percentile, system_texts
 
 SYSTEM_TOKENS = 1500
@@ -86,9 +84,8 @@ async def disk_restart(
 
 
 def cache_bytes(metrics_port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
-    match = re.search(rb"^mlx_worker_prompt_cache_bytes ([0-9.e+]+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    name = "mlx_worker_prompt_cache_bytes"
+    return scrape_metrics(metrics_port, [name])[name]
 
 
 async def shared_conversations(client: Client, metrics_port: int, seed: str) -> dict[str, Any]:

@@ -25,7 +25,6 @@ import argparse
 import re
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from workers import (
     log,
     our_worker,
     resolve_model,
+    scrape_metrics,
     smg_worker,
 )
 from workload import (
@@ -116,7 +116,6 @@ def real_setup(model: str) -> Setup:
 
 def speculation_metrics(port: int) -> dict[str, float]:
     """The worker's speculation counters, from its /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     names = {
         "drafted": "mlx_worker_speculation_drafted_tokens_total",
         "accepted": "mlx_worker_speculation_accepted_tokens_total",
@@ -124,11 +123,8 @@ def speculation_metrics(port: int) -> dict[str, float]:
         "tokens": "mlx_worker_speculation_tokens_per_row_step_sum",
         "steps_off": "mlx_worker_speculation_steps_off_total",
     }
-    found = {}
-    for key, name in names.items():
-        match = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
-        found[key] = float(match.group(1)) if match else 0.0
-    return found
+    values = scrape_metrics(port, list(names.values()))
+    return {key: values[name] for key, name in names.items()}
 
 
 @dataclass

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -117,6 +118,23 @@ def resolve_model(model: str | None, script: Path = REAL_MODEL_SCRIPT) -> Path |
     if done.returncode != 0 or not lines:
         raise SystemExit(f"{script} failed (code {done.returncode}):\n{done.stderr[-2000:]}")
     return Path(lines[-1]).expanduser().resolve()
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def scrape_metrics(port: int, names: Sequence[str]) -> dict[str, float]:
+    """The worker's unlabelled samples `names` from its Prometheus endpoint on `port` (0.0
+    for a name it does not report)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    found = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in found and not sample.labels:
+                found[sample.name] = float(sample.value)
+    return found
 
 
 # --------------------------------------------------------------------------- venvs
