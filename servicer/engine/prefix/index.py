@@ -327,6 +327,10 @@ class BlockIndex:
 
 
 def _common(tokens: tuple[int, ...], prompt: list[int], start: int) -> int:
+    # Most candidates differ at once (a planning step asks about every block under a node):
+    # no slice for those.
+    if not tokens or start >= len(prompt) or tokens[0] != prompt[start]:
+        return 0
     count = 0
     for a, b in zip(tokens, prompt[start : start + len(tokens)], strict=False):
         if a != b:
