@@ -184,3 +184,26 @@ def test_speculation_is_refused_with_distributed_serving_and_says_so(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--distributed", "--speculate", "ngram"])
     assert "--speculate is not supported with --distributed" in capsys.readouterr().err
+
+
+def test_a_model_the_ranks_do_not_divide_is_refused_with_the_numbers(tmp_path):
+    """SmolLM2 (9 heads, 3 KV heads) over 2 ranks failed inside its first forward, and its
+    4-bit build (hidden 576: 288 a rank, not a multiple of the group 64) at load; both are
+    refused before loading, saying which numbers do not divide."""
+    import json
+
+    from servicer.engine.model import check_shardable
+    from servicer.model_files import ModelLoadError
+
+    smollm = {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    (tmp_path / "config.json").write_text(json.dumps(smollm))
+    with pytest.raises(ModelLoadError, match="num_attention_heads 9 does not divide by 2"):
+        check_shardable(tmp_path, 2)
+    check_shardable(tmp_path, 3)
+    quantized = {**smollm, "quantization": {"group_size": 128, "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(quantized))
+    with pytest.raises(ModelLoadError, match="hidden_size 576 over 3 ranks is 192 wide"):
+        check_shardable(tmp_path, 3)
+    llama = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps({**llama, "quantization": {"group_size": 64}}))
+    check_shardable(tmp_path, 2)  # 128 a rank: two groups

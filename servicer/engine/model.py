@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ def load_model(
         else:
             if adapter_path is not None:
                 raise ModelLoadError("--adapter-path is not supported with --distributed")
+            check_shardable(model_dir, group.size())
             mlx_model, tokenizer = sharded_load(str(model_dir), tensor_group=group)
     except ModelLoadError:
         raise
@@ -47,6 +49,35 @@ def load_model(
     except UnservableModel as exc:
         raise ModelLoadError(f"cannot serve {model_dir}: {exc}") from exc
     return LoadedModel(model=mlx_model, tokenizer=tokenizer)
+
+
+def check_shardable(model_dir: Path, ranks: int) -> None:
+    """Tensor parallelism splits every attention and KV head and each layer's width over the
+    ranks: refuse, with the numbers, a model they do not divide (mlx-lm would fail inside a
+    forward, or at load for a quantized model whose split width misses its group size)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # mlx-lm's own load says what is wrong
+    text = config.get("text_config") or config
+    quantization = config.get("quantization") or {}
+    group = quantization.get("group_size") if isinstance(quantization, dict) else None
+    problems = [
+        f"{name} {text[name]} does not divide by {ranks}"
+        for name in ("num_attention_heads", "num_key_value_heads")
+        if isinstance(text.get(name), int) and text[name] % ranks
+    ]
+    if isinstance(group, int) and group > 0:
+        problems += [
+            f"{name} {text[name]} over {ranks} ranks is {text[name] // ranks} wide, not a "
+            f"multiple of the quantization group {group}"
+            for name in ("hidden_size", "intermediate_size")
+            if isinstance(text.get(name), int) and (text[name] // ranks) % group
+        ]
+    if problems:
+        raise ModelLoadError(
+            f"cannot shard {model_dir.name} over {ranks} ranks: " + "; ".join(problems)
+        )
 
 
 def reference_blas_hint(mapped_files: str, on_cpu: bool) -> str | None:
