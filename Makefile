@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 EXTRAS := $(if $(filter Darwin,$(shell uname -s)),dev,cpu,dev)
 ARGS ?=
 
-.PHONY: install serve test lint format proto demo bench bench-genai nightly fuzz-cache families clean
+.PHONY: install serve test lint format proto demo bench nightly fuzz-cache families clean
 
 install: $(STAMP)
 
@@ -43,12 +43,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bench.py $(ARGS)
 
-# genai-bench through the smg router, offline (installs genai-bench into bench/.venv-genai).
-bench-genai: $(STAMP)
-	$(BIN)/python bench/genai.py $(ARGS)
-
-# The nightly: fixed genai-bench scenarios through smg vs the raw engine, a history, a verdict
-# (exit 1 on a regression), trend PNGs and an HTML page (ARGS="--quick --history PATH").
+# genai-bench through the smg router, ours vs the raw engine (and smg-grpc-servicer with
+# --side-by-side): fixed scenarios, a history, a verdict (exit 1 on a regression), trend PNGs and
+# an HTML page (ARGS="--quick", "--history PATH"; an ad-hoc run: ARGS="--scenario 'D(2000,200)'
+# --concurrency 1,4,8"). Installs genai-bench into bench/.venv-genai on first use.
 nightly: $(STAMP)
 	$(BIN)/python bench/nightly.py $(ARGS)
 

@@ -49,6 +49,7 @@ from workers import (
     log,
     model_or_demo,
     our_worker,
+    parse_levels,
     raw_process,
     resolve_model,
     smg_servicer_python,
@@ -87,7 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--levels", help="concurrency levels, e.g. 1,8,32 (default 1,8,32,64)")
+    parser.add_argument(
+        "--levels", type=parse_levels, help="concurrency levels, e.g. 1,8,32 (default 1,8,32,64)"
+    )
     parser.add_argument("--quick", action="store_true", help="levels 1,8,32 and short runs")
     add_common_args(
         parser, "also run smg-grpc-servicer's MLX servicer (installed into bench/.venv-smg)"
@@ -149,9 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where JSON and PNG go")
     args = parser.parse_args(argv)
-    if args.levels:
-        args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
-    else:
+    if args.levels is None:
         args.levels = [1, 8, 32] if args.quick else [1, 8, 32, 64]
     if args.requests_per_client is None:
         args.requests_per_client = 2
@@ -165,6 +166,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     if args.only:
         only = {part.strip() for part in args.only.split(",") if part.strip()}
+        if not only:
+            parser.error(f"--only {args.only!r} names no part; parts: {', '.join(PARTS)}")
         if only - set(PARTS):
             parser.error(f"unknown parts in --only: {', '.join(sorted(only - set(PARTS)))}")
         args.skip |= set(PARTS) - only

@@ -40,7 +40,15 @@ from typing import Any
 import httpx
 import report
 from genai import Router
-from workers import BatchConfig, Worker, log, model_or_demo, our_worker, resolve_model
+from workers import (
+    BatchConfig,
+    Worker,
+    log,
+    model_or_demo,
+    our_worker,
+    parse_levels,
+    resolve_model,
+)
 from workload import LevelStats, RequestRecord, StealMeter, percentile
 
 from servicer.sysinfo import cpu_seconds
@@ -424,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         "or `real:NAME` (one of ../shared/tools/real_model.sh's MODELs); repeatable "
         "(default: the demo model)",
     )
-    parser.add_argument("--levels", default="1,8", help="concurrency levels (default 1,8)")
+    parser.add_argument(
+        "--levels", type=parse_levels, default=[1, 8], help="concurrency levels (default 1,8)"
+    )
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"default {ROUNDS}")
     parser.add_argument(
         "--requests",
@@ -442,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
-    levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
+    levels = tuple(args.levels)
     requests = dict(REQUESTS)
     if args.requests:
         requests = {int(c): int(n) for c, n in (p.split(":") for p in args.requests.split(","))}

@@ -12,10 +12,11 @@ machine's drift from night to night, since the reference ran minutes apart from 
 same machine.
 
 The verdict compares tonight's ratios with the recent spread: the last `window` (7) records
-of the same machine, model and mode (quick or full) that have that ratio. A ratio below the
-recent minimum * (1 - margin) is a regression; above the recent maximum * (1 + margin) an
-improvement. Errors, failed runs and router vetoes are regressions by themselves, whatever the
-history says. A night with no comparable history (the first night) has no ratio verdicts.
+of the same machine, model and mode (quick, full, or an ad-hoc run's settings) that have that
+ratio. A ratio below the recent minimum * (1 - margin) is a regression; above the recent
+maximum * (1 + margin) an improvement. Errors, failed runs and router vetoes are regressions
+by themselves, whatever the history says. A night with no comparable history (the first night)
+has no ratio verdicts.
 """
 
 from __future__ import annotations
@@ -104,12 +105,18 @@ def machine_key(record: dict[str, Any]) -> str:
     return " | ".join(str(p) for p in parts)
 
 
+def mode(record: dict[str, Any]) -> str:
+    """The record's mode: quick, full, or an ad-hoc run's "custom: SETTINGS" (a record from
+    before modes has only `quick`)."""
+    return record.get("mode") or ("quick" if record.get("quick") else "full")
+
+
 def comparable(record: dict[str, Any], other: dict[str, Any]) -> bool:
-    """Same machine, model and mode (quick or full): the only records a night is judged by."""
+    """Same machine, model and mode: the only records a night is judged by."""
     return (
         machine_key(record) == machine_key(other)
         and record.get("model") == other.get("model")
-        and bool(record.get("quick")) == bool(other.get("quick"))
+        and mode(record) == mode(other)
     )
 
 

@@ -159,9 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="real", help="`real` (default) or a model directory")
     parser.add_argument("--cases", help="streams:tokens,... (default: the four of CASES)")
     parser.add_argument("--side-by-side", action="store_true", help="also smg-grpc-servicer")
-    parser.add_argument("--workers", default=",".join(WORKERS), help="ours of these only")
+    parser.add_argument(
+        "--workers",
+        default=",".join(WORKERS),
+        help=f"which of our workers run (default all: {','.join(WORKERS)})",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
+    only = tuple(name.strip() for name in args.workers.split(",") if name.strip())
+    unknown = [name for name in only if name not in WORKERS]
+    if unknown or not only:
+        parser.error(f"--workers {args.workers!r}: name some of {', '.join(WORKERS)}")
     model = resolve_model(args.model)
     assert model is not None
     cases = parse_cases(args.cases) if args.cases else CASES
@@ -170,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
         from workers import smg_servicer_python
 
         smg = smg_servicer_python()
-    only = tuple(args.workers.split(","))
     results = run_part(model, cases, args.out / "logs", smg, only=only)
     print(render(results))
     report.save_json(args.out, "long-prompt", results)

@@ -602,8 +602,10 @@ def html_page(
     trends: list[Path],
     out: Path,
     history_path: Path,
+    numbers: str = "",
 ) -> Path:
-    """index.html: the verdict, the trend pictures, and links to genai-bench's plots."""
+    """index.html: the verdict, each system's numbers (a markdown table), the trend pictures,
+    and links to genai-bench's plots."""
     e = html.escape
     rows = []
     for row, cells in zip(verdict.rows, history.verdict_cells(verdict), strict=True):
@@ -628,7 +630,7 @@ def html_page(
 td,th{{border:1px solid #ccc;padding:2px 6px;font-size:90%}}</style></head><body>
 <h1>Nightly {e(record["date"])}: {e(summary)}</h1>
 <p>Commit {e(str(record.get("commit")))}{" (dirty)" if record.get("dirty") else ""};
-model {e(record["model"])}; {"quick" if record.get("quick") else "full"} run;
+model {e(record["model"])}; {e(history.mode(record))} run;
 {e(str(m.get("cpu")))}, {m.get("cores")} cores, GPU {e(str(m.get("gpu")))},
 {m.get("memory_gib")} GiB; {e(versions)}.</p>
 <p>Ratios are ours' speed ÷ the reference's (higher is better: tok/s ours ÷ reference, times
@@ -636,6 +638,7 @@ reference ÷ ours), judged against the last {verdict.window} nights of this mach
 mode ({verdict.nights} found). History: <code>{e(str(history_path))}</code>;
 this night: <a href="record.json">record.json</a>, <a href="verdict.md">verdict.md</a>.</p>
 <table><tr>{head}</tr>{"".join(rows)}</table>
+<h2>Numbers</h2><pre>{e(numbers)}</pre>
 <h2>Trends</h2>{images}
 <h2>Tonight's genai-bench plots</h2><ul>{links}</ul>
 </body></html>

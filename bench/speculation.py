@@ -25,6 +25,7 @@ import argparse
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from workers import (
     Worker,
     log,
     our_worker,
+    parse_levels,
     resolve_model,
     scrape_metrics,
     smg_worker,
@@ -70,19 +72,40 @@ class Setup:
     real: bool = False  # a real model: natural-text workloads, no raw reference
 
 
-def setups() -> list[Setup]:
-    llama = demo_model_path()
-    return [
-        Setup(
-            "target, demo llama drafting",
-            target_model_path(),
-            ("--speculate", "draft", "--draft-model", str(llama)),
-            llama,
-        ),
-        Setup("demo llama, prompt lookup", llama, ("--speculate", "ngram")),
-        Setup("demo hybrid, prompt lookup", demo_model_path("hybrid"), ("--speculate", "ngram")),
-        Setup("demo gemma3, prompt lookup", demo_model_path("gemma3"), ("--speculate", "ngram")),
-    ]
+def _drafting() -> tuple[Path, tuple[str, ...], Path]:
+    llama = demo_model_path("llama")
+    return target_model_path(), ("--speculate", "draft", "--draft-model", str(llama)), llama
+
+
+def _lookup(kind: str) -> Callable[[], tuple[Path, tuple[str, ...], None]]:
+    return lambda: (demo_model_path(kind), ("--speculate", "ngram"), None)
+
+
+# Each demo setup's name and its (model, flags, draft), built on first use: only when chosen.
+SETUPS: dict[str, Callable[[], tuple[Path, tuple[str, ...], Path | None]]] = {
+    "target, demo llama drafting": _drafting,
+    "demo llama, prompt lookup": _lookup("llama"),
+    "demo hybrid, prompt lookup": _lookup("hybrid"),
+    "demo gemma3, prompt lookup": _lookup("gemma3"),
+}
+
+
+def setup_names(wanted: list[str] | None) -> list[str]:
+    """The demo setups whose name contains one of `wanted` (all of them for None). A word that
+    matches none (other than `real`, the real model) is an error, never an empty run."""
+    if wanted is None:
+        return list(SETUPS)
+    unknown = [w for w in wanted if w != "real" and not any(w in name for name in SETUPS)]
+    if unknown or not wanted:
+        raise ValueError(
+            f"--setups {','.join(wanted)!r}: {unknown or 'nothing'} matches no setup "
+            f"(setups: {'; '.join(SETUPS)}; and `real`)"
+        )
+    return [name for name in SETUPS if any(w in name for w in wanted)]
+
+
+def setups(wanted: list[str] | None = None) -> list[Setup]:
+    return [Setup(name, *SETUPS[name]()) for name in setup_names(wanted)]
 
 
 def workloads(model: Path) -> dict[str, list[list[int]]]:
@@ -373,10 +396,8 @@ def run_part(
     model: str | None = None,
 ) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
-    chosen = [s for s in setups() if wanted is None or any(w in s.name for w in wanted)]
-    if model is not None:
-        chosen = [real_setup(model)]
-    elif wanted is not None and "real" in wanted:  # 20+ minutes: only when asked
+    chosen = [real_setup(model)] if model is not None else setups(wanted)
+    if model is None and wanted is not None and "real" in wanted:  # 20+ minutes: only when asked
         chosen.append(real_setup("real"))
     return {s.name: measure_setup(s, levels, rounds, smg_python, log_dir) for s in chosen}
 
@@ -384,7 +405,9 @@ def run_part(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="levels 1 and 16, one round")
-    parser.add_argument("--levels", help="concurrency levels, e.g. 1,4 (default 1,2,4,8,16)")
+    parser.add_argument(
+        "--levels", type=parse_levels, help="concurrency levels, e.g. 1,4 (default 1,2,4,8,16)"
+    )
     parser.add_argument("--rounds", type=int, help=f"runs of each worker per level ({ROUNDS})")
     parser.add_argument(
         "--setups", help="only setups whose name contains one of these (a,b; `real`: real model)"
@@ -397,6 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
+    wanted = None
+    if args.setups is not None:
+        wanted = [word.strip() for word in args.setups.split(",") if word.strip()]
+    try:
+        setup_names(wanted)
+    except ValueError as error:
+        parser.error(str(error))
     smg = None
     if args.side_by_side:
         from workers import smg_servicer_python
@@ -404,9 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         smg = smg_servicer_python()
     levels, rounds = ((1, 16), 1) if args.quick else (LEVELS, ROUNDS)
     if args.levels:
-        levels = tuple(int(x) for x in args.levels.split(","))
+        levels = tuple(args.levels)
     rounds = args.rounds or rounds
-    wanted = args.setups.split(",") if args.setups else None
     results = run_part(levels, rounds, smg, args.out / "logs", wanted, args.model)
     print(render(results))
     report.save_json(args.out, "speculation", results)

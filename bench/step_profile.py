@@ -1,7 +1,7 @@
 """Where a served token's time goes on a small fast model (issue 39, part 3).
 
     python bench/step_profile.py                          # the demo model, c = 1, 8, 32
-    python bench/step_profile.py --levels 1 --seconds 30 --flags "--speculate off"
+    python bench/step_profile.py --levels 1 --requests 4 --flags "--speculate off"
 
 At each level: the raw engine (mlx-lm's BatchGenerator loop in its own process) and our worker
 on the same prompts, alternating, best of `--rounds`; then one more run of our worker with
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from load import Client, Sampling
-from workers import BatchConfig, log, model_or_demo, our_worker, raw_process
+from workers import BatchConfig, log, model_or_demo, our_worker, parse_levels, raw_process
 from workload import Shape, make_prompts, model_vocab_size
 
 BUCKETS = (
@@ -120,7 +120,7 @@ def profiled_run(worker: Any, prompts: list[list[int]], level: int, tokens: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="default: the demo model")
-    parser.add_argument("--levels", default="1,8,32")
+    parser.add_argument("--levels", type=parse_levels, default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=64, help="new tokens a request")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=2, help="requests per client a run")
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = our_worker(model, batch, logs, "profile", args.flags.split()).start()
     try:
         with raw_process(model, batch) as raw:
-            for level in (int(x) for x in args.levels.split(",")):
+            for level in args.levels:
                 results["levels"][level] = one_level(args, level, vocab, raw, worker, logs)
     finally:
         worker.stop()

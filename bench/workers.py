@@ -59,7 +59,7 @@ def process_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, **OFFLINE_ENV, **blas_env(), **(extra or {})}
 
 
-def add_common_args(parser: argparse.ArgumentParser, side_by_side: str, peer_version=True) -> None:
+def add_common_args(parser: argparse.ArgumentParser, side_by_side: str) -> None:
     """The options every part that starts workers takes: the model, the peer, our flags."""
     parser.add_argument(
         "--model",
@@ -68,17 +68,28 @@ def add_common_args(parser: argparse.ArgumentParser, side_by_side: str, peer_ver
         "model; default: the demo model)",
     )
     parser.add_argument("--side-by-side", action="store_true", help=side_by_side)
-    if peer_version:
-        parser.add_argument(
-            "--smg-version",
-            default=SMG_SERVICER_VERSION,
-            help=f"smg-grpc-servicer version for --side-by-side (default {SMG_SERVICER_VERSION})",
-        )
+    parser.add_argument(
+        "--smg-version",
+        default=SMG_SERVICER_VERSION,
+        help=f"smg-grpc-servicer version for --side-by-side (default {SMG_SERVICER_VERSION})",
+    )
     parser.add_argument(
         "--worker-flags",
         default="",
         help="extra flags for our worker, e.g. '--stream-interval 4' (recorded in the report)",
     )
+
+
+def parse_levels(text: str) -> list[int]:
+    """A `--levels`/`--concurrency` value, `1,8,32` -> [1, 8, 32] (an argparse `type`): at
+    least one level, each 1 or more, so a slip is an error rather than an empty run."""
+    try:
+        found = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        found = []
+    if not found or min(found) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give levels of 1 or more, e.g. 1,8,32")
+    return found
 
 
 def model_or_demo(model: Path | None) -> Path:

@@ -127,3 +127,68 @@ def test_a_misspelt_part_in_only_is_an_error_not_an_empty_run(capsys) -> None:
         bench.parse_args(["--only", "prefixx"])
     assert "unknown parts in --only: prefixx" in capsys.readouterr().err
     assert "prefix" not in bench.parse_args(["--only", "prefix"]).skip
+
+
+def test_bench_only_naming_nothing_and_bad_levels_are_errors(capsys) -> None:
+    import bench
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--only", ","])
+    assert "--only" in capsys.readouterr().err
+    for bad in ("0,8", "1,x", ","):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--levels", bad])
+        assert "--levels" in capsys.readouterr().err
+    assert bench.parse_args(["--levels", "1, 8,"]).levels == [1, 8]
+
+
+def test_a_setup_no_name_matches_is_an_error_not_an_empty_run(capsys) -> None:
+    import speculation
+
+    with pytest.raises(SystemExit):
+        speculation.main(["--setups", "prompt lokup"])  # before any model is built
+    assert "matches no setup" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="matches no setup"):
+        speculation.setup_names([])
+    assert speculation.setup_names(["prompt lookup"]) == [
+        "demo llama, prompt lookup",
+        "demo hybrid, prompt lookup",
+        "demo gemma3, prompt lookup",
+    ]
+    assert speculation.setup_names(["real"]) == []  # the real model alone
+    assert speculation.setup_names(None) == list(speculation.SETUPS)
+
+
+def test_a_misspelt_long_prompt_worker_is_an_error(capsys) -> None:
+    import long_prompt
+
+    for bad in ("ours,ours_of", ","):
+        with pytest.raises(SystemExit):
+            long_prompt.main(["--model", "nowhere", "--workers", bad])
+        assert "--workers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("module", "option"),
+    [("nightly", "--concurrency"), ("faces", "--levels"), ("step_profile", "--levels")],
+)
+def test_levels_that_name_no_level_are_errors(module: str, option: str, capsys) -> None:
+    import importlib
+
+    entry = importlib.import_module(module)
+    run = entry.parse_args if module == "nightly" else entry.main
+    for bad in (",", "1,four", "0"):
+        with pytest.raises(SystemExit) as exited:
+            run([option, bad])
+        assert exited.value.code == 2
+        assert option in capsys.readouterr().err
+
+
+def test_a_misspelt_family_or_cell_is_an_error() -> None:
+    import families
+
+    with pytest.raises(SystemExit, match="no config for"):
+        families.architectures("llama,llamma")
+    assert families.architectures("llama") == ["llama"]
+    with pytest.raises(SystemExit, match="unknown cells"):
+        families.main(["--only", "llama", "--cells", "nope"])

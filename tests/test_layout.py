@@ -83,7 +83,13 @@ def _imports(folder, package: bool) -> dict[str, set[str]]:
     """Module -> the modules of `folder` it imports (anywhere in its body, lazily too)."""
     import ast
 
-    files = {_module_name(p, folder, package): p for p in folder.rglob("*.py")}
+    # Not what lies in hidden folders: the bench's side venvs (bench/.venv-smg, .venv-genai).
+    paths = [
+        p
+        for p in folder.rglob("*.py")
+        if not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    ]
+    files = {_module_name(p, folder, package): p for p in paths}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]

@@ -1,6 +1,6 @@
 """The nightly's own logic: history reading, the verdict's rules and margins, the record, the
 pictures and page, and one end-to-end night through the real router (skipped when genai-bench's
-venv is not installed: `make bench-genai` or `make nightly` installs it once)."""
+venv is not installed: `make nightly` installs it once)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,42 @@ def test_only_the_same_machine_model_and_mode_count() -> None:
     assert verdict.nights == 0
     assert marks(verdict) == ["new"]
     assert not verdict.regressed
+
+
+def test_an_ad_hoc_run_is_a_mode_of_its_own(tmp_path: Path) -> None:
+    """--scenario, --concurrency and the like make a series apart from the nightly's; records
+    from before modes (only `quick`) still meet tonight's quick or full run."""
+    assert nightly.parse_args(["--quick"]).mode == "quick"
+    assert nightly.parse_args([]).mode == "full"
+    adhoc = nightly.parse_args(["--scenario", "D(2000,200)", "--concurrency", "4,8"])
+    assert adhoc.mode == "custom: D(2000,200) at c=4,8, 64 requests, 2 min, sglang"
+    assert adhoc.scenarios == ["D(2000,200)"] and adhoc.levels == [4, 8]
+    assert nightly.parse_args(["--quick", "--api-backend", "openai"]).mode.startswith("custom")
+    old = record(result(tok_s=2.0))  # no "mode": quick
+    assert history.verdict(record(result(tok_s=0.5), mode="quick"), [old]).regressed
+    mine = record(result(tok_s=0.5), mode=adhoc.mode)
+    assert history.verdict(mine, [old]).nights == 0
+    assert history.verdict(mine, [record(result(tok_s=0.5), mode=adhoc.mode)]).nights == 1
+
+
+def test_the_numbers_show_every_system_side_by_side(tmp_path: Path) -> None:
+    raw = {"tok_s": 1000.0, "ttft_p50": 5.0, "tpot": 2.0, "errors": 0}
+    ours = {"tok_s": 800.0, "ttft_p50": 6.5, "tpot": 2.5, "errors": 0, "vetoes": 1}
+    smg = {"failed": "smg-grpc-servicer exited", "vetoes": 0}
+    results = [{"scenario": "D(100,100)", "concurrency": 4, "raw": raw, "ours": ours, "smg": smg}]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    veto = "\x1b[2m2026\x1b[0m WARN Worker vetoed by liveness\n"
+    (logs / "router-ours.log").write_text(veto * 3)  # one in the run, two outside
+    vetoes = nightly.router_vetoes(results, tmp_path)
+    assert vetoes == {"ours": {"total": 3, "in_runs": 1}}
+    text = nightly.numbers_text(results, vetoes)
+    header, _, row = text.splitlines()[:3]
+    assert "tok/s raw" in header and "tok/s smg" in header and "vetoes ours" in header
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[:5] == ["D(100,100)", "4", "1000.0", "800.0", "failed"]
+    assert "TPOT p50 ms ours" in header and "2.50" in cells
+    assert "outside the runs (start-up, probe, shut-down): mlx-grpc-worker 2" in text
 
 
 def test_window_keeps_the_last_n_nights() -> None:
