@@ -27,7 +27,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from servicer.demo_model import TEST_PROMPTS, demo_model_path
-from servicer.engine.quantized_kv import make_row_cache
+from servicer.engine.cache_kinds import make_row_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 

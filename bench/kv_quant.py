@@ -45,8 +45,8 @@ def real_shape_bytes() -> dict[str, Any]:
     from fixtures import real_shape_llama
 
     from servicer.admission import Admission
+    from servicer.engine.cache_kinds import make_row_cache
     from servicer.engine.memory import measure
-    from servicer.engine.quantized_kv import make_row_cache
 
     model, layers = real_shape_llama()
     found = {}
@@ -76,9 +76,9 @@ def model_bytes(model_dir: Path, tokens: tuple[int, ...] = (4096, 32768)) -> dic
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
+    from servicer.engine.cache_kinds import make_row_cache
     from servicer.engine.memory import measure
     from servicer.engine.parts import cache_head_sizes, kv_group_size
-    from servicer.engine.quantized_kv import make_row_cache
 
     model, _ = load(str(model_dir))
     group = kv_group_size(cache_head_sizes(model), None)

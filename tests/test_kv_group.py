@@ -10,8 +10,8 @@ import pytest
 from conftest import demo_config
 from support import ServerThread, generate
 
+from servicer.engine.cache_kinds import check_quantization, make_row_cache
 from servicer.engine.parts import cache_head_sizes, kv_group_size
-from servicer.engine.quantized_kv import check_quantization, make_row_cache
 from servicer.messages import EngineStartupError
 from servicer.model_files import ModelLoadError
 

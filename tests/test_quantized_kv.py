@@ -13,12 +13,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from servicer.demo_model import demo_model_path
-from servicer.engine.quantized_kv import (
-    BatchQuantizedKVCache,
-    QuantizedRowCache,
-    make_row_cache,
-    quantize_rows,
-)
+from servicer.engine.cache_kinds import make_row_cache, quantize_rows
+from servicer.engine.quantized_kv import BatchQuantizedKVCache, QuantizedRowCache
 
 GROUP = 32  # the demo models' head_dim
 STEPS = 32

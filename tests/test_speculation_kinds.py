@@ -20,7 +20,7 @@ from spec_support import (
 )
 
 from servicer.demo_model import demo_model_path
-from servicer.engine.quantized_kv import make_row_cache
+from servicer.engine.cache_kinds import make_row_cache
 from servicer.engine.sampling import SeededSampler
 from servicer.engine.speculation import (
     PromptLookup,

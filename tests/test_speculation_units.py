@@ -17,13 +17,13 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from servicer.engine.quantized_kv import BatchQuantizedKVCache, quantize_rows
+from servicer.engine.cache_kinds import adopt, quantize_rows
+from servicer.engine.quantized_kv import BatchQuantizedKVCache
 from servicer.engine.speculation.caches import (
     RaggedKVCache,
     RaggedQuantizedKVCache,
     RecurrentCache,
     RingKVCache,
-    adopt,
 )
 from servicer.engine.speculation.config import RowPace, SpeculationConfig, SpeculationCounters
 from servicer.engine.speculation.ngram import NgramIndex, PromptLookup

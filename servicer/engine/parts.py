@@ -14,19 +14,19 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..admission import Admission, MemoryModel
 from ..engine_config import EngineConfig
 from ..messages import ModelInfo
 from ..model_files import ModelLoadError, ModelSpec, resolve_model_dir
+from .cache_kinds import check_quantization, kind_of, make_row_cache
 from .constraints import GrammarFactory
 from .memory import device_memory_bytes, measure, weights_bytes
 from .mlx_lm_compat import missing_touch_points
 from .model import LoadedModel, load_model, log_blas_hint
 from .prefix.disk_tier import DiskTier, model_identity
 from .prefix.store import AnyPrefixStore, CacheLayout, NoPrefixStore, PrefixStore
-from .quantized_kv import check_quantization, make_row_cache
 from .sampling import SamplingFactory
 from .speculation import (
     DraftModel,
@@ -164,7 +164,7 @@ def cache_head_sizes(model: nn.Module) -> set[int]:
     return {
         int(array.shape[-1])
         for cache in caches
-        if type(cache) is KVCache and cache.keys is not None
+        if kind_of(cache).quantize and cache.keys is not None
         for array in (cache.keys, cache.values)
     }
 

@@ -11,7 +11,8 @@ vector quantizes on its own and rows, chunks and padding never change a token's 
 Attention runs on the quantized data: mlx-lm's ``scaled_dot_product_attention`` switches to
 quantized matmuls when the cache has a ``bits`` attribute.
 
-Use: ``BatchGenerator.insert(prompts, caches=[make_row_cache(model, bits, group_size) ...])``.
+Use: ``BatchGenerator.insert(prompts, caches=[make_row_cache(model, bits, group_size) ...])``
+(``cache_kinds.make_row_cache``: which layers are quantized is the cache kinds' answer).
 The per-row ``QuantizedRowCache.merge`` builds the batch cache, so the batch is quantized
 wherever the rows are; other layer kinds (recurrent, sliding window) stay full precision.
 """
@@ -22,7 +23,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_map
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
@@ -30,7 +30,6 @@ from mlx_lm.models.cache import (
     QuantizedKVCache,
     _BaseCache,
     dynamic_roll,
-    make_prompt_cache,
 )
 
 from ..engine_config import KV_BITS
@@ -85,6 +84,16 @@ class QuantizedRowCache(QuantizedKVCache):
         # mlx-lm's QuantizedKVCache.nbytes raises on an empty cache.
         return _kv_nbytes(self.keys, self.values)
 
+    @classmethod
+    def of(cls, cache: KVCache, bits: int, group_size: int) -> QuantizedRowCache:
+        """A full-precision row's tokens (e.g. a prefix hit kept in full precision), quantized."""
+        row = cls(group_size=group_size, bits=bits)
+        kv = _row_kv(cache, group_size, bits)
+        if kv is not None:
+            row.keys, row.values = kv
+            row.offset = cache.offset
+        return row
+
 
 def _quant_params(caches: Sequence[Any], bits: int | None, group_size: int | None):
     """Bits and group size for a merge: given, or read from the first quantized row."""
@@ -121,7 +130,7 @@ class BatchQuantizedKVCache(_BaseCache):
     values are quantized tuples. Same operations and semantics, so ``BatchGenerator`` drives it
     as it drives ``BatchKVCache``; ``bits``/``group_size`` make mlx-lm's attention quantized."""
 
-    step = 256
+    step = KVCache.step  # grow as mlx-lm's caches do
 
     def __init__(self, bits: int = 8, group_size: int = 64, left_padding: Sequence[int] = ()):
         self.bits = bits
@@ -320,65 +329,3 @@ class BatchQuantizedKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         return _kv_nbytes(self.keys, self.values)
-
-
-def make_row_cache(model: nn.Module, bits: int = 8, group_size: int = 64) -> list[Any]:
-    """One request's per-layer caches for ``BatchGenerator.insert(caches=...)``: a quantized
-    row for each plain full-attention layer (``KVCache``); every other layer kind (recurrent
-    ``ArraysCache``, sliding-window ``RotatingKVCache``, ...) as ``make_prompt_cache`` makes it."""
-    caches = make_prompt_cache(model)
-    _check_settings(model, bits, group_size, caches)
-    return [
-        QuantizedRowCache(group_size=group_size, bits=bits) if type(c) is KVCache else c
-        for c in caches
-    ]
-
-
-def check_quantization(model: nn.Module, bits: int, group_size: int) -> None:
-    """Refuse settings MLX cannot quantize with, and a model whose attention code cannot take
-    quantized keys and values (attention sinks, MLA's latent cache, a direct call of
-    ``mx.fast.scaled_dot_product_attention``), before a prefill fails on them mid-batch."""
-    rows = make_row_cache(model, bits, group_size)
-    if not any(isinstance(c, QuantizedRowCache) for c in rows):
-        return  # no layer is quantized (no plain attention KV cache): nothing to try
-    try:
-        mx.eval(model(mx.array([[0]]), cache=rows))
-    except Exception as exc:
-        name = type(model).__module__.rpartition(".")[2]
-        reason = (str(exc).strip().splitlines() or [""])[0]
-        if reason.endswith(":") and ". " in reason:  # "...: incompatible arguments. These:"
-            reason = reason.rpartition(". ")[0]
-        raise ValueError(
-            f"mlx-lm's {name} model does not run on a quantized KV cache "
-            f"({type(exc).__name__}: {reason}); serve it without --kv-bits"
-        ) from exc
-
-
-def _check_settings(model: nn.Module, bits: int, group_size: int, caches: list[Any]) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"KV bits must be one of {SUPPORTED_BITS}, got {bits}")
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"KV group size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
-    if not any(type(c) is KVCache for c in caches):
-        return  # `head_dim` of a model without such layers is not an attention head (mamba2)
-    head_dim = getattr(getattr(model, "args", None), "head_dim", None)
-    if isinstance(head_dim, int) and head_dim % group_size:
-        raise ValueError(f"head_dim {head_dim} is not a multiple of KV group size {group_size}")
-
-
-def quantize_rows(caches: Sequence[Any], bits: int = 8, group_size: int = 64) -> list[Any]:
-    """Per-layer caches of one sequence with each full-precision ``KVCache`` (e.g. a prefix hit
-    kept in full precision) turned into a ``QuantizedRowCache``; other layers as they are.
-    ``BatchGenerator`` merges with the first row's class, so rows should all be quantized."""
-    rows = []
-    for cache in caches:
-        if type(cache) is not KVCache:
-            rows.append(cache)
-            continue
-        row = QuantizedRowCache(group_size=group_size, bits=bits)
-        kv = _row_kv(cache, group_size, bits)
-        if kv is not None:
-            row.keys, row.values = kv
-            row.offset = cache.offset
-        rows.append(row)
-    return rows
