@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import WorkerProcess, generate
 
 from servicer.demo_model import demo_model_path
+from servicer.engine.cache_kinds import adopt
 from servicer.engine.speculation import speculation_supported
-from servicer.engine.speculation.caches import adopt
 from servicer.sysinfo import free_port
 
 RSS_LIMIT = 2 << 30  # the worker and its engine process together

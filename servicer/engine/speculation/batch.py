@@ -10,8 +10,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 
+# Absolute, the module itself: cache_kinds imports this package's caches, so it may be
+# mid-import when this module loads.
+import servicer.engine.cache_kinds as cache_kinds
+
 from ...messages import FINISH_LENGTH, FINISH_STOP
-from .caches import adopt
 from .config import ModeClock, RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
 from .timing import StepTimer
@@ -96,7 +99,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
 
     def _adopted(self, caches: list[Any]) -> list[Any]:
         speculator = self.speculator
-        return [adopt(c, speculator.config.k_max, speculator.padding_inert) for c in caches]
+        k, inert = speculator.config.k_max, speculator.padding_inert
+        return [cache_kinds.adopt(c, k, inert) for c in caches]
 
     def _roll_back_ready(self) -> None:
         """The batch's caches as ones that roll back per row, from its first drafting step on.

@@ -27,9 +27,9 @@ per step that grows with the context. Here each row keeps its own end instead:
   fed, puts back the checkpoint for the rest, and returns those that kept some tokens, to
   be replayed (snapshot and replay; see the README for why not per-position states).
 
-Rows join from mlx-lm's prefill (``adopt`` turns its batch caches into these) and leave
-through ``filter``; ``extract`` gives back mlx-lm's single-sequence caches, so the prefix
-store and finished rows see the usual kinds.
+Rows join from mlx-lm's prefill (``cache_kinds.adopt`` turns its batch caches into these)
+and leave through ``filter``; ``extract`` gives back mlx-lm's single-sequence caches, so the
+prefix store and finished rows see the usual kinds.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class RaggedKVCache(_BaseCache):
     """Full-attention KV for a batch whose rows each hold ``[start, end)`` of a shared time
     axis. See the module docstring."""
 
-    step = 256
+    step = KVCache.step  # grow as mlx-lm's caches do
 
     def __init__(self, keys: KV | None, values: KV | None, start: list[int], end: list[int]):
         self.keys, self.values = keys, values
@@ -116,8 +116,12 @@ class RaggedKVCache(_BaseCache):
     def _quantize(self, keys: mx.array, values: mx.array) -> tuple[KV, KV]:
         return keys, values
 
+    def _room(self, need: int) -> int:
+        """Room for `need` tokens, in whole steps (no reallocation per token)."""
+        return (need + self.step - 1) // self.step * self.step
+
     def _grow(self, new: KV, need: int) -> None:
-        room = (need + self.step - 1) // self.step * self.step
+        room = self._room(need)
 
         def blank(x: mx.array, width: int) -> mx.array:
             return mx.zeros((x.shape[0], x.shape[1], width, x.shape[3]), x.dtype)
@@ -228,7 +232,7 @@ class RaggedKVCache(_BaseCache):
             new = (row.keys[..., :n, :], row.values[..., :n, :])
             rows, width = len(self._end), 0 if self.keys is None else _width(self.keys)
             if n > width:
-                room = (n + self.step - 1) // self.step * self.step
+                room = self._room(n)
 
                 def widen(b: mx.array | None, x: mx.array) -> mx.array:
                     shape = (rows, x.shape[1], room - (0 if b is None else b.shape[2]), x.shape[3])
@@ -554,19 +558,3 @@ def _place(buffer: mx.array, row: mx.array, b: int, first: int, capacity: int) -
 
 def _rows(mask: mx.array, like: mx.array) -> mx.array:
     return mask.reshape((-1,) + (1,) * (like.ndim - 1))
-
-
-def adopt(layer: Any, extra: int, padding_inert: bool = True) -> Any:
-    """One layer of a prefilled mlx-lm batch as the cache that rolls back here (`extra`:
-    the most tokens a verify gives back, the ring's slots beyond the window)."""
-    if isinstance(layer, RaggedKVCache | RingKVCache | RecurrentCache):
-        return layer
-    if isinstance(layer, BatchQuantizedKVCache):
-        return RaggedQuantizedKVCache.adopt(layer)
-    if isinstance(layer, BatchKVCache):
-        return RaggedKVCache.adopt(layer)
-    if isinstance(layer, BatchRotatingKVCache):
-        return RingKVCache.adopt(layer, extra)
-    if isinstance(layer, ArraysCache):
-        return RecurrentCache.adopt(layer, padding_inert)
-    raise TypeError(f"{type(layer).__name__} cannot roll back per row")

@@ -9,7 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+# Absolute, the module itself: cache_kinds imports this package's caches, so it may be
+# mid-import when this module loads.
+import servicer.engine.cache_kinds as cache_kinds
 
 from .caches import RaggedKVCache
 
@@ -212,7 +216,8 @@ class DraftModel:
 def draft_supported(model: Any) -> tuple[bool, str]:
     """(True, "") for a draft model of full-attention layers only: its catch-up pads rows
     by up to a whole context, which only the ragged KV cache gives back at any length."""
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache})
+    caches = make_prompt_cache(model)
+    kinds = sorted({type(c).__name__ for c in caches if not cache_kinds.kind_of(c).drafts})
     if kinds:
         return (
             False,

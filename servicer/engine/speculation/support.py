@@ -8,16 +8,11 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import _merge_caches
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from .caches import adopt
-
-
-def _rolls_back(cache: Any) -> bool:
-    """Full attention, a sliding window (no kept sink tokens) or recurrent state."""
-    if type(cache) is RotatingKVCache:
-        return cache.keep == 0
-    return type(cache) in (KVCache, ArraysCache)
+# Absolute, the module itself: cache_kinds imports this package's caches, so it may be
+# mid-import when this module loads.
+import servicer.engine.cache_kinds as cache_kinds
 
 
 def speculation_supported(model: Any, max_kv_size: int | None = None) -> tuple[bool, str]:
@@ -25,7 +20,8 @@ def speculation_supported(model: Any, max_kv_size: int | None = None) -> tuple[b
     attention, sliding window, recurrent state); otherwise the kinds that cannot, named."""
     if max_kv_size is not None:
         return False, "max_kv_size keeps attention sink tokens, which the batch cannot roll back"
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model) if not _rolls_back(c)})
+    caches = make_prompt_cache(model)
+    kinds = sorted({type(c).__name__ for c in caches if not cache_kinds.speculates(c)})
     if kinds:
         return False, (
             f"the model keeps {', '.join(kinds)} layers, which cannot roll back to an accepted "
@@ -52,7 +48,7 @@ def _trial_verify(model: Any) -> None:
         caches = make_prompt_cache(model)
         model(mx.array([[0] * n]), cache=caches)
         rows.append(caches)
-    batch = [adopt(layer, 2, padding_inert(model)) for layer in _merge_caches(rows)]
+    batch = [cache_kinds.adopt(layer, 2, padding_inert(model)) for layer in _merge_caches(rows)]
     for layer in batch:
         layer.checkpoint([2, 1])
     logits = model(mx.array([[0, 0], [0, 0]]), cache=batch)
