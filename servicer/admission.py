@@ -13,7 +13,7 @@ class MemoryModel(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     per_token: tuple[tuple[int, int | None], ...]  # (bytes per token, window or None)
     fixed_bytes: int
-    allocation_step: int = 256  # full-attention caches grow in steps of this many tokens
+    allocation_step: int  # caches grow in steps of this many tokens (cache_kinds.GROWTH_STEP)
 
     def estimate(self, tokens: int) -> int:
         step = self.allocation_step

@@ -12,16 +12,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    KVCache,
-    QuantizedKVCache,
-    RotatingKVCache,
-    make_prompt_cache,
-)
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..admission import MemoryModel
+from .cache_kinds import GROWTH_STEP, bytes_of, layers
 
 
 def measure(model: nn.Module, cache: list[Any] | None = None) -> MemoryModel:
@@ -30,35 +24,12 @@ def measure(model: nn.Module, cache: list[Any] | None = None) -> MemoryModel:
     model(mx.array([[0]]), cache=cache)
     per_token: list[tuple[int, int | None]] = []
     fixed = 0
-    for layer in _flatten(cache):
-        if isinstance(layer, QuantizedKVCache) and layer.keys is not None:
-            parts = [*layer.keys, *layer.values]  # (batch, heads, tokens, packed) each
-            mx.eval(parts)
-            per_token.append((sum(p.shape[1] * p.shape[3] * p.dtype.size for p in parts), None))
-        elif isinstance(layer, KVCache | RotatingKVCache) and layer.keys is not None:
-            mx.eval(layer.keys, layer.values)
-            row = layer.keys.shape[1] * (
-                layer.keys.shape[3] * layer.keys.dtype.size
-                + layer.values.shape[3] * layer.values.dtype.size
-            )
-            window = layer.max_size if isinstance(layer, RotatingKVCache) else None
-            per_token.append((row, window))
-        elif isinstance(layer, ArraysCache):
-            mx.eval([c for c in layer.cache if c is not None])
-            fixed += layer.nbytes
-        else:  # an unfamiliar cache: count what one token made it hold, per token
-            per_token.append((max(getattr(layer, "nbytes", 0), 1), None))
-    return MemoryModel(tuple(per_token), fixed)
-
-
-def _flatten(caches: list[Any]) -> list[Any]:
-    flat = []
-    for cache in caches:
-        if isinstance(cache, CacheList):
-            flat.extend(_flatten(list(cache.caches)))
-        else:
-            flat.append(cache)
-    return flat
+    for layer in layers(cache):
+        size = bytes_of(layer)
+        if size.per_token is not None:
+            per_token.append(size.per_token)
+        fixed += size.fixed
+    return MemoryModel(tuple(per_token), fixed, GROWTH_STEP)
 
 
 def device_memory_bytes() -> int:

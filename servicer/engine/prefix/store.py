@@ -21,6 +21,7 @@ from mlx_lm.models.cache import KVCache
 from ...faults import FaultPlan
 from ...messages import GenerationRequest, KvBlockEvent, PrefixCacheStats
 from ...ratelimit import RateLimitedLog
+from ..cache_kinds import kind_of
 from ..quantized_kv import QuantizedRowCache
 from .data import BlockData, Part, arrays_of, concat, time_slice, tokens_in
 from .disk_link import DiskLink
@@ -48,7 +49,7 @@ class CacheLayout:
     @classmethod
     def of(cls, caches: list[Any]) -> CacheLayout:
         """The layout of one request's caches, as the engine makes them."""
-        kv = tuple(i for i, c in enumerate(caches) if type(c) in (KVCache, QuantizedRowCache))
+        kv = tuple(i for i, c in enumerate(caches) if kind_of(c).attention_kv)
         quantized = next(((c.bits, c.group_size) for c in caches if hasattr(c, "bits")), None)
         return cls(tuple(type(c).__name__ for c in caches), kv, quantized)
 
