@@ -170,20 +170,8 @@ class StepOutput(Wire):
     flushed: list[int] = msgspec.field(default_factory=list)  # tickets of flushes done
 
     def __bool__(self) -> bool:
-        return bool(
-            self.events
-            or self.failures
-            or self.fatal
-            or self.step_seconds
-            or self.prefill_tokens
-            or self.over_budget
-            or self.widened_steps
-            or self.disk_load_seconds
-            or self.figures
-            or self.embeddings
-            or self.kv_events
-            or self.flushed
-        )
+        """Anything to hand over: any field set (each one `merge` folds)."""
+        return any(getattr(self, name) for name in self.__struct_fields__)
 
     def merge(self, later: StepOutput) -> None:
         """Fold a later step's output into this one (the loop had not picked this one up)."""

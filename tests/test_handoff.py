@@ -12,7 +12,16 @@ import grpc
 import pytest
 
 from servicer.engine.inbox import Inbox
-from servicer.messages import GenerationRequest, RowEvent, StepOutput
+from servicer.messages import (
+    EmbedResult,
+    EngineFigures,
+    FailureKind,
+    GenerationRequest,
+    KvBlockEvent,
+    RowEvent,
+    RowFailure,
+    StepOutput,
+)
 from servicer.outbox import Outbox, handoff_due
 from servicer.streams import RequestStream, Streams
 from servicer.validation import RequestError
@@ -40,6 +49,34 @@ def test_handoff_rule(started, pending, per_handoff, finished, due):
         handoff_due(started=started, pending=pending, per_handoff=per_handoff, finished=finished)
         is due
     )
+
+
+ONE_OF_EACH = {
+    "events": [RowEvent(1, 10)],
+    "failures": [RowFailure(1, FailureKind.INTERNAL, "broken")],
+    "fatal": "gone",
+    "step_seconds": [0.1],
+    "prefill_tokens": [3],
+    "over_budget": 1,
+    "widened_steps": 1,
+    "disk_load_seconds": [0.2],
+    "figures": EngineFigures(prefill_budget_s=0.05),
+    "embeddings": [EmbedResult(1)],
+    "kv_events": [KvBlockEvent("cleared")],
+    "flushed": [4],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_OF_EACH))
+def test_a_step_output_with_any_field_set_is_handed_over_and_merged(name):
+    """`bool` (anything to hand over) and `merge` (fold a later output in) agree on every
+    field: an output holding only this one is not dropped, and merging keeps it."""
+    assert set(ONE_OF_EACH) == set(StepOutput.__struct_fields__)  # a new field is listed here
+    later = StepOutput(**{name: ONE_OF_EACH[name]})
+    assert later and not StepOutput()
+    out = StepOutput()
+    out.merge(later)
+    assert out and getattr(out, name) == ONE_OF_EACH[name]
 
 
 def test_outbox_merges_until_taken_and_wakes_once_per_take():

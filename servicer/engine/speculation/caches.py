@@ -81,7 +81,39 @@ def _write(buffer: KV, new: KV, at: list[int], capacity: int | None = None) -> K
     return tree_map(lambda b, n: mx.put_along_axis(b, index, n, axis=2), buffer, new)
 
 
-class RaggedKVCache(_BaseCache):
+class _RowEnds:
+    """A speculating batch's KV, rolled back by each row's end (its next position):
+    `checkpoint` marks the ends before a verify forward, `rollback` keeps `kept` of the tokens
+    written past the mark. The class sets `_end` and `_mark` and keeps `offset` in step with
+    `_end` in `_sync`. Its state is read (measured), never restored: it lives one batch."""
+
+    _end: list[int]
+    _mark: list[int]
+    keys: Any
+    values: Any
+    offset: mx.array
+
+    def _sync(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def state(self) -> tuple:
+        return self.keys, self.values, self.offset
+
+    @state.setter
+    def state(self, v: tuple) -> None:
+        raise NotImplementedError("a speculating batch's cache is not restored from a state")
+
+    def checkpoint(self, fed: Sequence[int]) -> None:
+        self._mark = list(self._end)
+
+    def rollback(self, kept: Sequence[int]) -> list[int]:
+        self._end = [m + k for m, k in zip(self._mark, kept, strict=True)]
+        self._sync()
+        return []
+
+
+class RaggedKVCache(_RowEnds, _BaseCache):
     """Full-attention KV for a batch whose rows each hold ``[start, end)`` of a shared time
     axis. See the module docstring."""
 
@@ -161,16 +193,6 @@ class RaggedKVCache(_BaseCache):
         if window_size is not None:
             mask = mask & (slots > query - window_size)
         return mask
-
-    # ----- rollback -----
-
-    def checkpoint(self, fed: Sequence[int]) -> None:
-        self._mark = list(self._end)
-
-    def rollback(self, kept: Sequence[int]) -> list[int]:
-        self._end = [m + k for m, k in zip(self._mark, kept, strict=True)]
-        self._sync()
-        return []
 
     # ----- rows in, rows out -----
 
@@ -282,14 +304,6 @@ class RaggedKVCache(_BaseCache):
         return n
 
     @property
-    def state(self) -> tuple:
-        return self.keys, self.values, self.offset
-
-    @state.setter
-    def state(self, v: tuple) -> None:
-        raise NotImplementedError("a speculating batch's cache is not restored from a state")
-
-    @property
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
@@ -344,22 +358,24 @@ class RaggedQuantizedKVCache(RaggedKVCache):
         return sum(x.nbytes for part in (self.keys, self.values) for x in part)
 
 
-class RingKVCache(_BaseCache):
+class RingKVCache(_RowEnds, _BaseCache):
     """Sliding-window KV: per row a ring of ``window + k`` slots holding its latest
-    positions, position p in slot ``p % capacity``; ``pos[b]`` is the row's next position,
-    ``low[b]`` the lowest it ever held here. See the module docstring."""
+    positions, position p in slot ``p % capacity``; ``end[b]`` is the row's next position,
+    ``low[b]`` the lowest it ever held here. A rollback (`_RowEnds`) loses nothing: the slots
+    of dropped positions held positions more than a window before any later query (at most
+    k + 1 are dropped from a ring of window + k). See the module docstring."""
 
     def __init__(self, window: int, capacity: int, keys: mx.array, values: mx.array) -> None:
         self.window, self.capacity = window, capacity
         self.keys, self.values = keys, values
         rows = keys.shape[0]
-        self._pos = [0] * rows
+        self._end = [0] * rows
         self._low = [0] * rows
         self._mark = [0] * rows
         self._sync()
 
     def _sync(self) -> None:
-        self.offset = mx.array(self._pos)
+        self.offset = mx.array(self._end)
 
     @classmethod
     def adopt(cls, layer: BatchRotatingKVCache, extra: int) -> RingKVCache:
@@ -384,8 +400,8 @@ class RingKVCache(_BaseCache):
             if held:
                 ring.keys = _place(ring.keys, row.keys[..., -held:, :], b, first, capacity)
                 ring.values = _place(ring.values, row.values[..., -held:, :], b, first, capacity)
-            ring._pos[b], ring._low[b] = row.offset, first
-        ring._mark = list(ring._pos)
+            ring._end[b], ring._low[b] = row.offset, first
+        ring._mark = list(ring._end)
         ring._sync()
         return ring
 
@@ -395,38 +411,26 @@ class RingKVCache(_BaseCache):
         s = keys.shape[2]
         if s + self.window - 1 > self.capacity:
             raise ValueError(f"a forward of {s} tokens does not fit a ring of {self.capacity}")
-        self.keys = _write(self.keys, keys, self._pos, self.capacity)
-        self.values = _write(self.values, values, self._pos, self.capacity)
-        self._pos = [p + s for p in self._pos]
+        self.keys = _write(self.keys, keys, self._end, self.capacity)
+        self.values = _write(self.values, values, self._end, self.capacity)
+        self._end = [p + s for p in self._end]
         self.offset = self.offset + s
         return self.keys, self.values
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any
     ) -> mx.array:
-        """Slot t of row b holds the latest position q < pos[b] + N with q = t (mod
-        capacity); query j (position pos[b] + j) sees it when low[b] <= q <= its position
+        """Slot t of row b holds the latest position q < end[b] + N with q = t (mod
+        capacity); query j (position end[b] + j) sees it when low[b] <= q <= its position
         and q is within the window."""
         window = window_size or self.window
         c = self.capacity
         slots = mx.arange(c)[None, None, None, :]
-        top = mx.array([p + N - 1 for p in self._pos])[:, None, None, None]
+        top = mx.array([p + N - 1 for p in self._end])[:, None, None, None]
         held = slots + c * mx.floor_divide(top - slots, c)
-        query = (mx.array(self._pos)[:, None] + mx.arange(N))[:, None, :, None]
+        query = (mx.array(self._end)[:, None] + mx.arange(N))[:, None, :, None]
         low = mx.array(self._low)[:, None, None, None]
         return (held >= low) & (held <= query) & (held > query - window)
-
-    # ----- rollback -----
-
-    def checkpoint(self, fed: Sequence[int]) -> None:
-        self._mark = list(self._pos)
-
-    def rollback(self, kept: Sequence[int]) -> list[int]:
-        # The slots of dropped positions held positions more than a window before any later
-        # query (at most k + 1 are dropped from a ring of window + k): nothing is lost.
-        self._pos = [m + k for m, k in zip(self._mark, kept, strict=True)]
-        self._sync()
-        return []
 
     # ----- rows in, rows out -----
 
@@ -434,9 +438,9 @@ class RingKVCache(_BaseCache):
         keep = list(batch_indices)
         index = mx.array(keep, dtype=mx.int32)
         self.keys, self.values = self.keys[index], self.values[index]
-        self._pos = [self._pos[i] for i in keep]
+        self._end = [self._end[i] for i in keep]
         self._low = [self._low[i] for i in keep]
-        self._mark = list(self._pos)
+        self._mark = list(self._end)
         self._sync()
 
     def extend(self, other: RingKVCache) -> None:
@@ -444,14 +448,14 @@ class RingKVCache(_BaseCache):
             raise ValueError("cannot join ring caches of different windows")
         self.keys = mx.concatenate([self.keys, other.keys])
         self.values = mx.concatenate([self.values, other.values])
-        self._pos += other._pos
+        self._end += other._end
         self._low += other._low
-        self._mark = list(self._pos)
+        self._mark = list(self._end)
         self._sync()
 
     def extract(self, idx: int) -> RotatingKVCache:
         """Row `idx` as mlx-lm's rotating cache: its last `window` tokens in order."""
-        pos = self._pos[idx]
+        pos = self._end[idx]
         held = min(self.window, pos - self._low[idx])
         cache = RotatingKVCache(self.window)
         if held > 0:
@@ -472,14 +476,6 @@ class RingKVCache(_BaseCache):
 
     def is_trimmable(self) -> bool:
         return False
-
-    @property
-    def state(self) -> tuple:
-        return self.keys, self.values, self.offset
-
-    @state.setter
-    def state(self, v: tuple) -> None:
-        raise NotImplementedError("a speculating batch's cache is not restored from a state")
 
     @property
     def nbytes(self) -> int:
