@@ -9,12 +9,17 @@ import os
 import sys
 import threading
 from collections.abc import Coroutine
-from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .engine_config import DEFAULT_PREFILL_STEP, KV_BITS, EngineConfig
+from .engine_config import (
+    DEFAULT_PREFILL_STEP,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    EngineConfig,
+    SpeculationConfig,
+)
 from .faces import parse_protocols
 from .faults import ENV_VAR as FAULTS_ENV_VAR
 from .faults import FaultPlan
@@ -221,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--kv-group-size",
         type=int,
-        choices=[32, 64, 128],
+        choices=KV_GROUP_SIZES,
         help="values that share one scale and bias in the quantized KV cache; must divide "
         "the model's attention head size (default: the largest of 64 and 32 that does)",
     )
@@ -241,16 +246,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--speculate-k",
         type=_positive,
-        default=4,
-        help="most draft tokens a request verifies in one step (default 4; adapts per "
+        default=SpeculationConfig().k_max,
+        help="most draft tokens a request verifies in one step (default %(default)s; adapts per "
         "request to its acceptance)",
     )
     parser.add_argument(
         "--speculate-max-batch",
         type=_positive,
-        default=4,
+        default=SpeculationConfig().max_rows,
         help="with more decoding requests than this in the batch (drafting or not) a step "
-        "runs without drafts, since verifying then costs more than it saves (default 4, "
+        "runs without drafts, since verifying then costs more than it saves (default %(default)s, "
         "measured on a CPU; GPUs pay to larger batches); at or below it each step drafts "
         "only when it measures that it pays",
     )
@@ -356,8 +361,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_group_size=args.kv_group_size,
         speculate=None if args.speculate == "off" else args.speculate,
         draft_model=args.draft_model,
-        speculate_k=args.speculate_k,
-        speculate_max_batch=args.speculate_max_batch,
+        speculation=SpeculationConfig(k_max=args.speculate_k, max_rows=args.speculate_max_batch),
         step_timeout_s=args.step_timeout,
         faults=FaultPlan.parse(faults) if (faults := os.environ.get(FAULTS_ENV_VAR)) else None,
     )
@@ -421,11 +425,10 @@ def _run_distributed(config: ServerConfig, args: argparse.Namespace) -> int:
         timeout_s=args.distributed_timeout,
         heartbeat_s=min(0.5, args.distributed_timeout / 4),
     )
-    config = replace(config, engine=replace(config.engine, lockstep=lockstep))
     if lockstep.leads:
-        code = _run_loop(run_worker(config, on_ready=startup.cancel))
+        code = _run_loop(run_worker(config, on_ready=startup.cancel, lockstep=lockstep))
     else:
-        code = run_follower(config, on_ready=startup.cancel)
+        code = run_follower(config, lockstep, on_ready=startup.cancel)
     # A peer may still hold a collective open: leave without waiting on native teardown.
     logging.shutdown()
     os._exit(code)

@@ -2,16 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from .faults import FaultPlan
 
-if TYPE_CHECKING:
-    from .engine.lockstep import Lockstep
-
 DEFAULT_PREFILL_STEP = 2048  # prompt tokens per row a prefill step takes at most (a full chunk)
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes, and so what --kv-bits accepts
+KV_GROUP_SIZES = (32, 64, 128)  # likewise for its group size, and --kv-group-size
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationConfig:
+    """How a speculating generation batch drafts and verifies."""
+
+    k_max: int = 4  # most draft tokens a row verifies in one step
+    # With more rows than this in the batch a step runs without drafts: every row goes
+    # through the verify forward (K+1 tokens each), which stops paying once that forward is
+    # compute-bound. `make bench` part "speculation", MLX on a 2-core CPU with OpenBLAS: a
+    # copying model (acceptance ~1) gains 1.9x at 2 rows and 1.3-1.5x at 4, loses at 8
+    # (0.78x); a 0.75-acceptance draft model 1.1-1.4x at 4, 0.82-0.98x at 8. Below the cap
+    # each step is costed (`StepClock`). GPUs stay memory-bound to larger batches: measure.
+    max_rows: int = 4
+    ewma: float = 0.3  # weight of the newest step in a row's acceptance estimate
+    off_below: float = 0.15  # a row whose acceptance falls below this stops drafting...
+    probe_every: int = 8  # ...and drafts again every this many steps to re-measure
+    probe_k: int = 2  # draft tokens of such a probe
+    costed: bool = True  # below max_rows, draft only where the clocks say it pays
+    mode_window: int = 8  # steps per measurement of drafting against not (ModeClock)
+    mode_gap: int = 4  # windows of the better mode before the other is re-measured (at first)
+
+    def __post_init__(self) -> None:
+        if self.k_max < 0 or self.max_rows < 0 or self.probe_every < 1:
+            raise ValueError("k_max and max_rows must be >= 0, probe_every >= 1")
+        if self.mode_window < 1 or self.mode_gap < 1:
+            raise ValueError("mode_window and mode_gap must be >= 1")
+        if not 0.0 < self.ewma <= 1.0:
+            raise ValueError("ewma must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -48,19 +74,15 @@ class EngineConfig:
     kv_bits: int | None = None
     kv_group_size: int | None = None  # None: the largest of 64 and 32 that fits the model
     # Speculative decoding: "ngram" (prompt lookup, the default), "draft" (with `draft_model`,
-    # a path or demo:KIND), or None (off); drafts of up to `speculate_k` tokens a row, none
-    # while more than `speculate_max_batch` rows are in the batch, and none where the engine
-    # measures that drafting does not pay. Off where the model's caches cannot roll back,
-    # and with `lockstep` (one model over several processes).
+    # a path or demo:KIND), or None (off), drafting and verifying as `speculation` says
+    # (--speculate-k is its `k_max`, --speculate-max-batch its `max_rows`). Off where the
+    # model's caches cannot roll back, and with --distributed (one model over several
+    # processes).
     speculate: str | None = "ngram"
     draft_model: str | None = None
-    speculate_k: int = 4
-    speculate_max_batch: int = 4
-    speculate_costed: bool = True  # tests turn the measured choice off to draft every step
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     # The engine's own random stream for unseeded sampling (None: a fresh random seed).
     sampling_seed: int | None = None
-    # One model over several processes: rank 0 plans every step and shares the plan.
-    lockstep: Lockstep | None = None  # in-process engines only
     # A step (with its plan and hand-off) running longer than max(this, 8x the longest step
     # so far) is a stall: the worker fails every request and exits (0: no watchdog).
     step_timeout_s: float = 120.0

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,6 +36,9 @@ from .model_files import ModelFiles, ModelLoadError, ModelSpec, prepare_model_fi
 from .outbox import Outbox
 from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
 from .vllm_face import VllmEngineFace
+
+if TYPE_CHECKING:
+    from .engine.lockstep import Lockstep
 
 log = logging.getLogger(__name__)
 
@@ -74,23 +78,27 @@ def resolve_files(config: ServerConfig) -> ModelFiles:
     return prepare_model_files(config.model)
 
 
-def make_engine(config: ServerConfig, outbox: Outbox) -> EngineHandle:
-    """The engine in a child process, or (thread mode, distributed) in this one."""
-    if config.engine_mode == "process" and config.engine.lockstep is None:
+def make_engine(
+    config: ServerConfig, outbox: Outbox, lockstep: Lockstep | None = None
+) -> EngineHandle:
+    """The engine in a child process, or (thread mode; distributed, with its `lockstep`)
+    in this one."""
+    if config.engine_mode == "process" and lockstep is None:
         return EngineProcess(config.engine, outbox)
     from .engine import Engine  # MLX comes into this process only in thread mode
 
-    return Engine(config.engine, outbox)
+    return Engine(config.engine, outbox, lockstep=lockstep)
 
 
 class WorkerServer:
-    """One engine behind one gRPC port. Several can live in one process."""
+    """One engine behind one gRPC port. Several can live in one process. With a `lockstep`
+    (--distributed, rank 0) the engine runs in this process and shares its plans."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, lockstep: Lockstep | None = None) -> None:
         self.config = config
         self.lifecycle = Lifecycle()
         self.outbox = Outbox(self._wake_loop)
-        self.engine = make_engine(config, self.outbox)
+        self.engine = make_engine(config, self.outbox, lockstep)
         self.metrics = WorkerMetrics(self.load, lambda: self.servicer.figures())
         engine = config.engine
         self.servicer = MlxEngineServicer(
@@ -279,9 +287,14 @@ class WorkerServer:
             await self.servicer.wait_idle(5.0)
 
 
-async def run_worker(config: ServerConfig, on_ready: Callable[[], None] = lambda: None) -> int:
-    """The process's main coroutine: serve until SIGTERM/SIGINT or an engine failure."""
-    server = WorkerServer(config)
+async def run_worker(
+    config: ServerConfig,
+    on_ready: Callable[[], None] = lambda: None,
+    lockstep: Lockstep | None = None,
+) -> int:
+    """The process's main coroutine: serve until SIGTERM/SIGINT or an engine failure (with a
+    `lockstep`: as rank 0 of a distributed group)."""
+    server = WorkerServer(config, lockstep)
     try:
         port = await server.start()
     except OSError as exc:
@@ -331,17 +344,18 @@ class _Discard:
         return True
 
 
-def run_follower(config: ServerConfig, on_ready: Callable[[], None] = lambda: None) -> int:
+def run_follower(
+    config: ServerConfig, lockstep: Lockstep, on_ready: Callable[[], None] = lambda: None
+) -> int:
     """A rank past 0 of a distributed group: the same engine steps as rank 0, and nothing else.
 
     It serves no gRPC, health or metrics. It ends when rank 0 shares its stop (exit 0), or
     when the lockstep breaks (exit 1). A signal here only arms a deadline for that stop.
     """
-    lockstep = config.engine.lockstep
-    assert lockstep is not None and not lockstep.leads
+    assert not lockstep.leads
     from .engine import Engine
 
-    engine = Engine(config.engine, _Discard())
+    engine = Engine(config.engine, _Discard(), lockstep=lockstep)
 
     def on_signal(signum: int, frame: object) -> None:
         deadline = config.shutdown_grace_s + lockstep.timeout_s

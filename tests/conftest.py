@@ -12,8 +12,12 @@ from support import ServerThread
 
 from servicer.demo_model import TEST_PROMPTS, demo_model_path
 from servicer.engine import EngineConfig
+from servicer.engine_config import SpeculationConfig
 from servicer.model_files import ModelSpec
 from servicer.server import ServerConfig
+
+# Speculation that drafts at every step (not only where the engine measures that it pays).
+DRAFT_EVERY_STEP = SpeculationConfig(costed=False)
 
 
 @pytest.fixture(scope="session")

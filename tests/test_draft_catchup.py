@@ -76,8 +76,8 @@ def test_a_draft_models_catch_up_keeps_the_streams_within_the_budget(demo_dir, r
         arriving,
         speculate="draft",
         draft_model=str(demo_dir),
-        speculate_costed=False,  # draft at every step, so the catch-up comes when it would
-        speculate_max_batch=8,  # 5 rows still draft
+        # draft at every step, so the catch-up comes when it would; 5 rows still draft
+        speculation=SpeculationConfig(costed=False, max_rows=8),
     )
     assert drafted == plain == reference.greedy(arriving, ARRIVAL_TOKENS)
     assert figures is not None and figures.accepted > 0

@@ -4,14 +4,16 @@ the largest of 64 and 32 that does."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 from conftest import demo_config
-from support import ServerThread, generate
+from support import ROOT, ServerThread, generate
 
 from servicer.engine.cache_kinds import check_quantization, make_row_cache
 from servicer.engine.parts import cache_head_sizes, kv_group_size
+from servicer.engine.quantized_kv import QuantizedRowCache
 from servicer.messages import EngineStartupError
 from servicer.model_files import ModelLoadError
 
@@ -123,3 +125,22 @@ def test_an_attention_that_cannot_take_quantized_kv_is_refused_with_the_reason()
     assert cache_head_sizes(model) == {32}
     with pytest.raises(ValueError, match="stablelm model does not run on a quantized KV cache"):
         check_quantization(model, 8, 32)
+
+
+def test_a_config_head_dim_of_another_layer_kind_does_not_refuse_kv_bits():
+    """gemma4_text's `head_dim` (32) is its sliding layers'; the global layers, the ones
+    --kv-bits quantizes, hold 64 (`global_head_dim`). The group comes from those, and
+    nothing refuses the model over the config's field: what stops it is named (its
+    attention does not take quantized tuples)."""
+    config = json.loads((ROOT / "bench" / "families" / "configs" / "gemma4_text.json").read_text())
+    config.pop("families")
+    model = _tiny(**config)
+    assert model.args.head_dim == 32
+    assert cache_head_sizes(model) == {64}
+    group = kv_group_size(cache_head_sizes(model), None)
+    assert group == 64
+    rows = make_row_cache(model, 8, group)  # refused over head_dim 32 before
+    assert sum(isinstance(c, QuantizedRowCache) for c in rows) == 1
+    with pytest.raises(ValueError, match="does not run on a quantized KV cache") as refused:
+        check_quantization(model, 8, group)
+    assert "head_dim" not in str(refused.value)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 import pytest
-from conftest import Reference, demo_config
+from conftest import DRAFT_EVERY_STEP, Reference, demo_config
 from mlx_lm.generate import generate_step
 from support import BackgroundGenerate, ServerThread, generate, wait_until
 from test_prefix_store import text_tokens
@@ -159,7 +159,7 @@ def test_speculation_over_a_quantized_cache_gives_what_the_quantized_cache_alone
     quantized = QuantizedReference(reference)
     prompts = [repeat_prompt(reference.tokenizer, p, 100) for p in passages()[:3]]
     config = quantized_config(
-        demo_model_path("llama"), tmp_path, speculate="ngram", speculate_costed=False
+        demo_model_path("llama"), tmp_path, speculate="ngram", speculation=DRAFT_EVERY_STEP
     )
     with ServerThread(config) as running:
         outcomes = [_run(running, p, 3 * N) for p in prompts]

@@ -11,9 +11,10 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
+from quant_support import quantize_rows
 
 from servicer.demo_model import demo_model_path
-from servicer.engine.cache_kinds import make_row_cache, quantize_rows
+from servicer.engine.cache_kinds import make_row_cache
 from servicer.engine.quantized_kv import BatchQuantizedKVCache, QuantizedRowCache
 
 GROUP = 32  # the demo models' head_dim
@@ -301,8 +302,11 @@ def test_merge_refuses_mixed_quantization() -> None:
     with pytest.raises(ValueError, match="bits"):
         BatchQuantizedKVCache.merge([KVCache()])
     assert QuantizedRowCache().nbytes == 0  # mlx-lm's own raises on an empty cache
-    with pytest.raises(ValueError, match="head_dim 32"):
-        make_row_cache(demo("llama")[0], 8, 64)
+    # Settings MLX cannot quantize with (whether a group divides the heads: test_kv_group).
+    with pytest.raises(ValueError, match="KV bits must be one of"):
+        make_row_cache(demo("llama")[0], 7, GROUP)
+    with pytest.raises(ValueError, match="KV group size must be one of"):
+        make_row_cache(demo("llama")[0], 8, 48)
 
 
 # ---------------------------------------------------------------- memory on a real-shaped model

@@ -14,7 +14,7 @@ from dataclasses import replace
 import grpc
 import httpx
 import pytest
-from conftest import Reference, demo_config
+from conftest import DRAFT_EVERY_STEP, Reference, demo_config
 from prometheus_client.parser import text_string_to_metric_families
 from spec_support import passages, repeat_prompt
 from support import (
@@ -41,7 +41,9 @@ def _copying_prompts(reference: Reference) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ngram(demo_dir) -> Iterator[ServerThread]:
-    with ServerThread(demo_config(demo_dir, speculate="ngram", speculate_costed=False)) as running:
+    with ServerThread(
+        demo_config(demo_dir, speculate="ngram", speculation=DRAFT_EVERY_STEP)
+    ) as running:
         yield running
 
 
@@ -139,7 +141,7 @@ def test_an_abort_ends_a_speculating_stream(ngram, copying):
 
 def test_a_draft_model_gives_identical_greedy_output(demo_dir, reference, copying):
     config = demo_config(
-        demo_dir, speculate="draft", draft_model=str(demo_dir), speculate_costed=False
+        demo_dir, speculate="draft", draft_model=str(demo_dir), speculation=DRAFT_EVERY_STEP
     )
     with ServerThread(config) as running, running.channel() as chan:
         outcomes = [_greedy(chan, prompt) for prompt in copying[:3]]
@@ -175,7 +177,8 @@ def test_sliding_window_and_recurrent_models_speculate_with_identical_output(kin
     prompts = _copying_prompts(reference)[:2]
     caplog.set_level(logging.WARNING, logger="servicer.engine")
     config = replace(
-        demo_config(model_dir, speculate="ngram", speculate_costed=False), engine_mode="thread"
+        demo_config(model_dir, speculate="ngram", speculation=DRAFT_EVERY_STEP),
+        engine_mode="thread",
     )
     with ServerThread(config) as running, running.channel() as chan:
         outcomes = [_greedy(chan, p) for p in (*prompts, prompts[0])]
@@ -186,7 +189,7 @@ def test_sliding_window_and_recurrent_models_speculate_with_identical_output(kin
 
 
 def test_stream_interval_and_concurrency_with_speculation(demo_dir, reference, copying):
-    config = demo_config(demo_dir, speculate="ngram", speculate_costed=False)
+    config = demo_config(demo_dir, speculate="ngram", speculation=DRAFT_EVERY_STEP)
     config = replace(config, handlers=replace(config.handlers, stream_interval=4))
     with ServerThread(config) as running, running.channel() as chan:
         results: dict[int, list[int]] = {}

@@ -16,8 +16,9 @@ from mlx_lm.models.cache import (
     KVCache,
     RotatingKVCache,
 )
+from quant_support import quantize_rows
 
-from servicer.engine.cache_kinds import adopt, quantize_rows
+from servicer.engine.cache_kinds import adopt
 from servicer.engine.quantized_kv import BatchQuantizedKVCache
 from servicer.engine.speculation.caches import (
     RaggedKVCache,

@@ -33,12 +33,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from .quantized_kv import (
-    SUPPORTED_BITS,
-    SUPPORTED_GROUP_SIZES,
-    BatchQuantizedKVCache,
-    QuantizedRowCache,
-)
+from ..engine_config import KV_BITS, KV_GROUP_SIZES
+from .quantized_kv import BatchQuantizedKVCache, QuantizedRowCache
 from .speculation.caches import RaggedKVCache, RaggedQuantizedKVCache, RecurrentCache, RingKVCache
 
 # mlx-lm's caches grow their buffers in steps of this many tokens; ours (BatchQuantizedKVCache,
@@ -222,9 +218,8 @@ def make_row_cache(model: nn.Module, bits: int = 8, group_size: int = 64) -> lis
     """One request's per-layer caches for ``BatchGenerator.insert(caches=...)`` with
     --kv-bits: a ``QuantizedRowCache`` for each layer the table quantizes (plain full
     attention); every other kind as ``make_prompt_cache`` makes it."""
-    caches = make_prompt_cache(model)
-    _check_settings(model, bits, group_size, caches)
-    return _quantized(caches, bits, group_size)
+    _check_settings(bits, group_size)
+    return _quantized(make_prompt_cache(model), bits, group_size)
 
 
 def _quantized(caches: Sequence[Any], bits: int, group_size: int) -> list[Any]:
@@ -237,9 +232,11 @@ def _quantized(caches: Sequence[Any], bits: int, group_size: int) -> list[Any]:
 def check_quantization(model: nn.Module, bits: int, group_size: int) -> None:
     """Refuse settings MLX cannot quantize with, and a model whose attention code cannot take
     quantized keys and values (attention sinks, MLA's latent cache, a direct call of
-    ``mx.fast.scaled_dot_product_attention``), before a prefill fails on them mid-batch."""
+    ``mx.fast.scaled_dot_product_attention``), before a prefill fails on them mid-batch.
+    Whether `group_size` divides the quantized layers' head sizes is the caller's to choose
+    (`parts.kv_group_size`, from the sizes measured on those layers)."""
+    _check_settings(bits, group_size)
     caches = make_prompt_cache(model)
-    _check_settings(model, bits, group_size, caches)
     if not any(kind_of(c).quantize for c in caches):
         return  # no layer is quantized (no plain attention KV cache): nothing to try
     try:
@@ -255,21 +252,11 @@ def check_quantization(model: nn.Module, bits: int, group_size: int) -> None:
         ) from exc
 
 
-def _check_settings(model: nn.Module, bits: int, group_size: int, caches: list[Any]) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"KV bits must be one of {SUPPORTED_BITS}, got {bits}")
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"KV group size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
-    if not any(kind_of(c).quantize for c in caches):
-        return  # `head_dim` of a model without such layers is not an attention head (mamba2)
-    head_dim = getattr(getattr(model, "args", None), "head_dim", None)
-    if isinstance(head_dim, int) and head_dim % group_size:
-        raise ValueError(f"head_dim {head_dim} is not a multiple of KV group size {group_size}")
-
-
-def quantize_rows(caches: Sequence[Any], bits: int = 8, group_size: int = 64) -> list[Any]:
-    """Per-layer caches of one sequence with each layer the table quantizes (e.g. a prefix
-    hit kept in full precision) as a ``QuantizedRowCache`` holding its tokens; other layers as
-    they are. ``BatchGenerator`` merges with the first row's class, so rows should all be
-    quantized."""
-    return [QuantizedRowCache.of(c, bits, group_size) if kind_of(c).quantize else c for c in caches]
+def _check_settings(bits: int, group_size: int) -> None:
+    """Settings MLX can quantize with. The head sizes are not read off the model's config: its
+    `head_dim` may be another layer kind's (gemma4_text's sliding layers' 32, beside global
+    layers of 64) or no attention head at all (mamba2's SSM heads)."""
+    if bits not in KV_BITS:
+        raise ValueError(f"KV bits must be one of {KV_BITS}, got {bits}")
+    if group_size not in KV_GROUP_SIZES:
+        raise ValueError(f"KV group size must be one of {KV_GROUP_SIZES}, got {group_size}")

@@ -37,7 +37,7 @@ from .arch_fixes import prefill_rows
 from .batch import Batch, check_same_prefix
 from .embedding import Embedder
 from .inbox import Inbox, InboxTake
-from .lockstep import LockstepBroken
+from .lockstep import Lockstep, LockstepBroken
 from .parts import build_parts, new_generator, warm_up
 from .prefill import PrefillPolicy
 from .prefix.store import AnyPrefixStore, Hit
@@ -62,12 +62,20 @@ class Sink(Protocol):
 class Engine:
     """Owns one generation thread; construct, `start(info)`, then `wait_ready()`."""
 
-    def __init__(self, config: EngineConfig, sink: Sink, exit_on_stall: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        sink: Sink,
+        exit_on_stall: bool = False,
+        lockstep: Lockstep | None = None,
+    ) -> None:
         """`exit_on_stall`: a stalled step ends the process once the stall is reported (the
         engine process: its server learns of it from the report and the exit); otherwise
-        the server's fatal path ends it."""
+        the server's fatal path ends it. `lockstep`: one model over several processes
+        (--distributed), rank 0 planning every step and sharing the plan."""
         self.config = config
         self._sink = sink
+        self._lockstep = lockstep
         self._exit_on_stall = exit_on_stall
         self._watch = StepWatch(config.step_timeout_s)
         self._stalled = False
@@ -139,7 +147,13 @@ class Engine:
             try:
                 assert self._info is not None
                 loop = EngineLoop(
-                    self.config, self._info, self._sink, self._inbox, stream, self._watch
+                    self.config,
+                    self._info,
+                    self._sink,
+                    self._inbox,
+                    stream,
+                    self._watch,
+                    self._lockstep,
                 )
             except BaseException as exc:
                 log.error("engine startup failed: %s", exc, exc_info=exc)
@@ -147,8 +161,8 @@ class Engine:
                 self._ready.set()
                 return
             self._loop, self._capabilities = loop, loop.capabilities
-            if self.config.lockstep is not None:
-                self.config.lockstep.watch(self._on_stall)
+            if self._lockstep is not None:
+                self._lockstep.watch(self._on_stall)
             self._watch.watch(lambda: self._thread.is_alive(), self._on_step_stall)
             self._ready.set()
             try:
@@ -196,17 +210,18 @@ class EngineLoop:
         inbox: Inbox,
         stream: mx.Stream,
         watch: StepWatch | None = None,
+        lockstep: Lockstep | None = None,
     ) -> None:
         self.config = config
         self._watch = watch or StepWatch(0.0)  # marks each step for the watchdog
         self._sink = sink
         self._inbox = inbox
-        self._lockstep = config.lockstep
+        self._lockstep = lockstep
         self._leads = self._lockstep is None or self._lockstep.leads
         self._fetched: dict[int, Hit | None] = {}  # prefixes rank 0 found while planning
         self._published: EngineFigures | None = None
         self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
-        parts = build_parts(config, info)
+        parts = build_parts(config, info, lockstep)
         self.parts = parts
         self.store = parts.prefix
         self.speculation = SpeculationCounters()  # across generators, should one be replaced

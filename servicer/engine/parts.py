@@ -22,6 +22,7 @@ from ..messages import ModelInfo
 from ..model_files import ModelLoadError, ModelSpec, resolve_model_dir
 from .cache_kinds import check_quantization, kind_of, make_row_cache
 from .constraints import GrammarFactory
+from .lockstep import Lockstep
 from .memory import device_memory_bytes, measure, weights_bytes
 from .mlx_lm_compat import missing_touch_points
 from .model import LoadedModel, load_model, log_blas_hint
@@ -60,9 +61,6 @@ class Speculation:
             return DraftModel(self.draft, catch_up_s=self.catch_up_s)
         return PromptLookup()
 
-    def settings(self) -> SpeculationConfig:
-        return self.config
-
 
 @dataclass
 class EngineParts:
@@ -78,9 +76,11 @@ class EngineParts:
     new_row: Callable[[], list[Any]] | None = None
 
 
-def build_parts(config: EngineConfig, info: ModelInfo) -> EngineParts:
-    """Load the model `info` describes and build everything around it."""
-    lockstep = config.lockstep
+def build_parts(
+    config: EngineConfig, info: ModelInfo, lockstep: Lockstep | None = None
+) -> EngineParts:
+    """Load the model `info` describes and build everything around it (with a `lockstep`:
+    this rank's shard, and what every rank must hold alike)."""
     log_blas_hint()
     if config.faults is not None:
         config.faults.before_load()
@@ -100,7 +100,8 @@ def build_parts(config: EngineConfig, info: ModelInfo) -> EngineParts:
         think_start=tokenizer.think_start_tokens,
         think_end=tokenizer.think_end_tokens,
     )
-    speculation = _speculation(config, loaded)
+    shared = lockstep is not None
+    speculation = _speculation(config, loaded, shared)
     new_row = _quantized_rows(config, loaded)
     row = new_row() if new_row is not None else make_prompt_cache(loaded.model)
     admission = _admission(config, loaded, speculation, row)
@@ -108,7 +109,7 @@ def build_parts(config: EngineConfig, info: ModelInfo) -> EngineParts:
         loaded,
         sampling,
         admission,
-        _prefix_store(config, admission, loaded, info, CacheLayout.of(row)),
+        _prefix_store(config, admission, loaded, info, CacheLayout.of(row), shared),
         bool(tokenizer.think_start_tokens and tokenizer.think_end_tokens),
         speculation,
         new_row,
@@ -175,13 +176,16 @@ def _dry_run(model: nn.Module, caches: list[Any]) -> None:
     mx.eval(logits, [c.state for c in caches if getattr(c, "keys", None) is not None])
 
 
-def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | None:
+def _speculation(
+    config: EngineConfig, loaded: LoadedModel, shared: bool = False
+) -> Speculation | None:
     """What `--speculate` asks for (off, and the log names the layer kind, for a model with
-    a cache kind that cannot roll back per row); a draft model that does not share the
-    target's tokenizer, or cannot draft, fails startup."""
+    a cache kind that cannot roll back per row, and on the ranks of a distributed group, the
+    `shared` engine); a draft model that does not share the target's tokenizer, or cannot
+    draft, fails startup."""
     if config.speculate is None:
         return None
-    if config.lockstep is not None:
+    if shared:
         log.info("speculative decoding stays off: not supported with --distributed (yet)")
         return None
     supported, reason = speculation_supported(loaded.model)
@@ -210,15 +214,11 @@ def _speculation(config: EngineConfig, loaded: LoadedModel) -> Speculation | Non
         "speculative decoding: %s, up to %d draft tokens a row, off while more than %d rows "
         "decode (the cap counts every decoding row, drafting or not)",
         config.speculate if draft is None else f"draft model {config.draft_model}",
-        config.speculate_k,
-        config.speculate_max_batch,
+        config.speculation.k_max,
+        config.speculation.max_rows,
     )
-    settings = SpeculationConfig(
-        k_max=config.speculate_k,
-        max_rows=config.speculate_max_batch,
-        costed=config.speculate_costed,
-    )
-    return Speculation(config.speculate, draft, settings, config.max_prefill_stall_ms / 1000)
+    catch_up_s = config.max_prefill_stall_ms / 1000
+    return Speculation(config.speculate, draft, config.speculation, catch_up_s)
 
 
 def _admission(
@@ -248,11 +248,12 @@ def _prefix_store(
     loaded: LoadedModel,
     info: ModelInfo,
     layout: CacheLayout,
+    shared: bool,
 ) -> AnyPrefixStore:
+    """`shared`: every rank of a distributed group holds the same store."""
     if config.prompt_cache_size <= 0:
         return NoPrefixStore()
     max_bytes = config.prompt_cache_bytes
-    shared = config.lockstep is not None
     if max_bytes is None:
         # Ranks must evict alike, so a distributed engine does not size it per machine.
         max_bytes = 1 << 30 if shared else min(admission.limit_bytes // 4, 1 << 30)
@@ -329,7 +330,7 @@ def new_generator(
     return SpeculativeBatchGenerator(
         model,
         source=speculation.source(),
-        speculation=speculation.settings(),
+        speculation=speculation.config,
         counters=counters,
         **kwargs,
     )

@@ -32,13 +32,8 @@ from mlx_lm.models.cache import (
     dynamic_roll,
 )
 
-from ..engine_config import KV_BITS
-
 Quantized = tuple[mx.array, mx.array, mx.array]
 KV = tuple[Quantized, Quantized]
-
-SUPPORTED_BITS = KV_BITS
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
 
 def _quantize(x: mx.array, group_size: int, bits: int) -> Quantized:
@@ -83,16 +78,6 @@ class QuantizedRowCache(QuantizedKVCache):
     def nbytes(self) -> int:
         # mlx-lm's QuantizedKVCache.nbytes raises on an empty cache.
         return _kv_nbytes(self.keys, self.values)
-
-    @classmethod
-    def of(cls, cache: KVCache, bits: int, group_size: int) -> QuantizedRowCache:
-        """A full-precision row's tokens (e.g. a prefix hit kept in full precision), quantized."""
-        row = cls(group_size=group_size, bits=bits)
-        kv = _row_kv(cache, group_size, bits)
-        if kv is not None:
-            row.keys, row.values = kv
-            row.offset = cache.offset
-        return row
 
 
 def _quant_params(caches: Sequence[Any], bits: int | None, group_size: int | None):

@@ -1,4 +1,5 @@
-"""Speculation settings, the per-row pace (adaptive K) and the counters the engine exports."""
+"""The per-row pace (adaptive K), the clocks that cost drafting, and the counters the engine
+exports; the settings they read (`SpeculationConfig`) are plain data in `engine_config`."""
 
 from __future__ import annotations
 
@@ -7,36 +8,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ...engine_config import SpeculationConfig
 from ...messages import SpeculationFigures
-
-
-@dataclass(frozen=True, slots=True)
-class SpeculationConfig:
-    """How a speculating generation batch drafts and verifies."""
-
-    k_max: int = 4  # most draft tokens a row verifies in one step
-    # With more rows than this in the batch a step runs without drafts: every row goes
-    # through the verify forward (K+1 tokens each), which stops paying once that forward is
-    # compute-bound. `make bench` part "speculation", MLX on a 2-core CPU with OpenBLAS: a
-    # copying model (acceptance ~1) gains 1.9x at 2 rows and 1.3-1.5x at 4, loses at 8
-    # (0.78x); a 0.75-acceptance draft model 1.1-1.4x at 4, 0.82-0.98x at 8. Below the cap
-    # each step is costed (`StepClock`). GPUs stay memory-bound to larger batches: measure.
-    max_rows: int = 4
-    ewma: float = 0.3  # weight of the newest step in a row's acceptance estimate
-    off_below: float = 0.15  # a row whose acceptance falls below this stops drafting...
-    probe_every: int = 8  # ...and drafts again every this many steps to re-measure
-    probe_k: int = 2  # draft tokens of such a probe
-    costed: bool = True  # below max_rows, draft only where the clocks say it pays
-    mode_window: int = 8  # steps per measurement of drafting against not (ModeClock)
-    mode_gap: int = 4  # windows of the better mode before the other is re-measured (at first)
-
-    def __post_init__(self) -> None:
-        if self.k_max < 0 or self.max_rows < 0 or self.probe_every < 1:
-            raise ValueError("k_max and max_rows must be >= 0, probe_every >= 1")
-        if self.mode_window < 1 or self.mode_gap < 1:
-            raise ValueError("mode_window and mode_gap must be >= 1")
-        if not 0.0 < self.ewma <= 1.0:
-            raise ValueError("ewma must be in (0, 1]")
 
 
 @dataclass(slots=True)
@@ -276,11 +249,11 @@ class SpeculationCounters:
 
     def snapshot(self) -> SpeculationFigures:
         return SpeculationFigures(
-            self.steps,
-            self.speculative_steps,
-            self.cutoff_steps,
-            self.drafted,
-            self.accepted,
-            self.emitted,
-            dict(self.per_row_step),
+            steps=self.steps,
+            speculative_steps=self.speculative_steps,
+            cutoff_steps=self.cutoff_steps,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            emitted=self.emitted,
+            per_row_step=dict(self.per_row_step),
         )
