@@ -4,6 +4,7 @@ least N tokens that waited up to MS for company; the same output either way."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 from conftest import demo_config
@@ -109,9 +110,11 @@ def test_the_window_holds_tokens_back_only_after_the_first_and_never_a_finish():
 
 
 def _server(demo_dir, window_ms: float) -> ServerThread:
+    """Without speculation: a step gives one token, so a message with several waited."""
     config = demo_config(demo_dir)
     options = HandlerOptions(stream_window_ms=window_ms)
-    return ServerThread(type(config)(engine=config.engine, handlers=options, port=0))
+    engine = replace(config.engine, speculate=None)
+    return ServerThread(type(config)(engine=engine, handlers=options, port=0))
 
 
 def test_a_fast_model_streams_several_tokens_a_message(demo_dir, reference, prompts):
