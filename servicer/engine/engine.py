@@ -218,7 +218,6 @@ class EngineLoop:
         self._inbox = inbox
         self._lockstep = lockstep
         self._leads = self._lockstep is None or self._lockstep.leads
-        self._fetched: dict[int, Hit | None] = {}  # prefixes rank 0 found while planning
         self._published: EngineFigures | None = None
         self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
         parts = build_parts(config, info, lockstep)
@@ -267,7 +266,7 @@ class EngineLoop:
         self._publish_now()
         while True:
             out = StepOutput()
-            plan = self._shared_plan(out)
+            plan, hits = self._shared_plan(out)
             if plan.stop:
                 self._end_all(out)
                 self._take_events(out)
@@ -277,7 +276,7 @@ class EngineLoop:
             started = time.perf_counter()
             due = False
             try:
-                self._apply(plan, out)
+                self._apply(plan, hits, out)
                 if batch.rows:
                     due = self._step(out, plan)
                     out.step_seconds.append(time.perf_counter() - started)
@@ -302,17 +301,21 @@ class EngineLoop:
             self.config.faults.before_call("plan")
         return self.store.match(request).length
 
-    def _shared_plan(self, out: StepOutput) -> Plan:
-        """Rank 0's plan, the same on every rank."""
-        plan = self._plan(out) if self._leads else None
-        if self._lockstep is not None:
-            plan = self._lockstep.share(plan, Plan)
-            if plan.check != self.batch.check:
-                raise LockstepBroken(f"the ranks disagree on the last step ({plan.check})")
-        assert plan is not None
-        return plan
+    def _shared_plan(self, out: StepOutput) -> tuple[Plan, list[Hit | None]]:
+        """Rank 0's plan, the same on every rank, and this rank's cached prefix for each of
+        its admissions (pinned until `_apply` hands them to their rows)."""
+        if self._leads:
+            plan, hits = self._plan(out)
+            if self._lockstep is not None:
+                self._lockstep.share(plan, Plan)
+            return plan, hits
+        assert self._lockstep is not None
+        plan = self._lockstep.share(None, Plan)
+        if plan.check != self.batch.check:
+            raise LockstepBroken(f"the ranks disagree on the last step ({plan.check})")
+        return plan, [self._follower_hit(admit) for admit in plan.admits]
 
-    def _plan(self, out: StepOutput) -> Plan:
+    def _plan(self, out: StepOutput) -> tuple[Plan, list[Hit | None]]:
         """Rank 0's decisions: aborts, and which waiting requests join the batch now."""
         scheduler, batch, lockstep = self.scheduler, self.batch, self._lockstep
         # Requests that only wait for their blocks from disk leave the engine idle: a finished
@@ -330,6 +333,7 @@ class EngineLoop:
         scheduler.enqueue(take.requests, now)
         out.disk_load_seconds.extend(self.store.collect())
         plan = Plan(stop=take.stopping, check=batch.check)
+        hits: list[Hit | None] = []
         self._commands(take, out)
         if take.aborts:  # requests not admitted yet end here; admitted rows end on every rank
             for ticket in scheduler.withdraw(take.aborts):
@@ -337,15 +341,19 @@ class EngineLoop:
                 self.store.forget(ticket)
             plan.aborts = sorted(take.aborts & batch.tickets())
         if plan.stop:
-            return plan
+            return plan, hits
         choice = scheduler.schedule(batch.view(), now)
         plan.chunk, plan.widened = choice.chunk, choice.widened
         plan.budget_s, plan.bulk = choice.budget_s, choice.bulk
         for request, reason in choice.failed:
             out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, reason))
             self.store.forget(request.ticket)
-        plan.admits = [self._with_prefix(admit) for admit in choice.admits]
-        return plan
+        for admit in choice.admits:
+            # The store turns its own faults into a miss.
+            hit = self.store.fetch_admitted(admit.request)
+            hits.append(hit)
+            plan.admits.append(Admit(admit.request, admit.reserved, _length(hit)))
+        return plan, hits
 
     def _commands(self, take: InboxTake, out: StepOutput) -> None:
         """Flushes now, before this step's lookups; embeds after the step (`_embed`). Neither
@@ -366,21 +374,13 @@ class EngineLoop:
         else:
             self._embeds.extend(take.embeds)
 
-    def _with_prefix(self, admit: Admit) -> Admit:
-        """`admit` with its cached prefix fetched (kept for `_apply`); the store turns its own
-        faults into a miss."""
-        hit = self.store.fetch_admitted(admit.request)
-        self._fetched[admit.request.ticket] = hit
-        return Admit(admit.request, admit.reserved, hit.length if hit is not None else 0)
-
     # ----- applying, stepping, sending (every rank) -----
 
-    def _apply(self, plan: Plan, out: StepOutput) -> None:
+    def _apply(self, plan: Plan, hits: list[Hit | None], out: StepOutput) -> None:
         """Remove aborted rows and insert admitted requests: the same on every rank. The
         prefixes fetched for the plan are pinned until their rows own them; whatever goes
         wrong before that releases them."""
         batch = self.batch
-        hits = [self._take_fetched(admit) for admit in plan.admits]
         try:
             batch.set_chunk(plan.chunk)
             if plan.aborts:
@@ -393,11 +393,10 @@ class EngineLoop:
         if plan.admits:
             batch.insert(plan.admits, hits, out)  # it owns the pins from here
 
-    def _take_fetched(self, admit: Admit) -> Hit | None:
-        if self._leads:
-            return self._fetched.pop(admit.request.ticket)
+    def _follower_hit(self, admit: Admit) -> Hit | None:
+        """A follower's own copy of the prefix rank 0 found for `admit`."""
         hit = self.store.fetch(admit.request)
-        check_same_prefix(hit.length if hit is not None else 0, admit.cached_tokens)
+        check_same_prefix(_length(hit), admit.cached_tokens)
         return hit
 
     def _step(self, out: StepOutput, plan: Plan) -> bool:
@@ -463,3 +462,7 @@ class EngineLoop:
         tickets = self.scheduler.drain()
         out.events.extend(RowEvent(ticket, None, FINISH_ABORT) for ticket in tickets)
         self.batch.end_all(out)
+
+
+def _length(hit: Hit | None) -> int:
+    return hit.length if hit is not None else 0
