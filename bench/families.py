@@ -502,6 +502,9 @@ def blas_env() -> dict[str, str]:
 
 
 def process_env() -> dict[str, str]:
+    """A real model's processes (its reference and its workers): OpenBLAS where installed.
+    The tiny builds keep MLX's own BLAS on both sides: 8-bit keys that differ by a rounding
+    between two BLAS libraries can land in another quantization step (exaone's kv8 cell)."""
     return {**os.environ, **blas_env()}
 
 
@@ -563,11 +566,12 @@ def run_real(name: str, cells: Sequence[str], cache: Path, timeout: float) -> di
             reason = (done.stderr.strip().splitlines() or ["no output"])[-1][:400]
             return {"cells": {c: Cell("build", reason).as_dict() for c in cells}}
     ref = json.loads((out / "reference.json").read_text())
-    found = single_cells(model_dir, ref, [c for c in cells if c != "kv8"], timeout)
+    blas = blas_env()
+    found = single_cells(model_dir, ref, [c for c in cells if c != "kv8"], timeout, env=blas)
     if "kv8" in cells:
-        found["kv8"] = kv8_served(model_dir, ref, ref["kv8"], timeout)
+        found["kv8"] = kv8_served(model_dir, ref, ref["kv8"], timeout, env=blas)
     if "distributed" in cells:
-        found["distributed"] = distributed_cell(model_dir, ref, timeout, out / "dist")
+        found["distributed"] = distributed_cell(model_dir, ref, timeout, out / "dist", env=blas)
     result = {c: found[c].as_dict() for c in cells if c in found}
     summary = " ".join(f"{c}={found[c].status}" for c in cells if c in found)
     log(f"{REAL_PREFIX}{name}: {summary} ({time.monotonic() - started:.0f} s)")
@@ -583,7 +587,7 @@ class Worker:
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
         self.args = list(args)
-        self.env = {**process_env(), "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.lines: list[str] = []
         self.port = 0
         self.ready = threading.Event()
@@ -796,7 +800,12 @@ def prefix_cell(results: list[dict[str, Any]], ref: dict[str, Any]) -> Cell:
 
 
 def single_cells(
-    model_dir: Path, ref: dict[str, Any], cells: Sequence[str], timeout: float, arch: str = ""
+    model_dir: Path,
+    ref: dict[str, Any],
+    cells: Sequence[str],
+    timeout: float,
+    arch: str = "",
+    env: dict[str, str] | None = None,
 ) -> dict[str, Cell]:
     base = ("--model", str(model_dir), "--prompt-cache-block", BLOCK)
     out: dict[str, Cell] = {}
@@ -809,7 +818,7 @@ def single_cells(
             continue
         if wanted == ["prefix"]:  # the prefix cell rides on a defaults worker
             wanted = ["defaults", "prefix"]
-        worker = Worker([*base, *CELL_FLAGS[cell]])
+        worker = Worker([*base, *CELL_FLAGS[cell]], env)
         found = serve_and_compare([worker], ref, wanted, timeout)
         out.update({k: v for k, v in found.items() if k in cells})
     return out
@@ -836,7 +845,13 @@ def kv8_cell(arch: str, model_dir: Path, ref: dict[str, Any], timeout: float) ->
     return cell
 
 
-def kv8_served(model_dir: Path, ref: dict[str, Any], facts: dict[str, Any], timeout: float) -> Cell:
+def kv8_served(
+    model_dir: Path,
+    ref: dict[str, Any],
+    facts: dict[str, Any],
+    timeout: float,
+    env: dict[str, str] | None = None,
+) -> Cell:
     """The worker with `--kv-bits 8` against the kv8 reference `facts` (kv8_reference)."""
     extra: dict[str, Any] = {}
     extra.update(reference=facts["kind"], group=facts["group"], kv_dims=facts["kv_dims"])
@@ -848,7 +863,8 @@ def kv8_served(model_dir: Path, ref: dict[str, Any], facts: dict[str, Any], time
     if facts["kind"] in notes:
         extra["note"] = notes[facts["kind"]]
     want = ref["ref1"] if facts["kind"] == "plain" else facts.get("tokens")
-    worker = Worker(["--model", str(model_dir), "--prompt-cache-block", BLOCK, "--kv-bits", "8"])
+    args = ["--model", str(model_dir), "--prompt-cache-block", BLOCK, "--kv-bits", "8"]
+    worker = Worker(args, env)
     found = serve_and_compare([worker], {**ref, "ref_kv8": want or ref["ref1"]}, ["kv8"], timeout)
     cell = found["kv8"]
     if want is None and cell.status not in ("refused", "error", "hang", "memory"):
@@ -857,7 +873,13 @@ def kv8_served(model_dir: Path, ref: dict[str, Any], facts: dict[str, Any], time
     return cell
 
 
-def distributed_cell(model_dir: Path, ref: dict[str, Any], timeout: float, scratch: Path) -> Cell:
+def distributed_cell(
+    model_dir: Path,
+    ref: dict[str, Any],
+    timeout: float,
+    scratch: Path,
+    env: dict[str, str] | None = None,
+) -> Cell:
     from servicer.sysinfo import free_port
 
     if not ref["shard"]:
@@ -877,7 +899,7 @@ def distributed_cell(model_dir: Path, ref: dict[str, Any], timeout: float, scrat
         "10",
     )
     ranks = [
-        Worker(args, env={"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
+        Worker(args, env={**(env or {}), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
         for rank in range(2)
     ]
     return serve_and_compare(ranks, ref, ["distributed"], timeout)["distributed"]
