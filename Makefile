@@ -58,10 +58,11 @@ fuzz-cache: $(STAMP)
 # Every mlx-lm text architecture (tiny random weights) served by the worker in six cells and
 # compared with mlx-lm's greedy output: bench/families-table.md and the README's summary
 # (ARGS="--only llama" redoes one and keeps the others from the last full run).
+# A scheduled run writes elsewhere: FAMILY_OUT="--json DIR/f.json --markdown DIR/f.md" ARGS=--strict.
 FAMILY_JOBS ?= 2
+FAMILY_OUT ?= --json bench/families-results.json --markdown bench/families-table.md --readme README.md
 families: $(STAMP)
-	$(BIN)/python bench/families.py --jobs $(FAMILY_JOBS) --json bench/families-results.json \
-		--markdown bench/families-table.md --readme README.md $(ARGS)
+	$(BIN)/python bench/families.py --jobs $(FAMILY_JOBS) $(FAMILY_OUT) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

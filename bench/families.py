@@ -1051,6 +1051,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--readme", type=Path, default=None, help="after a full run, update this file's summary"
     )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 when a cell is neither exact, refused nor skipped (for a scheduled run)",
+    )
     parser.add_argument("--build", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
@@ -1117,7 +1122,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_readme(args.readme, readme_summary(results, cells))
     if missing:
         print(f"installed mlx-lm architectures without a config or a skip entry: {missing}")
-    return 0
+    return 1 if args.strict and failing(results) else 0
+
+
+def failing(results: dict[str, Any]) -> list[str]:
+    """Every "arch / cell" that is neither exact, refused nor skipped."""
+    fine = ("exact", "refused", "skipped")
+    return [
+        f"{arch} / {cell}"
+        for arch, result in sorted(results.items())
+        for cell, entry in result["cells"].items()
+        if entry["status"] not in fine
+    ]
 
 
 def write_outputs(

@@ -192,3 +192,15 @@ def test_a_misspelt_family_or_cell_is_an_error() -> None:
     assert families.architectures("llama") == ["llama"]
     with pytest.raises(SystemExit, match="unknown cells"):
         families.main(["--only", "llama", "--cells", "nope"])
+
+
+def test_the_family_matrix_names_each_cell_a_strict_run_fails_on():
+    import families
+
+    results = {
+        "llama": {"cells": {"defaults": {"status": "exact"}, "kv8": {"status": "refused"}}},
+        "gemma2": {"cells": {"defaults": {"status": "wrong"}, "kv8": {"status": "skipped"}}},
+        "qwen3": {"cells": {"defaults": {"status": "near-tie"}, "kv8": {"status": "hang"}}},
+    }
+    assert families.failing(results) == ["gemma2 / defaults", "qwen3 / defaults", "qwen3 / kv8"]
+    assert families.failing({"llama": results["llama"]}) == []
