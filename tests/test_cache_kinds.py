@@ -27,7 +27,11 @@ from mlx_lm.models.cache import (
 import servicer.engine
 from servicer.engine import cache_kinds
 from servicer.engine.cache_kinds import KINDS, UNFAMILIAR, Bytes, adopt, bytes_of, kind_of
-from servicer.engine.quantized_kv import BatchQuantizedKVCache, QuantizedRowCache
+from servicer.engine.quantized_kv import (
+    BatchQuantizedKVCache,
+    DequantizingRowCache,
+    QuantizedRowCache,
+)
 from servicer.engine.speculation.caches import (
     RaggedKVCache,
     RaggedQuantizedKVCache,
@@ -104,7 +108,8 @@ def test_each_answer_is_the_one_its_module_gave_before(cls: type, keep: int):
     cache = _bare(cls, keep=keep)
     kind = kind_of(cache)
     assert cache_kinds.speculates(cache) == _old_speculates(cache)
-    assert kind.attention_kv == (type(cache) in (KVCache, QuantizedRowCache))  # prefix store
+    rows = (KVCache, QuantizedRowCache, DequantizingRowCache)  # the prefix store's
+    assert kind.attention_kv == (type(cache) in rows)
     assert kind.quantize == (type(cache) is KVCache)  # quantized_kv, parts
     assert kind.drafts == (type(cache) is KVCache)  # draft_model
     assert (kind.adopt is not None) == _old_adopts(cache)

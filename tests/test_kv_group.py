@@ -13,7 +13,7 @@ from support import ROOT, ServerThread, generate
 
 from servicer.engine.cache_kinds import check_quantization, make_row_cache
 from servicer.engine.parts import cache_head_sizes, kv_group_size
-from servicer.engine.quantized_kv import QuantizedRowCache
+from servicer.engine.quantized_kv import DequantizingRowCache, QuantizedRowCache
 from servicer.messages import EngineStartupError
 from servicer.model_files import ModelLoadError
 
@@ -106,10 +106,8 @@ def test_a_model_without_attention_kv_takes_kv_bits_whatever_its_head_dim():
     assert [type(c) for c in rows] == [type(c) for c in make_prompt_cache(model)]
 
 
-def test_an_attention_that_cannot_take_quantized_kv_is_refused_with_the_reason():
-    """stablelm casts its keys (`keys.astype`): a quantized cache's tuples fail there, and the
-    start check says so instead of the bare AttributeError."""
-    model = _tiny(
+def _stablelm():
+    return _tiny(
         "stablelm",
         vocab_size=64,
         hidden_size=128,
@@ -122,16 +120,53 @@ def test_an_attention_that_cannot_take_quantized_kv_is_refused_with_the_reason()
         rope_theta=10000,
         use_qkv_bias=False,
     )
+
+
+def test_an_attention_that_cannot_take_quantized_kv_gets_dequantized_arrays_and_the_reason():
+    """stablelm casts its keys (`keys.astype`): a quantized cache's tuples fail there. The start
+    check says so, and the dequantizing kind (stored quantized, handed back as plain arrays)
+    serves it instead."""
+    model = _stablelm()
     assert cache_head_sizes(model) == {32}
-    with pytest.raises(ValueError, match="stablelm model does not run on a quantized KV cache"):
+    why = check_quantization(model, 8, 32)
+    assert why is not None
+    assert "stablelm model does not run on quantized keys and values" in why
+    assert "astype" in why
+    rows = make_row_cache(model, 8, 32, dequantize=True)
+    assert [type(c) for c in rows] == [DequantizingRowCache]
+    assert not hasattr(rows[0], "bits") and (rows[0].kv_bits, rows[0].kv_group_size) == (8, 32)
+
+
+def test_a_model_that_runs_on_neither_quantized_kind_is_refused_with_both_reasons():
+    """A model that reads its cache's buffer as an array after the update (a quantized cache
+    keeps tuples there, whichever kind) is refused, naming what failed."""
+    import mlx.nn as nn
+
+    class ReadsTheBuffer(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        @property
+        def layers(self):
+            return self.model.layers
+
+        def __call__(self, inputs, cache=None):
+            out = self.model(inputs, cache=cache)
+            return out + sum(c.keys.sum() for c in cache)  # the buffer as an array
+
+    model = ReadsTheBuffer(_stablelm())
+    with pytest.raises(ValueError, match="does not run on a quantized KV cache") as refused:
         check_quantization(model, 8, 32)
+    assert "astype" in str(refused.value)
+    assert "nor on one that hands back dequantized keys and values" in str(refused.value)
 
 
 def test_a_config_head_dim_of_another_layer_kind_does_not_refuse_kv_bits():
     """gemma4_text's `head_dim` (32) is its sliding layers'; the global layers, the ones
     --kv-bits quantizes, hold 64 (`global_head_dim`). The group comes from those, and
-    nothing refuses the model over the config's field: what stops it is named (its
-    attention does not take quantized tuples)."""
+    nothing refuses the model over the config's field: what makes it take the dequantizing
+    kind is named (its attention does not take quantized tuples)."""
     config = json.loads((ROOT / "bench" / "families" / "configs" / "gemma4_text.json").read_text())
     config.pop("families")
     model = _tiny(**config)
@@ -141,6 +176,6 @@ def test_a_config_head_dim_of_another_layer_kind_does_not_refuse_kv_bits():
     assert group == 64
     rows = make_row_cache(model, 8, group)  # refused over head_dim 32 before
     assert sum(isinstance(c, QuantizedRowCache) for c in rows) == 1
-    with pytest.raises(ValueError, match="does not run on a quantized KV cache") as refused:
-        check_quantization(model, 8, group)
-    assert "head_dim" not in str(refused.value)
+    why = check_quantization(model, 8, group)  # served dequantized: its attention cannot
+    assert why is not None and "does not run on quantized keys and values" in why
+    assert "head_dim" not in why

@@ -140,12 +140,17 @@ def test_finished_rows_carry_caches_that_continue_exactly(kind_model):
     )
 
 
-def test_quantized_kv_identical(kind_model):
-    """--kv-bits: quantized attention rows roll back like plain ones."""
+@pytest.mark.parametrize("dequantize", [False, True], ids=["quantized", "dequantizing"])
+def test_quantized_kv_identical(kind_model, dequantize):
+    """--kv-bits: quantized attention rows roll back like plain ones, whether attention gets
+    them quantized or dequantized (RaggedDequantizingKVCache)."""
     _, model, tokenizer = kind_model
 
+    def rows() -> list[Any]:
+        return make_row_cache(model, 8, 32, dequantize)
+
     def jobs() -> list[Job]:
-        return random_jobs(tokenizer, 7, 2, caches=lambda: make_row_cache(model, 8, 32))
+        return random_jobs(tokenizer, 7, 2, caches=rows)
 
     plain = drive(plain_generator(model), jobs())
     generator = speculating(model, Oracle(references(jobs(), plain)))

@@ -34,8 +34,19 @@ from mlx_lm.models.cache import (
 )
 
 from ..engine_config import KV_BITS, KV_GROUP_SIZES
-from .quantized_kv import BatchQuantizedKVCache, QuantizedRowCache
-from .speculation.caches import RaggedKVCache, RaggedQuantizedKVCache, RecurrentCache, RingKVCache
+from .quantized_kv import (
+    BatchDequantizingKVCache,
+    BatchQuantizedKVCache,
+    DequantizingRowCache,
+    QuantizedRowCache,
+)
+from .speculation.caches import (
+    RaggedDequantizingKVCache,
+    RaggedKVCache,
+    RaggedQuantizedKVCache,
+    RecurrentCache,
+    RingKVCache,
+)
 
 # mlx-lm's caches grow their buffers in steps of this many tokens; ours (BatchQuantizedKVCache,
 # RaggedKVCache) take the same `KVCache.step`, and the admission guard rounds up to it.
@@ -62,7 +73,7 @@ class CacheKind:
 
     note: str  # what the kind is, or why the engine cannot do more with it
     attention_kv: bool = False  # full-attention KV: the prefix store cuts it at any token
-    quantize: bool = False  # --kv-bits holds it as a QuantizedRowCache (head sizes must suit)
+    quantize: bool = False  # --kv-bits holds it as a QuantizedRowCache (or a DequantizingRowCache)
     speculates: bool = False  # a prompt cache whose batch `adopt` turns into one that rolls back
     drafts: bool = False  # a draft model may keep it: its batch gives back any number of tokens
     sliding: bool = False  # a window; its kept sink tokens (`keep`) cannot be rolled back
@@ -155,9 +166,23 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
             "full attention, quantized, a batch",
             adopt=lambda layer, extra, inert: RaggedQuantizedKVCache.adopt(layer),
         ),
+        # ours: --kv-bits where the model's attention takes plain arrays only (quantized_kv):
+        # stored quantized, handed back dequantized
+        DequantizingRowCache: CacheKind(
+            "full attention, quantized, dequantized for attention (one request)",
+            attention_kv=True,
+            measure=_quantized_bytes,
+        ),
+        BatchDequantizingKVCache: CacheKind(
+            "full attention, quantized, dequantized for attention, a batch",
+            adopt=lambda layer, extra, inert: RaggedDequantizingKVCache.adopt(layer),
+        ),
         # ours: a speculating batch's caches (speculation.caches), adopted already
         RaggedKVCache: CacheKind("full attention, rows rolled back per row", adopt=_as_is),
         RaggedQuantizedKVCache: CacheKind("RaggedKVCache, quantized", adopt=_as_is),
+        RaggedDequantizingKVCache: CacheKind(
+            "RaggedKVCache, quantized, dequantized for attention", adopt=_as_is
+        ),
         RingKVCache: CacheKind("a sliding window, rolled back per row", sliding=True, adopt=_as_is),
         RecurrentCache: CacheKind(
             "recurrent state, snapshot and replay", adopt=_as_is, measure=_state_bytes
@@ -214,42 +239,61 @@ def bytes_of(layer: Any) -> Bytes:
     return size if size is not None else Bytes((max(getattr(layer, "nbytes", 0), 1), None))
 
 
-def make_row_cache(model: nn.Module, bits: int = 8, group_size: int = 64) -> list[Any]:
+def make_row_cache(
+    model: nn.Module, bits: int = 8, group_size: int = 64, dequantize: bool = False
+) -> list[Any]:
     """One request's per-layer caches for ``BatchGenerator.insert(caches=...)`` with
-    --kv-bits: a ``QuantizedRowCache`` for each layer the table quantizes (plain full
-    attention); every other kind as ``make_prompt_cache`` makes it."""
+    --kv-bits: a ``QuantizedRowCache`` (with `dequantize`, a ``DequantizingRowCache``: for a
+    model whose attention takes plain arrays only, see `check_quantization`) for each layer
+    the table quantizes (plain full attention); every other kind as ``make_prompt_cache``
+    makes it."""
     _check_settings(bits, group_size)
-    return _quantized(make_prompt_cache(model), bits, group_size)
+    return _quantized(make_prompt_cache(model), bits, group_size, dequantize)
 
 
-def _quantized(caches: Sequence[Any], bits: int, group_size: int) -> list[Any]:
-    return [
-        QuantizedRowCache(group_size=group_size, bits=bits) if kind_of(c).quantize else c
-        for c in caches
-    ]
+def _quantized(caches: Sequence[Any], bits: int, group_size: int, dequantize: bool) -> list[Any]:
+    row = DequantizingRowCache if dequantize else QuantizedRowCache
+    return [row(group_size=group_size, bits=bits) if kind_of(c).quantize else c for c in caches]
 
 
-def check_quantization(model: nn.Module, bits: int, group_size: int) -> None:
-    """Refuse settings MLX cannot quantize with, and a model whose attention code cannot take
-    quantized keys and values (attention sinks, MLA's latent cache, a direct call of
-    ``mx.fast.scaled_dot_product_attention``), before a prefill fails on them mid-batch.
-    Whether `group_size` divides the quantized layers' head sizes is the caller's to choose
-    (`parts.kv_group_size`, from the sizes measured on those layers)."""
+def check_quantization(model: nn.Module, bits: int, group_size: int) -> str | None:
+    """Which quantized cache serves `model` with --kv-bits: None when its attention runs on
+    the quantized data (``QuantizedRowCache``), else why it cannot (attention sinks, MLA's
+    latent cache, a direct call of ``mx.fast.scaled_dot_product_attention``, ``keys.astype``),
+    the dequantizing kind (``DequantizingRowCache``: stored quantized, handed back as plain
+    arrays) having run it instead. Refuses settings MLX cannot quantize with, and a model that
+    runs on neither, before a prefill fails on them mid-batch. Whether `group_size` divides
+    the quantized layers' head sizes is the caller's to choose (`parts.kv_group_size`, from
+    the sizes measured on those layers)."""
     _check_settings(bits, group_size)
-    caches = make_prompt_cache(model)
-    if not any(kind_of(c).quantize for c in caches):
-        return  # no layer is quantized (no plain attention KV cache): nothing to try
+    if not any(kind_of(c).quantize for c in make_prompt_cache(model)):
+        return None  # no layer is quantized (no plain attention KV cache): nothing to try
+    name = type(model).__module__.rpartition(".")[2]
+    quantized = _one_token(model, bits, group_size, dequantize=False)
+    if quantized is None:
+        return None
+    why = f"mlx-lm's {name} model does not run on quantized keys and values ({quantized})"
+    dequantized = _one_token(model, bits, group_size, dequantize=True)
+    if dequantized is None:
+        return why
+    raise ValueError(
+        f"mlx-lm's {name} model does not run on a quantized KV cache ({quantized}), nor on "
+        f"one that hands back dequantized keys and values ({dequantized}); serve it without "
+        "--kv-bits"
+    )
+
+
+def _one_token(model: nn.Module, bits: int, group_size: int, dequantize: bool) -> str | None:
+    """One token through `model` on fresh quantized caches: None, or why it failed."""
+    caches = _quantized(make_prompt_cache(model), bits, group_size, dequantize)
     try:
-        mx.eval(model(mx.array([[0]]), cache=_quantized(caches, bits, group_size)))
+        mx.eval(model(mx.array([[0]]), cache=caches))
     except Exception as exc:
-        name = type(model).__module__.rpartition(".")[2]
         reason = (str(exc).strip().splitlines() or [""])[0]
         if reason.endswith(":") and ". " in reason:  # "...: incompatible arguments. These:"
             reason = reason.rpartition(". ")[0]
-        raise ValueError(
-            f"mlx-lm's {name} model does not run on a quantized KV cache "
-            f"({type(exc).__name__}: {reason}); serve it without --kv-bits"
-        ) from exc
+        return f"{type(exc).__name__}: {reason}"
+    return None
 
 
 def _check_settings(bits: int, group_size: int) -> None:

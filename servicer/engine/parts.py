@@ -125,12 +125,27 @@ def _quantized_rows(config: EngineConfig, loaded: LoadedModel) -> Callable[[], l
     model = loaded.model
     group_size = kv_group_size(cache_head_sizes(model), config.kv_group_size)
     try:
-        check_quantization(model, bits, group_size)
-        _dry_run(model, make_row_cache(model, bits, group_size))
+        why = check_quantization(model, bits, group_size)
+        dequantize = why is not None
+        _dry_run(model, make_row_cache(model, bits, group_size, dequantize))
     except Exception as exc:
         raise ModelLoadError(f"--kv-bits {bits} --kv-group-size {group_size}: {exc}") from exc
-    log.info("KV cache quantized: %d bits, groups of %d", bits, group_size)
-    return lambda: make_row_cache(model, bits, group_size)
+    if dequantize:
+        log.info(
+            "KV cache quantized: %d bits, groups of %d, stored quantized and dequantized for "
+            "attention (DequantizingRowCache): %s",
+            bits,
+            group_size,
+            why,
+        )
+    else:
+        log.info(
+            "KV cache quantized: %d bits, groups of %d, attention on the quantized data "
+            "(QuantizedRowCache)",
+            bits,
+            group_size,
+        )
+    return lambda: make_row_cache(model, bits, group_size, dequantize)
 
 
 AUTO_GROUP_SIZES = (64, 32)  # tried in this order when --kv-group-size is not given

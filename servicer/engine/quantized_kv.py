@@ -11,6 +11,18 @@ vector quantizes on its own and rows, chunks and padding never change a token's 
 Attention runs on the quantized data: mlx-lm's ``scaled_dot_product_attention`` switches to
 quantized matmuls when the cache has a ``bits`` attribute.
 
+Some models' attention code cannot take quantized tuples (attention sinks, MLA's latent cache,
+a direct call of ``mx.fast.scaled_dot_product_attention``, ``keys.astype``). For them the
+dequantizing kinds (``DequantizingRowCache``, ``BatchDequantizingKVCache``, and the speculating
+batch's ``RaggedDequantizingKVCache``) store exactly what the quantized kinds store (the same
+buffers, padding and operations: the memory saving, what the admission guard and the prefix
+store count) but hand back ``mx.dequantize`` of the stored tokens from ``update_and_fetch`` and
+``keys_and_values``: plain arrays in the model's dtype, in the buffer's layout (so the model's
+masks apply as before). They keep their settings as ``kv_bits`` / ``kv_group_size`` only, with
+no ``bits`` attribute to send mlx-lm's attention down the quantized path, so the model's own
+attention runs unchanged on keys and values that went through quantization. The cost: each
+forward dequantizes each layer's whole held KV (``quantization`` reads the settings of either).
+
 Use: ``BatchGenerator.insert(prompts, caches=[make_row_cache(model, bits, group_size) ...])``
 (``cache_kinds.make_row_cache``: which layers are quantized is the cache kinds' answer).
 The per-row ``QuantizedRowCache.merge`` builds the batch cache, so the batch is quantized
@@ -49,9 +61,104 @@ def _kv_nbytes(*kv: Any) -> int:
     return sum(x.nbytes for part in kv if part is not None for x in part)
 
 
-class QuantizedRowCache(QuantizedKVCache):
+def _store(buffers: KV | None, filled: int, new: KV, step: int) -> KV:
+    """`new` written after the first `filled` tokens of `buffers` (in place), which grow in
+    whole steps of `step` tokens when it does not fit (no reallocation per token)."""
+    n = new[0][0].shape[2]
+    if buffers is None or filled + n > buffers[0][0].shape[2]:
+        room = (step + n - 1) // step * step
+        blank = tree_map(lambda x: mx.zeros((*x.shape[:2], room, x.shape[3]), x.dtype), new)
+        if buffers is None:
+            buffers = blank
+        else:
+            old = _time_slice(buffers, 0, filled)
+            buffers = tree_map(lambda a, b: mx.concatenate([a, b], axis=2), old, blank)
+    for buffer, part in zip((*buffers[0], *buffers[1]), (*new[0], *new[1]), strict=True):
+        buffer[..., filled : filled + n, :] = part
+    return buffers
+
+
+def quantization(cache: Any) -> tuple[int, int] | None:
+    """(bits, group size) of a cache that stores its keys and values quantized (ours, whether
+    attention gets them quantized or dequantized; mlx-lm's QuantizedKVCache); None otherwise."""
+    if hasattr(cache, "kv_bits"):
+        return cache.kv_bits, cache.kv_group_size
+    if hasattr(cache, "bits"):
+        return cache.bits, cache.group_size
+    return None
+
+
+class QuantizedAttention:
+    """``bits`` and ``group_size`` (kept as ``kv_bits`` / ``kv_group_size``): with them,
+    mlx-lm's ``scaled_dot_product_attention`` runs on the quantized tuples the cache hands back."""
+
+    kv_bits: int
+    kv_group_size: int
+
+    @property
+    def bits(self) -> int:
+        return self.kv_bits
+
+    @bits.setter
+    def bits(self, value: int) -> None:
+        self.kv_bits = value
+
+    @property
+    def group_size(self) -> int:
+        return self.kv_group_size
+
+    @group_size.setter
+    def group_size(self, value: int) -> None:
+        self.kv_group_size = value
+
+
+class _KeptAside:
+    """A quantization setting of a cache that hands back dequantized arrays: set as ``bits``
+    (mlx-lm's constructors do), kept as ``kv_bits``, and absent when read, so that
+    ``hasattr(cache, "bits")`` is False and mlx-lm's attention takes its plain path."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        raise AttributeError(
+            f"{type(obj).__name__} hands back dequantized keys and values: "
+            f"its {self.name} is kv_{self.name}"
+        )
+
+    def __set__(self, obj: Any, value: int) -> None:
+        setattr(obj, f"kv_{self.name}", value)
+
+
+class Dequantizing:
+    """What the dequantizing kinds add to the quantized ones: no ``bits`` / ``group_size`` to
+    read, and the held tokens dequantized (in the dtype they were quantized from)."""
+
+    kv_bits: int
+    kv_group_size: int
+    bits = _KeptAside()
+    group_size = _KeptAside()
+
+    def _dequantized(self, kv: KV) -> tuple[mx.array, mx.array]:
+        keys, values = (
+            mx.dequantize(*q, group_size=self.kv_group_size, bits=self.kv_bits) for q in kv
+        )
+        return keys, values
+
+
+class QuantizedRowCache(QuantizedAttention, QuantizedKVCache):
     """One sequence's quantized KV: mlx-lm's ``QuantizedKVCache`` plus what batching needs
     (``size``, a ``merge`` that builds the batch cache, a state holding only the filled part)."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        q_keys = _quantize(keys, self.kv_group_size, self.kv_bits)
+        q_values = _quantize(values, self.kv_group_size, self.kv_bits)
+        held = None if self.keys is None else (self.keys, self.values)
+        self.keys, self.values = _store(held, self.offset, (q_keys, q_values), self.step)
+        self.offset += keys.shape[2]
+        return self.keys_and_values()
 
     def size(self) -> int:
         return self.offset
@@ -64,13 +171,13 @@ class QuantizedRowCache(QuantizedKVCache):
     def state(self) -> tuple:
         # The buffer past `offset` is spare room: a stored state need not carry it.
         if self.keys is None:
-            return None, None, self.offset, self.group_size, self.bits
+            return None, None, self.offset, self.kv_group_size, self.kv_bits
         keys, values = _time_slice((self.keys, self.values), 0, self.offset)
-        return keys, values, self.offset, self.group_size, self.bits
+        return keys, values, self.offset, self.kv_group_size, self.kv_bits
 
     @state.setter
     def state(self, v: tuple) -> None:
-        keys, values, self.offset, self.group_size, self.bits = v
+        keys, values, self.offset, self.kv_group_size, self.kv_bits = v
         self.keys = None if keys is None else tuple(keys)
         self.values = None if values is None else tuple(values)
 
@@ -82,16 +189,16 @@ class QuantizedRowCache(QuantizedKVCache):
 
 def _quant_params(caches: Sequence[Any], bits: int | None, group_size: int | None):
     """Bits and group size for a merge: given, or read from the first quantized row."""
-    quantized = [c for c in caches if hasattr(c, "bits")]
+    quantized = [q for c in caches if (q := quantization(c)) is not None]
     if bits is None or group_size is None:
         if not quantized:
             raise ValueError("merging full-precision rows needs bits and group_size")
-        bits = quantized[0].bits if bits is None else bits
-        group_size = quantized[0].group_size if group_size is None else group_size
-    for c in quantized:
-        if (c.bits, c.group_size) != (bits, group_size):
+        bits = quantized[0][0] if bits is None else bits
+        group_size = quantized[0][1] if group_size is None else group_size
+    for row_bits, row_group in quantized:
+        if (row_bits, row_group) != (bits, group_size):
             raise ValueError(
-                f"cannot batch a {c.bits}-bit group-{c.group_size} row into a "
+                f"cannot batch a {row_bits}-bit group-{row_group} row into a "
                 f"{bits}-bit group-{group_size} cache"
             )
     return bits, group_size
@@ -101,7 +208,7 @@ def _row_kv(cache: Any, group_size: int, bits: int) -> KV | None:
     """A single-sequence cache's filled KV as quantized tuples; None when it holds nothing."""
     if cache.keys is None or cache.offset == 0:
         return None
-    if hasattr(cache, "bits"):
+    if quantization(cache) is not None:
         return _time_slice((cache.keys, cache.values), 0, cache.offset)
     if isinstance(cache, KVCache):
         keys = cache.keys[..., : cache.offset, :]
@@ -110,16 +217,17 @@ def _row_kv(cache: Any, group_size: int, bits: int) -> KV | None:
     raise TypeError(f"cannot batch a {type(cache).__name__} into a quantized KV cache")
 
 
-class BatchQuantizedKVCache(_BaseCache):
+class BatchQuantizedKVCache(QuantizedAttention, _BaseCache):
     """``BatchKVCache`` (left-padded rows, one write index, per-row ``offset``) whose keys and
     values are quantized tuples. Same operations and semantics, so ``BatchGenerator`` drives it
     as it drives ``BatchKVCache``; ``bits``/``group_size`` make mlx-lm's attention quantized."""
 
     step = KVCache.step  # grow as mlx-lm's caches do
+    row_class = QuantizedRowCache  # what `extract` gives
 
     def __init__(self, bits: int = 8, group_size: int = 64, left_padding: Sequence[int] = ()):
-        self.bits = bits
-        self.group_size = group_size
+        self.kv_bits = bits
+        self.kv_group_size = group_size
         self.keys: Quantized | None = None
         self.values: Quantized | None = None
         self.left_padding = mx.array(list(left_padding), dtype=mx.int32)
@@ -129,30 +237,17 @@ class BatchQuantizedKVCache(_BaseCache):
 
     # ------------------------------------------------------------------ writing
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> KV:
-        q_keys = _quantize(keys, self.group_size, self.bits)
-        q_values = _quantize(values, self.group_size, self.bits)
-        prev, n = self._idx, keys.shape[2]
-        if self.keys is None or prev + n > self.keys[0].shape[2]:
-            self._grow((q_keys, q_values), n)
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        q_keys = _quantize(keys, self.kv_group_size, self.kv_bits)
+        q_values = _quantize(values, self.kv_group_size, self.kv_bits)
+        held = None if self.keys is None else (self.keys, self.values)
+        self.keys, self.values = _store(held, self._idx, (q_keys, q_values), self.step)
+        n = keys.shape[2]
         self._idx += n
         self.offset = self.offset + n
-        for buffer, new in zip((*self.keys, *self.values), (*q_keys, *q_values), strict=True):
-            buffer[..., prev : self._idx, :] = new
         return self.keys_and_values()
 
-    def _grow(self, new: KV, n: int) -> None:
-        """Room for `n` more tokens, in whole steps (no reallocation per token)."""
-        room = (self.step + n - 1) // self.step * self.step
-        blank = tree_map(lambda x: mx.zeros((*x.shape[:2], room, x.shape[3]), x.dtype), new)
-        if self.keys is None:
-            self.keys, self.values = blank
-            return
-        old = _time_slice((self.keys, self.values), 0, self._idx)
-        grown = tree_map(lambda a, b: mx.concatenate([a, b], axis=2), old, blank)
-        self.keys, self.values = grown
-
-    def keys_and_values(self) -> KV:
+    def keys_and_values(self) -> Any:
         return _time_slice((self.keys, self.values), 0, self._idx)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
@@ -210,7 +305,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def extend(self, other: BatchQuantizedKVCache) -> None:
         """Append `other`'s rows (in place), right-justifying both at the longer write index."""
-        if (other.bits, other.group_size) != (self.bits, self.group_size):
+        if quantization(other) != quantization(self):
             raise ValueError("cannot extend a quantized cache with different bits or group size")
         parts = [(c.offset, c.left_padding) for c in (self, other)]
         if self.keys is None and other.keys is None:
@@ -241,9 +336,9 @@ class BatchQuantizedKVCache(_BaseCache):
             kv = tree_map(lambda x: mx.pad(x, widths), kv)
         return kv
 
-    def extract(self, idx: int) -> QuantizedRowCache:
+    def extract(self, idx: int) -> Any:
         """Row `idx` as a single-sequence cache holding only its own tokens."""
-        row = QuantizedRowCache(group_size=self.group_size, bits=self.bits)
+        row = self.row_class(group_size=self.kv_group_size, bits=self.kv_bits)
         if self.keys is None:
             return row
         padding = int(self.left_padding[idx].item())
@@ -300,13 +395,14 @@ class BatchQuantizedKVCache(_BaseCache):
             self.offset,
             self.left_padding,
             self._idx,
-            self.group_size,
-            self.bits,
+            self.kv_group_size,
+            self.kv_bits,
         )
 
     @state.setter
     def state(self, v: tuple) -> None:
-        keys, values, self.offset, self.left_padding, self._idx, self.group_size, self.bits = v
+        keys, values, self.offset, self.left_padding, self._idx = v[:5]
+        self.kv_group_size, self.kv_bits = v[5:]
         self.keys = None if keys is None else tuple(keys)
         self.values = None if values is None else tuple(values)
         self._right_padding = None
@@ -314,3 +410,24 @@ class BatchQuantizedKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         return _kv_nbytes(self.keys, self.values)
+
+
+class DequantizingRowCache(Dequantizing, QuantizedRowCache):
+    """``QuantizedRowCache`` that hands back its tokens dequantized (see the module docstring)."""
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        return self._dequantized(super().keys_and_values())
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> BatchDequantizingKVCache:
+        return BatchDequantizingKVCache.merge(caches)
+
+
+class BatchDequantizingKVCache(Dequantizing, BatchQuantizedKVCache):
+    """``BatchQuantizedKVCache`` that hands back its tokens dequantized, left padding and all
+    (see the module docstring)."""
+
+    row_class = DequantizingRowCache
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        return self._dequantized(super().keys_and_values())

@@ -22,7 +22,7 @@ from ...faults import FaultPlan
 from ...messages import GenerationRequest, KvBlockEvent, PrefixCacheStats
 from ...ratelimit import RateLimitedLog
 from ..cache_kinds import kind_of
-from ..quantized_kv import QuantizedRowCache
+from ..quantized_kv import QuantizedRowCache, quantization
 from .data import BlockData, Part, arrays_of, concat, time_slice, tokens_in
 from .disk_link import DiskLink
 from .disk_tier import DiskTier
@@ -40,18 +40,24 @@ MIN_GAP_BLOCKS = 2
 @dataclass(frozen=True)
 class CacheLayout:
     """The class of each of the model's cache layers, which of them hold attention KV
-    (cuttable at any token), and how that KV is quantized ((bits, group size), or None)."""
+    (cuttable at any token), how that KV is quantized ((bits, group size), or None), and the
+    quantized layers' class (a QuantizedRowCache, or a DequantizingRowCache: the same stored
+    data, handed back dequantized)."""
 
     classes: tuple[str, ...]
     kv: tuple[int, ...]
     quantized: tuple[int, int] | None = None
+    quantized_row: type = QuantizedRowCache
 
     @classmethod
     def of(cls, caches: list[Any]) -> CacheLayout:
         """The layout of one request's caches, as the engine makes them."""
         kv = tuple(i for i, c in enumerate(caches) if kind_of(c).attention_kv)
-        quantized = next(((c.bits, c.group_size) for c in caches if hasattr(c, "bits")), None)
-        return cls(tuple(type(c).__name__ for c in caches), kv, quantized)
+        rows = [(q, type(c)) for c in caches if (q := quantization(c)) is not None]
+        if not rows:
+            return cls(tuple(type(c).__name__ for c in caches), kv)
+        (quantized, row), *_ = rows
+        return cls(tuple(type(c).__name__ for c in caches), kv, quantized, row)
 
     @property
     def layers(self) -> int:
@@ -81,7 +87,7 @@ class CacheLayout:
             cache.state = (keys, values, length)
             return cache
         bits, group_size = self.quantized
-        quantized = QuantizedRowCache(group_size=group_size, bits=bits)
+        quantized = self.quantized_row(group_size=group_size, bits=bits)
         quantized.state = (keys, values, length, group_size, bits)
         return quantized
 

@@ -13,7 +13,8 @@ mlx-lm's batched caches keep rows right-aligned at one shared write index, so a 
 rollback has to move every row's whole buffer (``dynamic_roll``), a copy of the batch's KV
 per step that grows with the context. Here each row keeps its own end instead:
 
-- ``RaggedKVCache`` (full attention; ``RaggedQuantizedKVCache`` with ``--kv-bits``): rows
+- ``RaggedKVCache`` (full attention; ``RaggedQuantizedKVCache`` with ``--kv-bits``, and
+  ``RaggedDequantizingKVCache`` where the model's attention takes plain arrays only): rows
   share a time axis, each holds the span ``[start, end)``. A forward writes each row's new
   tokens at its own end (a slice when the ends agree, a scatter of just the new tokens when
   not); a rollback moves the ends back. Nothing is copied, whatever the context length.
@@ -48,7 +49,13 @@ from mlx_lm.models.cache import (
     _BaseCache,
 )
 
-from ..quantized_kv import BatchQuantizedKVCache, QuantizedRowCache
+from ..quantized_kv import (
+    BatchQuantizedKVCache,
+    Dequantizing,
+    DequantizingRowCache,
+    QuantizedAttention,
+    QuantizedRowCache,
+)
 
 KV = Any  # an array, or a quantized (packed, scales, biases) tuple
 
@@ -310,9 +317,11 @@ class RaggedKVCache(_RowEnds, _BaseCache):
         return self.keys.nbytes + self.values.nbytes
 
 
-class RaggedQuantizedKVCache(RaggedKVCache):
+class RaggedQuantizedKVCache(QuantizedAttention, RaggedKVCache):
     """``RaggedKVCache`` holding quantized tuples (``--kv-bits``); ``bits`` and
     ``group_size`` make mlx-lm's attention run on the quantized data."""
+
+    row_class = QuantizedRowCache  # what `extract` gives
 
     def __init__(
         self,
@@ -323,7 +332,7 @@ class RaggedQuantizedKVCache(RaggedKVCache):
         bits: int,
         group_size: int,
     ) -> None:
-        self.bits, self.group_size = bits, group_size
+        self.kv_bits, self.kv_group_size = bits, group_size
         super().__init__(keys, values, start, end)
 
     @classmethod
@@ -334,18 +343,18 @@ class RaggedQuantizedKVCache(RaggedKVCache):
             layer.values,
             layer.left_padding.tolist(),
             [layer._idx] * rows,
-            layer.bits,
-            layer.group_size,
+            layer.kv_bits,
+            layer.kv_group_size,
         )
 
     def _quantize(self, keys: mx.array, values: mx.array) -> tuple[KV, KV]:
         def q(x: mx.array) -> KV:
-            return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+            return tuple(mx.quantize(x, group_size=self.kv_group_size, bits=self.kv_bits))
 
         return q(keys), q(values)
 
     def extract(self, idx: int) -> Any:
-        cache = QuantizedRowCache(group_size=self.group_size, bits=self.bits)
+        cache = self.row_class(group_size=self.kv_group_size, bits=self.kv_bits)
         if self.keys is not None:
             cache.keys, cache.values = self._row(idx)
             cache.offset = self._end[idx] - self._start[idx]
@@ -356,6 +365,16 @@ class RaggedQuantizedKVCache(RaggedKVCache):
         if self.keys is None:
             return 0
         return sum(x.nbytes for part in (self.keys, self.values) for x in part)
+
+
+class RaggedDequantizingKVCache(Dequantizing, RaggedQuantizedKVCache):
+    """``RaggedQuantizedKVCache`` that hands back its tokens dequantized (for a model whose
+    attention takes plain arrays only; see quantized_kv)."""
+
+    row_class = DequantizingRowCache
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[KV, KV]:
+        return self._dequantized(super().update_and_fetch(keys, values))
 
 
 class RingKVCache(_RowEnds, _BaseCache):
