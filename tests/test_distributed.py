@@ -109,10 +109,12 @@ def test_sharded_outputs_equal_the_single_process_worker(group, reference, promp
 def test_abort_and_cancel_reach_every_rank(group, reference, prompts):
     with grpc.insecure_channel(group.leader.address) as channel:
         stub = pb_grpc.MlxEngineStub(channel)
-        aborted = {}
+        sent = []
 
         def abort_soon(chunk):
-            if chunk.completion_tokens == 3:
+            # A chunk may carry several tokens (the hand-off window), so the count can skip 3.
+            if chunk.completion_tokens >= 3 and not sent:
+                sent.append(True)
                 stub.Abort(pb.AbortRequest(request_ids=["dist-abort"]), timeout=10)
 
         aborted = generate(
