@@ -29,7 +29,7 @@ class SpeculationConfig:
     probe_k: int = 2  # draft tokens of such a probe
     costed: bool = True  # below max_rows, draft only where the clocks say it pays
     mode_window: int = 8  # steps per measurement of drafting against not (ModeClock)
-    mode_gap: int = 4  # windows of the better mode before the other is re-measured (at first)
+    mode_gap: int = 4  # windows of the better mode before the other is re-measured, once it won
 
     def __post_init__(self) -> None:
         if self.k_max < 0 or self.max_rows < 0 or self.probe_every < 1:

@@ -91,6 +91,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         speculator = self.speculator
         if not self.uids:
             self.prompt_cache, self._rolls_back = [], False  # mlx-lm's caches again
+            self._timer.restart()
         elif self._rolls_back:
             batch.prompt_cache = self._adopted(batch.prompt_cache)
         speculator.source.extend(batch.tokens)

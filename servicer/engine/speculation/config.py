@@ -81,8 +81,11 @@ class ModeClock:
     carries its predecessor's forward)."""
 
     window: int = 8  # counted steps per measurement
-    first_gap: int = 4  # windows of the better mode before the other is measured again...
-    most_gap: int = 32  # ...doubling each time it loses again, up to this
+    # Windows of the better mode before the other is measured again: one after the first
+    # comparison (the first windows are a request's start, with the least to copy yet),
+    # then doubling each time it loses again, up to `most_gap`; `first_gap` once it wins.
+    first_gap: int = 4
+    most_gap: int = 32
     # While a batch size does not draft, how often its rows' lookups would have drafted the
     # token they got (`shadow`); drafting is tried only where this reaches `min_promise`.
     min_promise: float = 0.25
@@ -145,7 +148,7 @@ class ModeClock:
         other = self._rate(bucket, not window.drafting)
         if window.probe and other is not None:
             lost = max(self.recent[key]) < other
-            gap = self.gaps.get(bucket, self.first_gap)
+            gap = self.gaps.get(bucket, 1)
             self.gaps[bucket] = min(self.most_gap, gap * 2) if lost else self.first_gap
         del self._open[bucket]
 
@@ -159,7 +162,7 @@ class ModeClock:
         if off is None:
             return False, False
         better = on >= off
-        if self.since[bucket] >= self.gaps.get(bucket, self.first_gap):
+        if self.since[bucket] >= self.gaps.get(bucket, 1):
             self.since[bucket] = 0
             if not better and not promising:
                 return False, False  # nothing suggests drafting would do better now

@@ -29,6 +29,12 @@ class StepTimer:
         self._began = (now, rows, not shares_step_with_prefill)
         self._gave = 0
 
+    def restart(self) -> None:
+        """The batch ran empty and rows join again: the last step's span reaches across the
+        idle time and the joining prompts' prefill, so neither clock counts it."""
+        self._started, self._last, self._drained = None, None, True
+        self._began, self._gave = None, 0
+
     def step_gave(self, tokens: int) -> None:
         self._gave = tokens
 
