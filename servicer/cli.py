@@ -202,9 +202,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_non_negative,
         default=10.0,
         metavar="MS",
-        help="after the first token, a streamed chunk waits this long for more tokens to share "
-        "it (default 10; 0: every token as soon as it is sampled); a model slower than this "
-        "per token streams every token at once",
+        help="after the first token, a token waits at most this long for more tokens to share "
+        "its chunk (default 10; 0: every token as soon as it is sampled); a model slower than "
+        "this per token streams every token at once",
     )
     parser.add_argument(
         "--prepend-bos",

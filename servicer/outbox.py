@@ -28,8 +28,8 @@ def handoff_due(
 ) -> bool:
     """Whether `pending` undelivered events of one request must go to its handler now
     (`started`: it has had tokens before). After the first token a message waits for at least
-    `per_handoff` tokens and for `window` seconds since the request's last hand-off (`waited`,
-    counted to the end of the next step), so a fast model's tokens share messages."""
+    `per_handoff` tokens, and while its oldest token would not have waited `window` seconds by
+    the end of the next step (`waited`), so a fast model's tokens share messages."""
     return pending > 0 and (
         not started or finished or (pending >= per_handoff and waited >= window)
     )

@@ -109,6 +109,22 @@ def test_the_window_holds_tokens_back_only_after_the_first_and_never_a_finish():
     assert handoff_due(started=True, pending=4, finished=False, waited=0.01, **counted)
 
 
+def test_the_window_bounds_each_tokens_wait_not_the_time_since_the_last_message():
+    """Steps of 6.4 ms, a 10 ms window: a token held for one more step waits 6.4 ms, so two
+    tokens share a message (counting from the last message would send each alone)."""
+    from servicer.engine.batch import Row
+    from servicer.engine.scheduler import Admit
+    from servicer.messages import GenerationRequest
+
+    request = GenerationRequest(1, "r", [1, 2], 64, handoff_window_s=0.010)
+    row = Row(Admit(request, 0), uid=0, handed=1)  # its first token went at t = 0
+    step = 0.0064
+    row.produced(step)
+    assert not row.handoff_due(False, horizon=2 * step)
+    row.produced(2 * step)
+    assert row.handoff_due(False, horizon=3 * step)  # the oldest would wait 12.8 ms
+
+
 def _server(demo_dir, window_ms: float) -> ServerThread:
     """Without speculation: a step gives one token, so a message with several waited."""
     config = demo_config(demo_dir)

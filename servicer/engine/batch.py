@@ -57,7 +57,7 @@ class Row:
     generated: int = 0
     handed: int = 0  # tokens handed to the handlers so far
     unsent: int = 0  # events produced since the last hand-off
-    handed_at: float = 0.0  # when the last hand-off went (perf_counter)
+    waiting_since: float = 0.0  # when the oldest of them was produced (perf_counter)
     prefilled: bool = False  # its prompt is in; its first token comes with the next step
     grammar: GrammarProcessor | None = None  # its structured-output processor, if any
     pins: Pins | None = None  # the blocks of the prefix it reused, pinned while it runs
@@ -66,14 +66,22 @@ class Row:
     def ticket(self) -> int:
         return self.admit.request.ticket
 
-    def handoff_due(self, finished: bool, waited: float) -> bool:
+    def produced(self, now: float) -> None:
+        """One more event for the next hand-off."""
+        if self.unsent == 0:
+            self.waiting_since = now
+        self.unsent += 1
+
+    def handoff_due(self, finished: bool, horizon: float) -> bool:
+        """Whether its events go now: holding them means until `horizon`, the end of the next
+        step, and no token waits longer than the request's window."""
         request = self.admit.request
         return handoff_due(
             started=self.handed > 0,
             pending=self.unsent,
             per_handoff=request.tokens_per_handoff,
             finished=finished,
-            waited=waited,
+            waited=horizon - self.waiting_since,
             window=request.handoff_window_s,
         )
 
@@ -256,9 +264,8 @@ class Batch:
     def _collect(self, responses: list[Any], out: StepOutput) -> bool:
         """The step's tokens as events in `out`; True when some handler needs them now."""
         due, broken, wanted = False, [], []
-        # Whether a row's tokens could wait for another step: time since its last hand-off,
-        # counted to the end of the next step.
-        horizon = time.perf_counter() + self.decode_step_s
+        now = time.perf_counter()
+        horizon = now + self.decode_step_s  # the end of the next step
         for response in responses:
             row = self.rows.get(response.uid)
             if row is None:  # removed earlier in this step
@@ -271,8 +278,8 @@ class Batch:
                 continue
             event = self._event(row, response)
             out.events.append(event)
-            row.unsent += 1
-            due = due or row.handoff_due(event.finish_reason is not None, horizon - row.handed_at)
+            row.produced(now)
+            due = due or row.handoff_due(event.finish_reason is not None, horizon)
             if row.admit.request.top_logprobs is not None and self._wants_logprobs:
                 wanted.append((event, response.logprobs, row.admit.request.top_logprobs))
             if event.finish_reason is not None:
@@ -316,12 +323,10 @@ class Batch:
                 self._prefix.keep(tokens, cache, snapshot=True)
 
     def handed_over(self) -> None:
-        """Every row's events so far went to the handlers; each row's window starts again."""
-        now = time.perf_counter()
+        """Every row's events so far went to the handlers."""
         for row in self.rows.values():
             row.handed += row.unsent
             row.unsent = 0
-            row.handed_at = now
 
     # ----- failures and the end -----
 
