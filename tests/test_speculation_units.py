@@ -441,3 +441,23 @@ def test_after_the_first_comparison_the_losing_mode_is_measured_again_at_once():
     # A window is 2 counted steps; a step after a switch is not counted (it carries the
     # other mode's forward): drafting, plain, plain once more, then drafting again.
     assert modes[:9] == [True, True, False, False, False, False, False, True, True]
+
+
+def test_a_mode_is_judged_by_its_mean_window_not_its_best():
+    """Drafting on prose: some windows catch a copied span and are fast, most are slow; on
+    average it loses to plain steps, and must not win on its best windows."""
+    import random
+
+    from servicer.engine.speculation.config import ModeClock
+
+    draw = random.Random(7)
+    clock = ModeClock(window=4, first_gap=2, most_gap=8)
+    modes, rate = [], 0.0
+    for _ in range(2000):
+        opens = 1 not in clock._open
+        mode = clock.drafting(1)
+        if opens:  # each window of drafting: a fast one in three, on average 880 tokens/s
+            rate = (1600 if draw.random() < 1 / 3 else 520) if mode else 1000
+        modes.append(mode)
+        clock.record(1, round(rate * 0.01), 0.01, clean=True)
+    assert modes[-1000:].count(True) < 0.3 * 1000

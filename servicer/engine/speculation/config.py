@@ -90,8 +90,9 @@ class ModeClock:
     # token they got (`shadow`); drafting is tried only where this reaches `min_promise`.
     min_promise: float = 0.25
     promise: dict[int, float] = field(default_factory=dict)
-    # A mode's rate is the best of its last few windows: a one-off (a first verify at a new
-    # shape, caches adopted for drafting) does not rule it out for long.
+    # A mode's rate is the mean of its last few windows. Not their best: drafting's windows
+    # vary with the text (a copied span, then none), plain ones hardly, so the best of a few
+    # would favour drafting where it is even on average.
     recent: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
     gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
     since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
@@ -101,11 +102,11 @@ class ModeClock:
     @property
     def rates(self) -> dict[tuple[int, bool], float]:
         """Tokens a second by (batch size, drafting)."""
-        return {key: max(windows) for key, windows in self.recent.items()}
+        return {key: sum(windows) / len(windows) for key, windows in self.recent.items()}
 
     def _rate(self, bucket: int, drafting: bool) -> float | None:
         windows = self.recent.get((bucket, drafting))
-        return max(windows) if windows else None
+        return sum(windows) / len(windows) if windows else None
 
     def drafting(self, rows: int) -> bool:
         """The mode of a step of `rows` rows: its batch size's open window's."""
@@ -147,7 +148,7 @@ class ModeClock:
         )
         other = self._rate(bucket, not window.drafting)
         if window.probe and other is not None:
-            lost = max(self.recent[key]) < other
+            lost = self._rate(bucket, window.drafting) < other
             gap = self.gaps.get(bucket, 1)
             self.gaps[bucket] = min(self.most_gap, gap * 2) if lost else self.first_gap
         del self._open[bucket]
