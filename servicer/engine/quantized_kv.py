@@ -88,48 +88,41 @@ def quantization(cache: Any) -> tuple[int, int] | None:
     return None
 
 
+class _KvSetting:
+    """A quantized cache's ``bits`` or ``group_size``, kept as ``kv_bits`` / ``kv_group_size``
+    and set either way (mlx-lm's constructors set ``bits``). Readable where mlx-lm's attention
+    is to run on the quantized tuples the cache hands back; absent when read on a cache that
+    hands back dequantized arrays, so that ``hasattr(cache, "bits")`` is False and attention
+    takes its plain path."""
+
+    def __init__(self, readable: bool) -> None:
+        self.readable = readable
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.kept = name, f"kv_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if self.readable:
+            return getattr(obj, self.kept)
+        raise AttributeError(
+            f"{type(obj).__name__} hands back dequantized keys and values: "
+            f"its {self.name} is {self.kept}"
+        )
+
+    def __set__(self, obj: Any, value: int) -> None:
+        setattr(obj, self.kept, value)
+
+
 class QuantizedAttention:
     """``bits`` and ``group_size`` (kept as ``kv_bits`` / ``kv_group_size``): with them,
     mlx-lm's ``scaled_dot_product_attention`` runs on the quantized tuples the cache hands back."""
 
     kv_bits: int
     kv_group_size: int
-
-    @property
-    def bits(self) -> int:
-        return self.kv_bits
-
-    @bits.setter
-    def bits(self, value: int) -> None:
-        self.kv_bits = value
-
-    @property
-    def group_size(self) -> int:
-        return self.kv_group_size
-
-    @group_size.setter
-    def group_size(self, value: int) -> None:
-        self.kv_group_size = value
-
-
-class _KeptAside:
-    """A quantization setting of a cache that hands back dequantized arrays: set as ``bits``
-    (mlx-lm's constructors do), kept as ``kv_bits``, and absent when read, so that
-    ``hasattr(cache, "bits")`` is False and mlx-lm's attention takes its plain path."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        raise AttributeError(
-            f"{type(obj).__name__} hands back dequantized keys and values: "
-            f"its {self.name} is kv_{self.name}"
-        )
-
-    def __set__(self, obj: Any, value: int) -> None:
-        setattr(obj, f"kv_{self.name}", value)
+    bits = _KvSetting(readable=True)
+    group_size = _KvSetting(readable=True)
 
 
 class Dequantizing:
@@ -138,8 +131,8 @@ class Dequantizing:
 
     kv_bits: int
     kv_group_size: int
-    bits = _KeptAside()
-    group_size = _KeptAside()
+    bits = _KvSetting(readable=False)
+    group_size = _KvSetting(readable=False)
 
     def _dequantized(self, kv: KV) -> tuple[mx.array, mx.array]:
         keys, values = (

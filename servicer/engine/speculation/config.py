@@ -58,6 +58,10 @@ _PROMISE_EWMA = 0.05  # weight of one step's shadow in a batch size's promise
 _RECENT_WINDOWS = 3
 
 
+def _mean(windows: deque[float]) -> float:
+    return sum(windows) / len(windows)
+
+
 @dataclass(slots=True)
 class _Window:
     """One batch size's measurement in progress: its mode, and what it counted so far."""
@@ -102,11 +106,11 @@ class ModeClock:
     @property
     def rates(self) -> dict[tuple[int, bool], float]:
         """Tokens a second by (batch size, drafting)."""
-        return {key: sum(windows) / len(windows) for key, windows in self.recent.items()}
+        return {key: _mean(windows) for key, windows in self.recent.items()}
 
     def _rate(self, bucket: int, drafting: bool) -> float | None:
         windows = self.recent.get((bucket, drafting))
-        return sum(windows) / len(windows) if windows else None
+        return _mean(windows) if windows else None
 
     def drafting(self, rows: int) -> bool:
         """The mode of a step of `rows` rows: its batch size's open window's."""
