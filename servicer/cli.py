@@ -130,6 +130,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the line is empty (default 4; 1: never widen)",
     )
     parser.add_argument(
+        "--fuse-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="put a prompt's prefill chunk through the same forward as the decoding rows' "
+        "step, one read of the weights for both, on models with a standard attention "
+        "(Llama, Qwen2/3, Gemma 3 text; default on; --no-fuse-prefill: separate forwards)",
+    )
+    parser.add_argument(
         "--max-prompt-tokens",
         type=_positive,
         help="refuse longer prompts (default: the model's context length - 1)",
@@ -350,6 +358,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_step_size=args.prefill_step_size,
         max_prefill_stall_ms=args.max_prefill_stall_ms,
         max_prefill_stall_widen=args.max_prefill_stall_widen,
+        fuse_prefill=args.fuse_prefill,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         prompt_cache_block=args.prompt_cache_block,

@@ -50,6 +50,9 @@ class EngineConfig:
     # widened up to this factor while prompts queue up (1: never).
     max_prefill_stall_ms: float = 50.0
     max_prefill_stall_widen: float = 4.0
+    # A prompt's prefill chunk goes through the decoding rows' forward (one weight read for
+    # both) where the model's attention is a standard one (servicer/engine/fused_prefill.py).
+    fuse_prefill: bool = True
     # A burst that is still arriving while nothing generates is admitted together:
     # wait while new requests keep coming `coalesce_quiet_s` apart, at most `coalesce_max_s`.
     coalesce_quiet_s: float = 0.002

@@ -226,7 +226,12 @@ class EngineLoop:
         self.speculation = SpeculationCounters()  # across generators, should one be replaced
         self.batch = Batch(
             lambda: new_generator(
-                parts.loaded.model, config, stream, parts.speculation, self.speculation
+                parts.loaded.model,
+                config,
+                stream,
+                parts.speculation,
+                self.speculation,
+                parts.fused_prefill,
             ),
             parts.sampling,
             parts.prefix,

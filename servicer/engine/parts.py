@@ -20,8 +20,10 @@ from ..admission import Admission, MemoryModel
 from ..engine_config import EngineConfig
 from ..messages import ModelInfo
 from ..model_files import ModelLoadError, ModelSpec, resolve_model_dir
+from . import fused_prefill
 from .cache_kinds import check_quantization, kind_of, make_row_cache
 from .constraints import GrammarFactory
+from .fused_prefill import FusedPrefill
 from .lockstep import Lockstep
 from .memory import device_memory_bytes, measure, weights_bytes
 from .mlx_lm_compat import missing_touch_points
@@ -74,6 +76,7 @@ class EngineParts:
     speculation: Speculation | None = None  # None: off (not asked for, or not possible)
     # One request's empty caches: quantized attention layers with --kv-bits (None: mlx-lm's)
     new_row: Callable[[], list[Any]] | None = None
+    fused_prefill: bool = False  # a prefill chunk rides in the decoding rows' forward
 
 
 def build_parts(
@@ -105,6 +108,13 @@ def build_parts(
     new_row = _quantized_rows(config, loaded)
     row = new_row() if new_row is not None else make_prompt_cache(loaded.model)
     admission = _admission(config, loaded, speculation, row)
+    # One model over several ranks keeps mlx-lm's forwards: every rank must step alike.
+    fused = (
+        config.fuse_prefill
+        and not shared
+        and not missing_touch_points()
+        and fused_prefill.enable(loaded.model)
+    )
     return EngineParts(
         loaded,
         sampling,
@@ -113,6 +123,7 @@ def build_parts(
         bool(tokenizer.think_start_tokens and tokenizer.think_end_tokens),
         speculation,
         new_row,
+        fused,
     )
 
 
@@ -336,19 +347,25 @@ def new_generator(
     stream: mx.Stream,
     speculation: Speculation | None = None,
     counters: SpeculationCounters | None = None,
-) -> BatchGenerator:
+    fuse_prefill: bool = False,
+) -> FusedPrefill:
     """The engine's BatchGenerator (the raw-engine bench builds its reference with this too),
-    speculating when `speculation` says so (its `counters` go on across generators)."""
+    speculating when `speculation` says so (its `counters` go on across generators), putting
+    a prefill chunk into the decoding rows' forward with `fuse_prefill` (a model
+    `fused_prefill.enable` covers)."""
     kwargs = generator_settings(config, stream)
     if speculation is None:
-        return BatchGenerator(model, **kwargs)
-    return SpeculativeBatchGenerator(
-        model,
-        source=speculation.source(),
-        speculation=speculation.config,
-        counters=counters,
-        **kwargs,
-    )
+        generator = FusedPrefill(model, **kwargs)
+    else:
+        generator = SpeculativeBatchGenerator(
+            model,
+            source=speculation.source(),
+            speculation=speculation.config,
+            counters=counters,
+            **kwargs,
+        )
+    generator.fuse_prefill = fuse_prefill
+    return generator
 
 
 def warm_up(

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator
-
 from ...messages import SpeculationFigures
+from ..fused_prefill import FusedPrefill
 from .batch import SpeculativeGenerationBatch, Speculator
 from .config import ModeClock, SpeculationConfig, SpeculationCounters
 from .drafts import DraftSource
 from .support import padding_inert, speculation_supported
 
 
-class SpeculativeBatchGenerator(BatchGenerator):
+class SpeculativeBatchGenerator(FusedPrefill):
     """A BatchGenerator whose generation batch speculates.
 
     Prefill is mlx-lm's: prompts that finish it build a plain GenerationBatch, which the
