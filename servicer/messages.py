@@ -163,6 +163,7 @@ class StepOutput(Wire):
     prefill_tokens: list[int] = msgspec.field(default_factory=list)  # each prefill's tokens
     over_budget: int = 0  # steps whose prefill held decoding rows up past the budget
     widened_steps: int = 0  # steps whose prefill ran with a budget widened by a queue
+    fused_steps: int = 0  # steps whose prefill chunk rode in the decoding rows' forward
     disk_load_seconds: list[float] = msgspec.field(default_factory=list)  # prompt-cache loads
     figures: EngineFigures | None = None  # the engine's figures, when they changed
     embeddings: list[EmbedResult] = msgspec.field(default_factory=list)
@@ -182,6 +183,7 @@ class StepOutput(Wire):
         self.prefill_tokens.extend(later.prefill_tokens)
         self.over_budget += later.over_budget
         self.widened_steps += later.widened_steps
+        self.fused_steps += later.fused_steps
         self.disk_load_seconds.extend(later.disk_load_seconds)
         self.figures = later.figures or self.figures
         self.embeddings.extend(later.embeddings)

@@ -236,6 +236,11 @@ class WorkerMetrics:
             "Steps whose prefill ran with the budget widened because prompts were queueing",
             registry=reg,
         )
+        self.fused = Counter(
+            "mlx_worker_prefill_steps_fused",
+            "Steps whose prefill chunk went through the decoding rows' forward (--fuse-prefill)",
+            registry=reg,
+        )
 
     def _prefix_cache(self, stats: Callable[[], PrefixCacheStats | None]) -> None:
         self.registry.register(PrefixCacheCollector(stats))
@@ -258,6 +263,8 @@ class WorkerMetrics:
             self.over_budget.inc(out.over_budget)
         if out.widened_steps:
             self.widened.inc(out.widened_steps)
+        if out.fused_steps:
+            self.fused.inc(out.fused_steps)
         for kind in {failure.kind for failure in out.failures}:  # once per step and kind
             self.errors.labels(_FAILURE_METRIC[kind]).inc()
         if out.fatal is not None:

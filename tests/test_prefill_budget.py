@@ -35,6 +35,11 @@ def _prefill_steps(running: ServerThread) -> tuple[float, float, float]:
     return count, total, count - small
 
 
+def _fused_steps(running: ServerThread) -> float:
+    registry = running.server.metrics.registry
+    return registry.get_sample_value("mlx_worker_prefill_steps_fused_total") or 0.0
+
+
 @pytest.fixture(scope="module")
 def budgeted(demo_dir) -> Iterator[ServerThread]:
     config = demo_config(demo_dir, max_prefill_stall_ms=TINY_BUDGET_MS, prompt_cache_size=0)
@@ -62,9 +67,9 @@ def test_while_rows_decode_a_long_prompt_is_split_over_many_steps(budgeted, refe
             chan, prompts[0], temperature=0, max_tokens=3000, ignore_eos=True
         )
         assert stream.started.wait(60)
-        before = _prefill_steps(budgeted)
+        before, fused_before = _prefill_steps(budgeted), _fused_steps(budgeted)
         done = generate(chan, prompt, temperature=0, max_tokens=N, ignore_eos=True)
-        after = _prefill_steps(budgeted)
+        after, fused_after = _prefill_steps(budgeted), _fused_steps(budgeted)
         assert stream.is_alive()  # it decoded all along
         budgeted.server.servicer.abort_all()
         stream.join(60)
@@ -73,6 +78,8 @@ def test_while_rows_decode_a_long_prompt_is_split_over_many_steps(budgeted, refe
     assert steps >= 10
     assert after[1] - before[1] == 2999
     assert after[2] == before[2]  # no step took a full chunk
+    # Every chunk but the first (taken as the prompt joined) rode in the stream's forward.
+    assert fused_after - fused_before >= steps - 1
 
 
 def test_an_arriving_prompt_finishes_its_prefill_under_steady_decoding(

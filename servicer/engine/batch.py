@@ -10,8 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator
-
 from ..faults import FaultPlan
 from ..messages import (
     FINISH_ABORT,
@@ -25,6 +23,7 @@ from ..messages import (
 from ..outbox import handoff_due
 from ..ratelimit import RateLimitedLog
 from .constraints import GrammarProcessor
+from .fused_prefill import FusedPrefill
 from .lockstep import LockstepBroken
 from .prefill import PrefillRow, PrefillSample
 from .prefix.store import AnyPrefixStore, Hit, Pins
@@ -41,6 +40,7 @@ class StepReport:
     due: bool  # some handler needs the output now
     prefill: PrefillSample | None  # the step's prefill, measured, if it had any
     prefill_tokens: int = 0  # prompt tokens it put through the model
+    fused: bool = False  # its prefill chunk rode in the decoding rows' forward
 
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class Batch:
 
     def __init__(
         self,
-        new_generator: Callable[[], BatchGenerator],
+        new_generator: Callable[[], FusedPrefill],
         sampling: SamplingFactory,
         prefix: AnyPrefixStore,
         faults: FaultPlan | None = None,
@@ -115,7 +115,7 @@ class Batch:
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
 
     @property
-    def generator(self) -> BatchGenerator:
+    def generator(self) -> FusedPrefill:
         return self._generator
 
     def view(self) -> BatchView:
@@ -222,13 +222,15 @@ class Batch:
             self.decode_step_s += _DECODE_EWMA * (elapsed - self.decode_step_s)
             self._track_prefill(prompt_progress)
             return StepReport(self._collect(responses, out), None)
+        fused_before = self._generator.fused_steps
         with self._generator.stats() as stats:
             prompt_progress, responses = self._generator.next()
+        fused = self._generator.fused_steps > fused_before
         # What the prefill added: the step less a decode step, or all of it with none.
         added = time.perf_counter() - started - (self.decode_step_s if decoding else 0.0)
         self._track_prefill(prompt_progress)
         sample = self._prefill_sample(before, max(added, 0.0))
-        return StepReport(self._collect(responses, out), sample, stats.prompt_tokens)
+        return StepReport(self._collect(responses, out), sample, stats.prompt_tokens, fused)
 
     def _track_prefill(self, prompt_progress: list[Any]) -> None:
         for progress in prompt_progress:

@@ -411,6 +411,7 @@ class EngineLoop:
         report = batch.step(out)
         if report.prefill_tokens:
             out.prefill_tokens.append(report.prefill_tokens)
+        out.fused_steps += report.fused
         sample = report.prefill
         if sample is not None and self._leads:
             scheduler.cost.observe(sample)

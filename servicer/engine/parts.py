@@ -115,6 +115,8 @@ def build_parts(
         and not missing_touch_points()
         and fused_prefill.enable(loaded.model)
     )
+    if fused:
+        log.info("fused prefill: a prompt's chunk goes through the decoding rows' forward")
     return EngineParts(
         loaded,
         sampling,
