@@ -160,3 +160,34 @@ def test_real_gemma_seeded_identical_with_rows_joining(gemma: tuple[Any, Any]) -
         return out
 
     check_oracle_identical(model, jobs)
+
+
+def test_real_gemma_fused_prefill_identical(gemma: tuple[Any, Any]) -> None:
+    """A 700-token prompt (past the 512 window) arriving while two rows decode, its chunks
+    in the rows' forwards (servicer/engine/fused_prefill.py): the tokens and log-probabilities
+    of separate forwards, greedy and seeded."""
+    from servicer.engine import fused_prefill
+    from servicer.engine.fused_prefill import FusedPrefill
+
+    model, tokenizer = gemma
+    assert fused_prefill.enable(model)
+    everything = [t for text in passages() for t in _ids(tokenizer, text)]
+
+    def jobs() -> list[Job]:
+        out = [
+            Job("a", [BOS, *everything[100:130]], 24),
+            Job("b", [BOS, *everything[400:420]], 24),
+            Job("long", [BOS, *everything[1000:1700]], 4, join_at=2),
+        ]
+        out[1].sampler = SeededSampler(SamplingSpec(temperature=0.8, seed=5, top_k=40), VOCAB)
+        return out
+
+    plain = drive(plain_generator(model, prefill_step_size=96), jobs())
+    generator = FusedPrefill(model, **{**generator_kwargs(), "prefill_step_size": 96})
+    generator.fuse_prefill = True
+    fused = drive(generator, jobs())
+    assert generator.fused_steps >= 5
+    for name, want in plain.items():
+        assert fused[name].tokens == want.tokens, name
+        for a, b in zip(want.logprobs, fused[name].logprobs, strict=True):
+            assert (a == b).all().item(), name

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
-from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
 # Attention classes whose forward is the standard one `_segment` reproduces, and the model
 # classes around them whose head is `lm_head`, or the tied embedding.
@@ -41,8 +41,7 @@ class Segments:
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None
     ) -> SegmentMasks:
-        from mlx_lm.models.base import create_attention_mask
-
+        """What the model's own mask code asks of a layer's cache, asked of each segment's."""
         masks = []
         for cache, rows, width in self.parts:
             shaped = mx.zeros((rows, width, 1))  # create_attention_mask reads its shape only

@@ -108,10 +108,11 @@ class PrefillPolicy:
     max_stall_s: float = 0.05
     step_tokens: int = DEFAULT_PREFILL_STEP  # a full chunk
     max_rows: int = 8  # prompts prefilled together at most
-    # Every prompt in prefill progresses at least this much per step. Small: on a model whose
-    # long-context prefill is slow (SmolLM2-135M at 8,000 tokens on a 2-core CPU: ~60 ms a
-    # token) 32 tokens were 16 decode steps, the budget's four steps ~8 tokens.
-    min_chunk: int = 8
+    # Every prompt in prefill progresses at least this much per step: each step has a fixed
+    # cost (SmolLM2-135M at 8,000 tokens of context on a 2-core CPU: ~1.5 decode steps beside
+    # ~40 ms a prompt token), so fewer tokens a step cost the prompt more than they spare the
+    # streams (8 made its first token 1.7x later, the streams' longest gap the same).
+    min_chunk: int = 32
     max_widen: float = 4.0
 
     @property
