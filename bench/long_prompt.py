@@ -3,7 +3,7 @@ model (issue 39's table): the long prompt's first token, the streams' longest ga
 their own decode steps), and each worker's peak memory.
 
 Workers, one after another on the same cases: ours with its defaults, ours with the prefill
-chunk in a forward of its own (`--no-fuse-prefill`), ours without the prefill budget
+chunk in the decoding rows' forward (`--fuse-prefill`), ours without the prefill budget
 (`--max-prefill-stall-ms 0`), ours without the prompt cache (`--prompt-cache-size 0`), and
 smg-grpc-servicer (no chunking). Float32 on this CPU: a 4-bit model prefills about 10x slower
 here (MLX's CPU quantized matmul), which would measure that kernel rather than the scheduling.
@@ -28,13 +28,13 @@ CASES = ((2, 8000), (8, 8000), (2, 16000), (8, 16000))
 NEW_TOKENS = 16  # the long prompt's answer
 WORKERS = {
     "ours": (),
-    "ours_unfused": ("--no-fuse-prefill",),
+    "ours_fused": ("--fuse-prefill",),
     "ours_off": ("--max-prefill-stall-ms", "0"),
     "ours_nocache": ("--prompt-cache-size", "0"),
 }
 LABELS = {
     "ours": "ours, defaults",
-    "ours_unfused": "ours, `--no-fuse-prefill`",
+    "ours_fused": "ours, `--fuse-prefill`",
     "ours_off": "ours, `--max-prefill-stall-ms 0`",
     "ours_nocache": "ours, `--prompt-cache-size 0`",
     "smg": "smg-grpc-servicer (no chunking)",

@@ -132,10 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fuse-prefill",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="put a prompt's prefill chunk through the same forward as the decoding rows' "
         "step, one read of the weights for both, on models with a standard attention "
-        "(Llama, Qwen2/3, Gemma 3 text; default on; --no-fuse-prefill: separate forwards)",
+        "(Llama, Qwen2/3, Gemma 3 text; outputs bit-identical; default off: measure it on "
+        "your machine, bench/fused_step.py)",
     )
     parser.add_argument(
         "--max-prompt-tokens",

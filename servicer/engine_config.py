@@ -52,7 +52,9 @@ class EngineConfig:
     max_prefill_stall_widen: float = 4.0
     # A prompt's prefill chunk goes through the decoding rows' forward (one weight read for
     # both) where the model's attention is a standard one (servicer/engine/fused_prefill.py).
-    fuse_prefill: bool = True
+    # Off by default: on this project's CPU it gained nothing end to end on the real models
+    # and made the demo's steps slower (bench/RESULTS.md, "Fused prefill").
+    fuse_prefill: bool = False
     # A burst that is still arriving while nothing generates is admitted together:
     # wait while new requests keep coming `coalesce_quiet_s` apart, at most `coalesce_max_s`.
     coalesce_quiet_s: float = 0.002

@@ -42,7 +42,9 @@ def _fused_steps(running: ServerThread) -> float:
 
 @pytest.fixture(scope="module")
 def budgeted(demo_dir) -> Iterator[ServerThread]:
-    config = demo_config(demo_dir, max_prefill_stall_ms=TINY_BUDGET_MS, prompt_cache_size=0)
+    config = demo_config(
+        demo_dir, max_prefill_stall_ms=TINY_BUDGET_MS, prompt_cache_size=0, fuse_prefill=True
+    )
     with ServerThread(config) as running:
         yield running
 
