@@ -41,7 +41,7 @@ def measure(model_dir: Path, chunk: int, repeats: int) -> dict[str, float]:
     from servicer.engine import fused_prefill
 
     model, _ = load(str(model_dir))
-    if not fused_prefill.enable(model):
+    if not fused_prefill.enable_fused_prefill(model):
         raise SystemExit(f"{model_dir}: an architecture fused prefill does not cover")
     rows = [make_prompt_cache(model) for _ in range(2)]
     for cache in rows:

@@ -27,7 +27,7 @@ def kind_model(request) -> tuple[str, Any, Any]:
     from mlx_lm import load
 
     model, tokenizer = load(str(demo_model_path(request.param)))
-    assert fused_prefill.enable(model)
+    assert fused_prefill.enable_fused_prefill(model)
     return request.param, model, tokenizer
 
 
@@ -116,7 +116,7 @@ def test_uncovered_architectures_are_left_alone():
 
     model, _ = load(str(demo_model_path("hybrid")))
     classes = [type(layer) for layer in model.layers]
-    assert not fused_prefill.enable(model)
+    assert not fused_prefill.enable_fused_prefill(model)
     assert [type(layer) for layer in model.layers] == classes
 
 

@@ -170,7 +170,7 @@ def test_real_gemma_fused_prefill_identical(gemma: tuple[Any, Any]) -> None:
     from servicer.engine.fused_prefill import FusedPrefill
 
     model, tokenizer = gemma
-    assert fused_prefill.enable(model)
+    assert fused_prefill.enable_fused_prefill(model)
     everything = [t for text in passages() for t in _ids(tokenizer, text)]
 
     def jobs() -> list[Job]:

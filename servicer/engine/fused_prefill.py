@@ -9,8 +9,8 @@ Only the decoding rows go through the LM head.
 
 It applies where the attention is one of the known standard ones (projections, optional
 query/key norms, RoPE at the cache's offset, the cache's update, SDPA, the output
-projection): `enable` swaps their class for a subclass that takes the packed path when its
-cache is a `Segments`, and behaves as before otherwise. A step it cannot fuse (several
+projection): `enable_fused_prefill` swaps their class for a subclass that takes the packed
+path when its cache is a `Segments`, and behaves as before otherwise. A step it cannot fuse (several
 prompts in prefill, a model not covered) runs as mlx-lm runs it.
 """
 
@@ -57,8 +57,8 @@ class SegmentMasks:
 
 
 class PackedAttention:
-    """Mixed into a standard attention class by `enable`: the per-segment path for a packed
-    forward, the class's own forward otherwise."""
+    """Mixed into a standard attention class by `enable_fused_prefill`: the per-segment path
+    for a packed forward, the class's own forward otherwise."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not isinstance(cache, Segments):
@@ -111,7 +111,7 @@ class PackedAttention:
         return output.transpose(0, 2, 1, 3).reshape(1, rows * width, -1)
 
 
-def enable(model: nn.Module) -> bool:
+def enable_fused_prefill(model: nn.Module) -> bool:
     """Make `model`'s attention take packed forwards, where it is a covered architecture
     (True); otherwise leave it as it is (False)."""
     if not isinstance(model, _MODELS):
@@ -175,8 +175,9 @@ class _FusingModel:
 
 class FusedPrefill(BatchGenerator):
     """A BatchGenerator whose steps put one prompt's prefill chunk and the decoding rows
-    through one forward, where `fuse_prefill` was set by a model `enable` covers. Steps with
-    nothing to fuse (or several prompts in prefill, or a prompt's first token) are mlx-lm's."""
+    through one forward, where `fuse_prefill` was set for a model `enable_fused_prefill`
+    covers. Steps with nothing to fuse (or several prompts in prefill, or a prompt's first
+    token) are mlx-lm's."""
 
     fuse_prefill = False
     fused_steps = 0

@@ -20,10 +20,9 @@ from ..admission import Admission, MemoryModel
 from ..engine_config import EngineConfig
 from ..messages import ModelInfo
 from ..model_files import ModelLoadError, ModelSpec, resolve_model_dir
-from . import fused_prefill
 from .cache_kinds import check_quantization, kind_of, make_row_cache
 from .constraints import GrammarFactory
-from .fused_prefill import FusedPrefill
+from .fused_prefill import FusedPrefill, enable_fused_prefill
 from .lockstep import Lockstep
 from .memory import device_memory_bytes, measure, weights_bytes
 from .mlx_lm_compat import missing_touch_points
@@ -113,7 +112,7 @@ def build_parts(
         config.fuse_prefill
         and not shared
         and not missing_touch_points()
-        and fused_prefill.enable(loaded.model)
+        and enable_fused_prefill(loaded.model)
     )
     if fused:
         log.info("fused prefill: a prompt's chunk goes through the decoding rows' forward")
@@ -354,7 +353,7 @@ def new_generator(
     """The engine's BatchGenerator (the raw-engine bench builds its reference with this too),
     speculating when `speculation` says so (its `counters` go on across generators), putting
     a prefill chunk into the decoding rows' forward with `fuse_prefill` (a model
-    `fused_prefill.enable` covers)."""
+    `enable_fused_prefill` covers)."""
     kwargs = generator_settings(config, stream)
     if speculation is None:
         generator = FusedPrefill(model, **kwargs)
