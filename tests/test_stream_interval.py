@@ -144,5 +144,7 @@ def test_a_fast_model_streams_several_tokens_a_message(demo_dir, reference, prom
         assert outcome.error is None
         assert outcome.tokens == reference.greedy(prompts[3], 24)
         sizes[window] = [len(chunk.token_ids) for chunk in outcome.chunks]
-    assert sizes[0.0][0] == 1 and len(sizes[0.0]) >= 12, sizes
-    assert sizes[200.0][0] == 1 and len(sizes[200.0]) < len(sizes[0.0]), sizes
+    # The first token is handed over alone, but a handler that has not taken it yet when the
+    # next step ends gets both in one message (the outbox merges what waits for its reader).
+    assert sizes[0.0][0] <= 2 and len(sizes[0.0]) >= 12, sizes
+    assert sizes[200.0][0] <= 2 and len(sizes[200.0]) < len(sizes[0.0]), sizes
