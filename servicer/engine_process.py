@@ -122,7 +122,11 @@ class EngineProcess:
     def start(self, info: ModelInfo) -> None:
         self._info = info
         parent, child = socket.socketpair()
-        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        # The engine logs at the worker's level unless its own is set (DEBUG traces each
+        # prefill step's timing without the handlers' debug output).
+        level = os.environ.get(LOG_LEVEL_ENV) or logging.getLevelName(
+            logging.getLogger().getEffectiveLevel()
+        )
         env = {**os.environ, "PYTHONUNBUFFERED": "1", LOG_LEVEL_ENV: str(level)}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "servicer.engine.child", str(child.fileno())],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from servicer.admission import Admission, MemoryModel
 from servicer.engine.prefill import (
+    DecodeCost,
     PrefillCost,
     PrefillPolicy,
     PrefillRow,
@@ -96,6 +97,43 @@ def test_the_cost_model_learns_a_linear_and_an_attention_term():
     assert abs(cost.seconds(1, 300, 1000) - (0.002 + 3e-4 * 300 + 1e-8 * 300 * 1150)) < 2e-3
     assert cost.tokens_within(0.05, 3000) < cost.tokens_within(0.05, 0)  # context costs
     assert cost.tokens_within(0.001, 0) == 0  # less than the fixed part
+
+
+def test_the_decode_estimate_starts_at_the_first_step_and_follows_the_batch_as_it_grows():
+    cost = DecodeCost()
+    assert cost.seconds(4) == 0.0
+    cost.observe(2, 0.25)  # no climb from zero: the first step is the estimate
+    assert abs(cost.seconds(2) - 0.25) < 1e-3
+    for _ in range(3):
+        cost.observe(2, 0.25)
+    # Eight rows join (a compute-bound model: 0.05 s a row): the next step's estimate is
+    # near the truth after one step at the new size, where an average would lag for many.
+    cost.observe(8, 0.55)
+    assert abs(cost.seconds(8) - 0.55) < 0.05 and abs(cost.seconds(2) - 0.25) < 0.05
+    for _ in range(10):
+        cost.observe(8, 0.55)
+    assert abs(cost.seconds(8) - 0.55) < 1e-3
+
+
+def test_the_decode_estimate_ignores_noise_that_would_make_more_rows_cheaper():
+    cost = DecodeCost()
+    cost.observe(1, 0.30)
+    cost.observe(8, 0.20)
+    assert cost.seconds(1) == cost.seconds(32) > 0.2
+    cost.observe(4, float("nan"))
+    cost.observe(0, 1.0)
+    assert cost.seconds(1) == cost.seconds(32) < 0.3
+
+
+def test_one_slow_step_moves_the_decode_estimate_a_little_and_a_real_change_soon():
+    cost = DecodeCost()
+    for _ in range(5):
+        cost.observe(4, 0.01)
+    cost.observe(4, 1.0)  # the process paused
+    assert cost.seconds(4) < 0.02
+    for _ in range(6):  # the steps really got 20x slower (a throttled machine)
+        cost.observe(4, 0.2)
+    assert cost.seconds(4) > 0.1
 
 
 def test_idle_steps_prefill_full_chunks_and_decoding_steps_what_fits_the_budget():

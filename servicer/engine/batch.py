@@ -25,12 +25,10 @@ from ..ratelimit import RateLimitedLog
 from .constraints import GrammarProcessor
 from .fused_prefill import FusedPrefill
 from .lockstep import LockstepBroken
-from .prefill import PrefillRow, PrefillSample
+from .prefill import DecodeCost, PrefillRow, PrefillSample
 from .prefix.store import AnyPrefixStore, Hit, Pins
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
-
-_DECODE_EWMA = 0.2  # weight of the newest decode-only step in `decode_step_s`
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,13 +108,19 @@ class Batch:
         self._wants_logprobs = wants_logprobs  # only rank 0 sends them anywhere
         self._errors = RateLimitedLog(log, 10.0)
         self.rows: dict[int, Row] = {}
-        self.decode_step_s = 0.0  # a recent step without prefill, smoothed
+        self.decode_cost = DecodeCost()  # steps without prefill, by decoding rows
         self.steps = 0
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
 
     @property
     def generator(self) -> FusedPrefill:
         return self._generator
+
+    @property
+    def decode_step_s(self) -> float:
+        """How long the next step takes without prefill, for the rows decoding now."""
+        decoding = sum(1 for row in self.rows.values() if row.prefill_left == 0)
+        return self.decode_cost.seconds(max(decoding, 1))
 
     def view(self) -> BatchView:
         rows = self.rows.values()
@@ -214,12 +218,11 @@ class Batch:
         rows = self.rows
         before = {uid: (row.context, row.prefill_left) for uid, row in rows.items()}
         work = any(left > 0 for _, left in before.values())
-        decoding = any(left == 0 for _, left in before.values())
+        decoding = sum(1 for _, left in before.values() if left == 0)
         started = time.perf_counter()
         if not work:
             prompt_progress, responses = self._generator.next()
-            elapsed = time.perf_counter() - started
-            self.decode_step_s += _DECODE_EWMA * (elapsed - self.decode_step_s)
+            self.decode_cost.observe(decoding, time.perf_counter() - started)
             self._track_prefill(prompt_progress)
             return StepReport(self._collect(responses, out), None)
         fused_before = self._generator.fused_steps
@@ -227,7 +230,8 @@ class Batch:
             prompt_progress, responses = self._generator.next()
         fused = self._generator.fused_steps > fused_before
         # What the prefill added: the step less a decode step, or all of it with none.
-        added = time.perf_counter() - started - (self.decode_step_s if decoding else 0.0)
+        decode_s = self.decode_cost.seconds(decoding) if decoding else 0.0
+        added = time.perf_counter() - started - decode_s
         self._track_prefill(prompt_progress)
         sample = self._prefill_sample(before, max(added, 0.0))
         return StepReport(self._collect(responses, out), sample, stats.prompt_tokens, fused)

@@ -283,8 +283,17 @@ class EngineLoop:
             try:
                 self._apply(plan, hits, out)
                 if batch.rows:
+                    admitted = time.perf_counter()
                     due = self._step(out, plan)
-                    out.step_seconds.append(time.perf_counter() - started)
+                    ended = time.perf_counter()
+                    out.step_seconds.append(ended - started)
+                    if (plan.admits or out.prefill_tokens) and log.isEnabledFor(logging.DEBUG):
+                        log.debug(
+                            "step: %.3fs, of which admitting %d took %.3fs",
+                            ended - started,
+                            len(plan.admits),
+                            admitted - started,
+                        )
             except Exception as exc:
                 if self._lockstep is not None:
                     raise  # the ranks may no longer hold the same batch: nothing to recover
@@ -414,6 +423,14 @@ class EngineLoop:
         out.fused_steps += report.fused
         sample = report.prefill
         if sample is not None and self._leads:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "step: prefill %s, planned chunk %d budget %.3fs, decode step %.3fs",
+                    sample,
+                    plan.chunk,
+                    plan.budget_s,
+                    batch.decode_step_s,
+                )
             scheduler.cost.observe(sample)
             if decoding and scheduler.over_budget(sample, plan):
                 out.over_budget += 1

@@ -99,6 +99,53 @@ class PrefillCost:
         return int((-b + math.sqrt(b * b + 4 * a * room)) / (2 * a))
 
 
+_DECODE_DECAY = 0.8  # weight of older decode steps per new one: about the last five count
+# Pulls the slope toward zero while the steps seen are alike (one batch size: the fit is then
+# their mean); small beside the weight of even one sample at a few rows.
+_DECODE_RIDGE = 1e-3
+# One step may count for at most this many times the estimate: a pause of the whole process
+# (another process on the cores, a page fault storm) is not the batch's cost. A batch that
+# truly got that much slower is followed within a few steps.
+_DECODE_SPIKE = 3.0
+
+
+class DecodeCost:
+    """Seconds a step without prefill takes for `rows` decoding rows: `a + b·rows`, fitted by
+    exponentially weighted least squares over the recent steps. On a compute-bound model
+    (a CPU) 8 rows take about twice as long as 1, so the estimate must follow the batch as it
+    grows rather than lag it by several steps; the first step sets it (no climb from zero).
+    """
+
+    def __init__(self) -> None:
+        self._xx = np.zeros((2, 2))
+        self._xy = np.zeros(2)
+        self._fit = (0.0, 0.0)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        expected = self.seconds(rows)
+        if expected > 0:
+            seconds = min(seconds, _DECODE_SPIKE * expected)
+        x = np.array([1.0, float(rows)])
+        self._xx = _DECODE_DECAY * self._xx + np.outer(x, x)
+        self._xy = _DECODE_DECAY * self._xy + x * seconds
+        try:
+            a, b = np.linalg.solve(self._xx + np.diag([0.0, _DECODE_RIDGE]), self._xy)
+        except np.linalg.LinAlgError:
+            return
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return
+        if b < 0:  # noise: more rows never make a step cheaper; their mean instead
+            a, b = self._xy[0] / self._xx[0, 0], 0.0
+        self._fit = (float(a), float(b))
+
+    def seconds(self, rows: int) -> float:
+        """The expected seconds of a step with `rows` decoding rows (0 before any step)."""
+        a, b = self._fit
+        return max(a + b * rows, 0.0)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillPolicy:
     """`max_stall_s`: the most one step's prefill may hold up decoding rows (0: no budget,
