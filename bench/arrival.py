@@ -18,7 +18,11 @@ from workload import make_prompts, percentile
 
 STREAM_PROMPT_TOKENS = 128
 STREAM_MAX_TOKENS = 3000  # outlasts every case
-BASELINE_S = 1.0  # decoding alone before the arrival
+BASELINE_S = 1.0  # decoding alone before the arrival, at least
+# and at least this many steps of every stream: the streams' own decode step is the gaps'
+# unit, and on a slow model one second may hold a single step (or none that lies wholly
+# inside it); the engine's estimate of its decode step gets the same steps to settle.
+BASELINE_STEPS = 6
 TAIL_S = 0.5  # decoding after the arriving prompt's first token
 
 
@@ -72,18 +76,25 @@ async def long_prompt_arrival(
     deadline = time.perf_counter() + 120
     while time.perf_counter() < deadline and not all(t.chunks or t.error for t in running):
         await asyncio.sleep(0.01)
+    decoding_from = time.perf_counter()  # every stream has its first token
+    enough = [len(t.chunks) + BASELINE_STEPS for t in running]
     await asyncio.sleep(BASELINE_S)
+    while time.perf_counter() < deadline and not all(
+        len(t.chunks) >= n or t.error for t, n in zip(running, enough, strict=True)
+    ):
+        await asyncio.sleep(0.01)
     sent = time.perf_counter()
     record = await client.generate(arriving, new_tokens)
     first = sent + (record.ttft or 0.0)
     await asyncio.sleep(TAIL_S)
     stop.set()
     results: list[StreamTimes] = await asyncio.gather(*tasks)
-    return _summary(results, sent, first, record, streams, prompt_tokens)
+    return _summary(results, decoding_from, sent, first, record, streams, prompt_tokens)
 
 
 def _summary(
     results: list[StreamTimes],
+    decoding_from: float,
     sent: float,
     first: float,
     record: Any,
@@ -91,7 +102,7 @@ def _summary(
     prompt_tokens: int,
 ) -> dict[str, Any]:
     gaps = [gap for times in results for gap in times.gaps()]
-    before = [end - start for start, end in gaps if sent - BASELINE_S <= start and end <= sent]
+    before = [end - start for start, end in gaps if decoding_from <= start and end <= sent]
     during = [end - start for start, end in gaps if end > sent and start < first]
     timeline = sorted((end - sent, end - start) for start, end in gaps)
     errors = sum(1 for times in results if times.error) + (1 if record.error else 0)

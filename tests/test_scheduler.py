@@ -298,6 +298,19 @@ def test_on_a_memory_bound_model_a_short_prompt_is_prefilled_in_one_call():
     assert choice.budget_s > 0.23  # planned past the base budget, so not over it
 
 
+def test_a_long_prompt_under_way_ends_within_the_budget_not_past_it():
+    # 300 tokens left (the budget fits ~270): a prompt that has not begun takes them in one
+    # call past the budget; one that has prefilled for many steps takes the budget's share
+    # and ends a step later, so its last step leaves the streams no longer a gap than others.
+    scheduler = _budgeted(_memory_bound_cost())
+    fresh = (PrefillRow(300, 0),)
+    choice = scheduler.schedule(BatchView(8, False, fresh, decode_step_s=0.23))
+    assert choice.chunk == 300 and choice.budget_s > 4 * 0.23
+    under_way = (PrefillRow(300, 7000, progressed=True),)
+    choice = scheduler.schedule(BatchView(8, False, under_way, decode_step_s=0.23))
+    assert 32 <= choice.chunk < 300 and choice.budget_s == 4 * 0.23
+
+
 def test_on_a_memory_bound_model_prompts_waiting_together_share_one_call():
     scheduler = _budgeted(_memory_bound_cost())
     scheduler.enqueue([_prompt(1, 65), _prompt(2, 65)])

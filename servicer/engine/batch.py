@@ -126,7 +126,9 @@ class Batch:
         rows = self.rows.values()
         due = any(row.prefilled and not row.generated for row in rows)
         prefilling = tuple(
-            PrefillRow(row.prefill_left - 1, row.context) for row in rows if row.prefill_left > 1
+            PrefillRow(row.prefill_left - 1, row.context, row.context > row.admit.cached_tokens)
+            for row in rows
+            if row.prefill_left > 1
         )
         starting = sum(1 for row in rows if row.prefill_left == 1)
         reserved = sum(row.admit.reserved for row in rows)

@@ -169,10 +169,12 @@ class PrefillPolicy:
 
 @dataclass(frozen=True, slots=True)
 class PrefillRow:
-    """A prompt in prefill: tokens still to process in chunks, tokens already in its cache."""
+    """A prompt in prefill: tokens still to process in chunks, tokens already in its cache,
+    and whether some of those came from its own earlier steps (not only a reused prefix)."""
 
     remaining: int
     context: int
+    progressed: bool = False
 
 
 # A step's prefill may always take this many decode steps. On a slow (memory-bound) model every
@@ -212,6 +214,8 @@ def step_capacity(
 # prefill call rather than split them: on a memory-bound model each further call reads all the
 # weights again (about a decode step, for 1 row as for 8) and each prompt's first token waits
 # a step longer. On a fast model (a decode step of a few ms) this barely moves the budget.
+# Only prompts that have not begun take it: one more step is half a short prompt's wait but a
+# few percent of a long one's, and a long prompt's last step would be the streams' longest gap.
 FINISH_DECODE_STEPS = 2.0
 
 

@@ -157,9 +157,13 @@ class Scheduler:
         decoding = batch.decoding and not self._bulk(batch)
         bulk = batch.decoding and not decoding
         capacity = step_capacity(policy, self.cost, decoding, context, budget_s, batch.starting)
-        # It may take more to finish every prompt in one call (prefill.FINISH_DECODE_STEPS).
-        finish_s = finish_budget(budget_s, batch.decode_step_s)
-        finish = step_capacity(policy, self.cost, decoding, context, finish_s, batch.starting)
+        # It may take more to finish every prompt in one call (prefill.FINISH_DECODE_STEPS),
+        # unless one of them is a long prompt already under way.
+        if any(row.progressed for row in batch.prefilling):
+            finish_s, finish = budget_s, capacity
+        else:
+            finish_s = finish_budget(budget_s, batch.decode_step_s)
+            finish = step_capacity(policy, self.cost, decoding, context, finish_s, batch.starting)
         min_chunk, rows = policy.min_chunk, [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
         failed: list[tuple[GenerationRequest, str]] = []
