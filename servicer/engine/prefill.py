@@ -114,11 +114,12 @@ class DecodeCost:
     exponentially weighted least squares over the recent steps. On a compute-bound model
     (a CPU) 8 rows take about twice as long as 1, so the estimate must follow the batch as it
     grows rather than lag it by several steps; the first step sets it (no climb from zero).
+    Plain floats: it runs every step, and a 1 ms step has no room for numpy's overhead.
     """
 
     def __init__(self) -> None:
-        self._xx = np.zeros((2, 2))
-        self._xy = np.zeros(2)
+        # Decayed sums of w, w·r, w·r², w·s, w·r·s over the steps seen (r rows, s seconds).
+        self._sums = [0.0] * 5
         self._fit = (0.0, 0.0)
 
     def observe(self, rows: int, seconds: float) -> None:
@@ -127,18 +128,18 @@ class DecodeCost:
         expected = self.seconds(rows)
         if expected > 0:
             seconds = min(seconds, _DECODE_SPIKE * expected)
-        x = np.array([1.0, float(rows)])
-        self._xx = _DECODE_DECAY * self._xx + np.outer(x, x)
-        self._xy = _DECODE_DECAY * self._xy + x * seconds
-        try:
-            a, b = np.linalg.solve(self._xx + np.diag([0.0, _DECODE_RIDGE]), self._xy)
-        except np.linalg.LinAlgError:
+        r = float(rows)
+        terms = (1.0, r, r * r, seconds, r * seconds)
+        self._sums = [_DECODE_DECAY * old + t for old, t in zip(self._sums, terms, strict=True)]
+        n, sr, srr, ss, srs = self._sums
+        det = n * (srr + _DECODE_RIDGE) - sr * sr
+        if det <= 0:
             return
-        if not (math.isfinite(a) and math.isfinite(b)):
-            return
+        a = (ss * (srr + _DECODE_RIDGE) - sr * srs) / det
+        b = (n * srs - sr * ss) / det
         if b < 0:  # noise: more rows never make a step cheaper; their mean instead
-            a, b = self._xy[0] / self._xx[0, 0], 0.0
-        self._fit = (float(a), float(b))
+            a, b = ss / n, 0.0
+        self._fit = (a, b)
 
     def seconds(self, rows: int) -> float:
         """The expected seconds of a step with `rows` decoding rows (0 before any step)."""
