@@ -157,13 +157,7 @@ class Scheduler:
         decoding = batch.decoding and not self._bulk(batch)
         bulk = batch.decoding and not decoding
         capacity = step_capacity(policy, self.cost, decoding, context, budget_s, batch.starting)
-        # It may take more to finish every prompt in one call (prefill.FINISH_DECODE_STEPS),
-        # unless one of them is a long prompt already under way.
-        if any(row.progressed for row in batch.prefilling):
-            finish_s, finish = budget_s, capacity
-        else:
-            finish_s = finish_budget(budget_s, batch.decode_step_s)
-            finish = step_capacity(policy, self.cost, decoding, context, finish_s, batch.starting)
+        finish_s, finish = self._finishing(batch, decoding, context, budget_s, capacity)
         min_chunk, rows = policy.min_chunk, [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
         failed: list[tuple[GenerationRequest, str]] = []
@@ -206,6 +200,18 @@ class Scheduler:
             return StepChoice(admits, max(left), widened, failed, planned, bulk)
         chunk = chunk_for(left, capacity, min_chunk)
         return StepChoice(admits, chunk, widened, failed, budget_s, bulk)
+
+    def _finishing(
+        self, batch: BatchView, decoding: bool, context: int, budget_s: float, capacity: int
+    ) -> tuple[float, int]:
+        """(seconds, tokens) a step may take to finish every prompt in one call: more than
+        the budget (prefill.FINISH_DECODE_STEPS), unless one is a long prompt under way."""
+        if any(row.progressed for row in batch.prefilling):
+            return budget_s, capacity
+        finish_s = finish_budget(budget_s, batch.decode_step_s)
+        return finish_s, step_capacity(
+            self._policy, self.cost, decoding, context, finish_s, batch.starting
+        )
 
     def _bulk(self, batch: BatchView) -> bool:
         """Whether this step prefills as if nothing decoded: on a model whose decode step
