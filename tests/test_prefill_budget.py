@@ -138,12 +138,15 @@ def test_greedy_outputs_are_unchanged_by_split_prefill(kind):
     model_dir = demo_model_path(kind)
     reference = Reference(model_dir)
     arriving = [_long_prompt(reference, n, salt=n) for n in (700, 300)]
-    # Two prompts arriving together are a queue; a fixed budget keeps them in pieces.
+    # Two prompts arriving together are a queue; a fixed budget keeps them in pieces, and so
+    # does a chunk of at most 128 tokens where the budget's floor (four decode steps, which on
+    # a loaded machine may fit hundreds of the demo's tokens) would not.
     config = demo_config(
         model_dir,
         max_prefill_stall_ms=TINY_BUDGET_MS,
         max_prefill_stall_widen=1.0,
         prompt_cache_size=0,
+        prefill_step_size=128,
     )
     with ServerThread(config) as running, running.channel() as chan:
         short = [reference.encode(text) for text in TEST_PROMPTS[:3]]
