@@ -139,6 +139,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "your machine, bench/fused_step.py)",
     )
     parser.add_argument(
+        "--group-rows",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decoding rows of very different lengths (a long prompt beside short streams) "
+        "attend in groups instead of one batch padded to the longest row, on models with a "
+        "standard attention (Llama, Qwen2/3, Gemma 3 text; default on)",
+    )
+    parser.add_argument(
         "--max-prompt-tokens",
         type=_positive,
         help="refuse longer prompts (default: the model's context length - 1)",
@@ -360,6 +368,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_prefill_stall_ms=args.max_prefill_stall_ms,
         max_prefill_stall_widen=args.max_prefill_stall_widen,
         fuse_prefill=args.fuse_prefill,
+        group_rows=args.group_rows,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         prompt_cache_block=args.prompt_cache_block,

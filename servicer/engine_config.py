@@ -55,6 +55,9 @@ class EngineConfig:
     # Off by default: on this project's CPU it gained nothing end to end on the real models
     # and made the demo's steps slower (bench/RESULTS.md, "Fused prefill").
     fuse_prefill: bool = False
+    # Decoding rows of very different lengths attend in groups instead of one rectangle padded
+    # to the longest row, where the model's attention is a standard one (engine/row_groups.py).
+    group_rows: bool = True
     # A burst that is still arriving while nothing generates is admitted together:
     # wait while new requests keep coming `coalesce_quiet_s` apart, at most `coalesce_max_s`.
     coalesce_quiet_s: float = 0.002

@@ -40,6 +40,7 @@ from .quantized_kv import (
     DequantizingRowCache,
     QuantizedRowCache,
 )
+from .row_groups import RowGroups
 from .speculation.caches import (
     RaggedDequantizingKVCache,
     RaggedKVCache,
@@ -80,6 +81,7 @@ class CacheKind:
     adopt: Adopt | None = None  # None: a speculating batch cannot hold it
     measure: Measure | None = None  # None: what one token made it hold, counted per token
     nested: Callable[[Any], list[Any]] | None = None  # a cache of caches: its layers
+    groups_rows: bool = False  # a batch's full-attention KV that row_groups may hold in groups
 
 
 def _quantized_bytes(layer: Any) -> Bytes | None:
@@ -151,6 +153,7 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
         # mlx-lm's batched kinds, as its prefill leaves them
         BatchKVCache: CacheKind(
             "full attention, a batch",
+            groups_rows=True,
             adopt=lambda layer, extra, inert: RaggedKVCache.adopt(layer),
         ),
         BatchRotatingKVCache: CacheKind(
@@ -164,6 +167,7 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
         ),
         BatchQuantizedKVCache: CacheKind(
             "full attention, quantized, a batch",
+            groups_rows=True,
             adopt=lambda layer, extra, inert: RaggedQuantizedKVCache.adopt(layer),
         ),
         # ours: --kv-bits where the model's attention takes plain arrays only (quantized_kv):
@@ -175,17 +179,27 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
         ),
         BatchDequantizingKVCache: CacheKind(
             "full attention, quantized, dequantized for attention, a batch",
+            groups_rows=True,
             adopt=lambda layer, extra, inert: RaggedDequantizingKVCache.adopt(layer),
         ),
         # ours: a speculating batch's caches (speculation.caches), adopted already
-        RaggedKVCache: CacheKind("full attention, rows rolled back per row", adopt=_as_is),
-        RaggedQuantizedKVCache: CacheKind("RaggedKVCache, quantized", adopt=_as_is),
+        RaggedKVCache: CacheKind(
+            "full attention, rows rolled back per row", adopt=_as_is, groups_rows=True
+        ),
+        RaggedQuantizedKVCache: CacheKind(
+            "RaggedKVCache, quantized", adopt=_as_is, groups_rows=True
+        ),
         RaggedDequantizingKVCache: CacheKind(
-            "RaggedKVCache, quantized, dequantized for attention", adopt=_as_is
+            "RaggedKVCache, quantized, dequantized for attention", adopt=_as_is, groups_rows=True
         ),
         RingKVCache: CacheKind("a sliding window, rolled back per row", sliding=True, adopt=_as_is),
         RecurrentCache: CacheKind(
             "recurrent state, snapshot and replay", adopt=_as_is, measure=_state_bytes
+        ),
+        # ours: a batch's full-attention layer with its rows in groups (row_groups)
+        RowGroups: CacheKind(
+            "full attention, a batch in groups of similar length",
+            adopt=lambda layer, extra, inert: layer.map(lambda g: adopt(g, extra, inert)),
         ),
     }
 )
@@ -220,6 +234,11 @@ def adopt(layer: Any, extra: int, padding_inert: bool = True) -> Any:
     if how is None:
         raise TypeError(f"{type(layer).__name__} cannot roll back per row")
     return how(layer, extra, padding_inert)
+
+
+def grouped(caches: Sequence[Any]) -> list[Any]:
+    """A batch's layers, each full-attention one as a `RowGroups` of one group."""
+    return [RowGroups.of(c) if kind_of(c).groups_rows else c for c in caches]
 
 
 def layers(caches: Sequence[Any]) -> list[Any]:

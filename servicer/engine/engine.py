@@ -232,6 +232,7 @@ class EngineLoop:
                 parts.speculation,
                 self.speculation,
                 parts.fused_prefill,
+                parts.group_rows,
             ),
             parts.sampling,
             parts.prefix,

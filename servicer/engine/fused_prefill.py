@@ -17,13 +17,16 @@ prompts in prefill, a model not covered) runs as mlx-lm runs it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+
+from .row_groups import GroupMasks, RowGroups
 
 # Attention classes whose forward is the standard one `_segment` reproduces, and the model
 # classes around them whose head is `lm_head`, or the tied embedding.
@@ -58,9 +61,16 @@ class SegmentMasks:
 
 class PackedAttention:
     """Mixed into a standard attention class by `enable_fused_prefill`: the per-segment path
-    for a packed forward, the class's own forward otherwise."""
+    for a packed forward, the per-group path for a batch in row groups (row_groups), the
+    class's own forward otherwise."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if isinstance(cache, RowGroups):
+            if cache.single:
+                return super().__call__(x, mask.masks[0], cache.groups[0])  # type: ignore[misc]
+            queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # type: ignore[attr-defined]
+            grouped = self._groups(queries, keys, values, x.shape[1], mask, cache)
+            return self.o_proj(grouped)  # type: ignore[attr-defined]
         if not isinstance(cache, Segments):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # type: ignore[attr-defined]
@@ -68,7 +78,7 @@ class PackedAttention:
         for (part_cache, rows, width), part_mask in zip(cache.parts, mask.masks, strict=True):
             end = start + rows * width
             outputs.append(
-                self._segment(
+                self._attend(
                     queries[:, start:end],
                     keys[:, start:end],
                     values[:, start:end],
@@ -80,6 +90,56 @@ class PackedAttention:
             )
             start = end
         return self.o_proj(mx.concatenate(outputs, axis=1))  # type: ignore[attr-defined]
+
+    def _attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        rows: int,
+        width: int,
+        mask: Any,
+        cache: Any,
+    ) -> mx.array:
+        """One segment's attention, its rows in groups where its cache holds them so."""
+        if not isinstance(cache, RowGroups):
+            return self._segment(queries, keys, values, rows, width, mask, cache)
+        if cache.single:
+            return self._segment(queries, keys, values, rows, width, mask.masks[0], cache.groups[0])
+
+        def shaped(t: mx.array) -> mx.array:
+            return t.reshape(rows, width, -1)
+
+        grouped = self._groups(shaped(queries), shaped(keys), shaped(values), width, mask, cache)
+        return grouped.reshape(1, rows * width, -1)
+
+    def _groups(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        width: int,
+        mask: GroupMasks,
+        cache: RowGroups,
+    ) -> mx.array:
+        """The attention of a batch (rows, width, ·) whose rows are in groups: each group's rows
+        taken out, attended over their own cache, put back in batch order."""
+        if len(mask.masks) != len(cache.groups):
+            raise RuntimeError(
+                f"{len(mask.masks)} group masks for a layer in {len(cache.groups)} groups"
+            )
+        outputs = []
+        for group, take, part_mask in zip(cache.groups, cache.take, mask.masks, strict=True):
+            n = int(take.shape[0])
+
+            def part(t: mx.array, take: mx.array = take, n: int = n) -> mx.array:
+                return t[take].reshape(1, n * width, -1)
+
+            attended = self._segment(
+                part(queries), part(keys), part(values), n, width, part_mask, group
+            )
+            outputs.append(attended.reshape(n, width, -1))
+        return mx.concatenate(outputs)[cache.inverse]
 
     def _segment(
         self,
@@ -173,6 +233,19 @@ class _FusingModel:
         return getattr(self._model, name)
 
 
+class GroupedGenerationBatch(GenerationBatch):
+    """mlx-lm's GenerationBatch whose full-attention layers hold rows in groups (row_groups)
+    once `grouping` is set: what turns a joining batch's layers into `RowGroups`
+    (`cache_kinds.grouped`), for a model `enable_fused_prefill` covers."""
+
+    grouping: Callable[[list[Any]], list[Any]] | None = None
+
+    def extend(self, batch: GenerationBatch) -> None:
+        if self.grouping is not None:
+            batch.prompt_cache = self.grouping(batch.prompt_cache)
+        super().extend(batch)
+
+
 class FusedPrefill(BatchGenerator):
     """A BatchGenerator whose steps put one prompt's prefill chunk and the decoding rows
     through one forward, where `fuse_prefill` was set for a model `enable_fused_prefill`
@@ -181,6 +254,16 @@ class FusedPrefill(BatchGenerator):
 
     fuse_prefill = False
     fused_steps = 0
+
+    def group_rows(self, grouping: Callable[[list[Any]], list[Any]]) -> None:
+        """Decoding rows of very different lengths attend in groups from now on, `grouping`
+        making the groups of each joining batch (for a model `enable_fused_prefill` covers;
+        row_groups)."""
+        if not isinstance(self._generation_batch, GroupedGenerationBatch):
+            if len(self._generation_batch):
+                raise RuntimeError("rows are grouped from an empty batch on")
+            self._generation_batch = GroupedGenerationBatch.empty(self.model, self.sampler)
+        self._generation_batch.grouping = grouping
 
     def _next(self) -> Any:
         if not self._fusable():

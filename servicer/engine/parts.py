@@ -20,7 +20,7 @@ from ..admission import Admission, MemoryModel
 from ..engine_config import EngineConfig
 from ..messages import ModelInfo
 from ..model_files import ModelLoadError, ModelSpec, resolve_model_dir
-from .cache_kinds import check_quantization, kind_of, make_row_cache
+from .cache_kinds import check_quantization, grouped, kind_of, make_row_cache
 from .constraints import GrammarFactory
 from .fused_prefill import FusedPrefill, enable_fused_prefill
 from .lockstep import Lockstep
@@ -76,6 +76,7 @@ class EngineParts:
     # One request's empty caches: quantized attention layers with --kv-bits (None: mlx-lm's)
     new_row: Callable[[], list[Any]] | None = None
     fused_prefill: bool = False  # a prefill chunk rides in the decoding rows' forward
+    group_rows: bool = False  # decoding rows of very different lengths attend in groups
 
 
 def build_parts(
@@ -116,6 +117,13 @@ def build_parts(
     )
     if fused:
         log.info("fused prefill: a prompt's chunk goes through the decoding rows' forward")
+    # Ranks keep mlx-lm's forwards here too; the attention's class swap is fused prefill's.
+    groups_rows = (
+        config.group_rows
+        and not shared
+        and not missing_touch_points()
+        and enable_fused_prefill(loaded.model)
+    )
     return EngineParts(
         loaded,
         sampling,
@@ -125,6 +133,7 @@ def build_parts(
         speculation,
         new_row,
         fused,
+        groups_rows,
     )
 
 
@@ -349,11 +358,13 @@ def new_generator(
     speculation: Speculation | None = None,
     counters: SpeculationCounters | None = None,
     fuse_prefill: bool = False,
+    group_rows: bool = False,
 ) -> FusedPrefill:
     """The engine's BatchGenerator (the raw-engine bench builds its reference with this too),
     speculating when `speculation` says so (its `counters` go on across generators), putting
-    a prefill chunk into the decoding rows' forward with `fuse_prefill` (a model
-    `enable_fused_prefill` covers)."""
+    a prefill chunk into the decoding rows' forward with `fuse_prefill`, and decoding rows of
+    very different lengths in attention groups with `group_rows` (a model
+    `enable_fused_prefill` covers, both)."""
     kwargs = generator_settings(config, stream)
     if speculation is None:
         generator = FusedPrefill(model, **kwargs)
@@ -366,6 +377,8 @@ def new_generator(
             **kwargs,
         )
     generator.fuse_prefill = fuse_prefill
+    if group_rows:
+        generator.group_rows(grouped)
     return generator
 
 

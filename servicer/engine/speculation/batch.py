@@ -15,6 +15,7 @@ from mlx_lm.generate import GenerationBatch
 import servicer.engine.cache_kinds as cache_kinds
 
 from ...messages import FINISH_LENGTH, FINISH_STOP
+from ..fused_prefill import GroupedGenerationBatch
 from .config import ModeClock, RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
 from .timing import StepTimer
@@ -46,7 +47,7 @@ class _Verified:
     used_keys: list[int] = field(default_factory=list)  # draws each row kept
 
 
-class SpeculativeGenerationBatch(GenerationBatch):
+class SpeculativeGenerationBatch(GroupedGenerationBatch):
     """mlx-lm's GenerationBatch with drafts.
 
     Each step, for every row: the pending token (sampled last step, not yet run) plus up to

@@ -1,0 +1,186 @@
+"""Decoding rows of very different lengths in attention groups (servicer/engine/row_groups.py):
+the same tokens as mlx-lm's one padded batch, on every covered demo kind (llama; gemma3 with
+its sliding windows), greedy and seeded, long prompts joining short streams and leaving again,
+speculation drafting across groups, `--kv-bits 8`; and the choice of group on its own."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from spec_support import Job, drive, generator_kwargs, passages, plain_generator
+
+from servicer.demo_model import demo_model_path
+from servicer.engine import fused_prefill
+from servicer.engine.cache_kinds import grouped, make_row_cache
+from servicer.engine.fused_prefill import FusedPrefill
+from servicer.engine.row_groups import MAX_GROUPS, MIN_SPLIT_SLOTS, RowGroups, choose_group
+from servicer.engine.sampling import SeededSampler
+from servicer.engine.speculation import PromptLookup, SpeculationConfig, SpeculativeBatchGenerator
+from servicer.messages import SamplingSpec
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def kind_model(request) -> tuple[str, Any, Any]:
+    from mlx_lm import load
+
+    model, tokenizer = load(str(demo_model_path(request.param)))
+    assert fused_prefill.enable_fused_prefill(model)
+    return request.param, model, tokenizer
+
+
+def mixed_jobs(tokenizer: Any, seed: int, seeded: bool = False) -> list[Job]:
+    """Three to five short rows decoding from the start, then prompts long enough for a group
+    of their own (1,200-2,000 tokens) arriving while they decode, and short ones after them
+    that join the short rows' group; random lengths."""
+    rng = random.Random(seed)
+    ids = [t for text in passages() for t in tokenizer.encode(text, add_special_tokens=False)]
+    ids = ids * (1 + 2_100 // len(ids))
+
+    def prompt(length: int) -> list[int]:
+        start = rng.randrange(len(ids) - length)
+        return ids[start : start + length]
+
+    jobs = [
+        Job(f"s{i}", prompt(rng.randint(5, 40)), rng.randint(30, 70))
+        for i in range(rng.randint(3, 5))
+    ]
+    step = rng.randint(1, 4)
+    for i in range(rng.randint(1, 2)):
+        jobs.append(
+            Job(f"long{i}", prompt(rng.randint(1_200, 2_000)), rng.randint(4, 16), join_at=step)
+        )
+        step += rng.randint(2, 10)
+    jobs.append(Job("late", prompt(rng.randint(5, 40)), rng.randint(5, 20), join_at=step))
+    if seeded:
+        for i, job in enumerate(jobs):
+            spec = SamplingSpec(temperature=0.9, seed=seed * 100 + i, top_k=40)
+            job.sampler = SeededSampler(spec, 512)
+    return jobs
+
+
+def grouping_generator(model: Any, **overrides: Any) -> FusedPrefill:
+    generator = FusedPrefill(model, **{**generator_kwargs(), **overrides})
+    generator.group_rows(grouped)
+    return generator
+
+
+def most_groups(generator: FusedPrefill) -> list[int]:
+    """A probe for `drive`'s on_step: records the groups of the batch's grouped layers."""
+    seen: list[int] = []
+
+    def probe(_: int) -> None:
+        layers = [c for c in generator._generation_batch.prompt_cache if isinstance(c, RowGroups)]
+        seen.append(max((len(c.groups) for c in layers), default=0))
+
+    probe.seen = seen  # type: ignore[attr-defined]
+    return probe  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_groups_give_the_same_tokens(kind_model, seed, seeded):
+    _, model, tokenizer = kind_model
+    plain = drive(plain_generator(model), mixed_jobs(tokenizer, seed, seeded))
+    generator = grouping_generator(model)
+    probe = most_groups(generator)
+    got = drive(generator, mixed_jobs(tokenizer, seed, seeded), probe)
+    assert max(probe.seen) >= 2, "no step ran with its rows in two groups"
+    for name, want in plain.items():
+        assert got[name].tokens == want.tokens, name
+        assert got[name].finish == want.finish, name
+        assert got[name].all_tokens == want.all_tokens, name
+
+
+def test_groups_beside_speculation(kind_model):
+    """Rows drafting in both groups: verify forwards of several tokens, per-row rollback."""
+    _, model, tokenizer = kind_model
+
+    def jobs() -> list[Job]:
+        out = mixed_jobs(tokenizer, 7)
+        for job in out[:3]:
+            job.prompt = job.prompt + job.prompt  # something for prompt lookup to find
+        return out
+
+    plain = drive(plain_generator(model), jobs())
+    generator = SpeculativeBatchGenerator(
+        model,
+        source=PromptLookup(),
+        speculation=SpeculationConfig(costed=False, max_rows=16),
+        **generator_kwargs(),
+    )
+    generator.group_rows(grouped)
+    probe = most_groups(generator)
+    speculated = drive(generator, jobs(), probe)
+    assert max(probe.seen) >= 2 and generator.speculation.drafted > 0
+    for name, want in plain.items():
+        assert speculated[name].tokens == want.tokens, name
+
+
+def test_groups_with_a_quantized_cache():
+    from mlx_lm import load
+
+    model, tokenizer = load(str(demo_model_path("llama")))
+    assert fused_prefill.enable_fused_prefill(model)
+
+    def rows(jobs: list[Job]) -> list[Job]:
+        for job in jobs:
+            job.caches = lambda: make_row_cache(model, 8, 32)
+        return jobs
+
+    plain = drive(plain_generator(model), rows(mixed_jobs(tokenizer, 3)))
+    generator = grouping_generator(model)
+    probe = most_groups(generator)
+    got = drive(generator, rows(mixed_jobs(tokenizer, 3)), probe)
+    assert max(probe.seen) >= 2
+    for name, want in plain.items():
+        assert got[name].tokens == want.tokens, name
+
+
+def test_a_long_row_joins_without_padding_the_others(kind_model):
+    """The short rows' attention keys stay their own length while a long row decodes."""
+    _, model, tokenizer = kind_model
+    generator = grouping_generator(model)
+    widths: list[list[int]] = []
+
+    def probe(_: int) -> None:
+        layers = [c for c in generator._generation_batch.prompt_cache if isinstance(c, RowGroups)]
+        if layers:
+            widths.append(sorted(g.size() for g in layers[0].groups))
+
+    drive(generator, mixed_jobs(tokenizer, 1), probe)
+    two = [w for w in widths if len(w) == 2]
+    assert two and all(w[0] < 200 for w in two), widths
+
+
+def test_the_choice_of_group():
+    # Nothing yet: a group of its own.
+    assert choose_group([], 1, 8_000) is None
+    # A long prompt beside short streams: its own group.
+    assert choose_group([(8, 300)], 1, 8_000) is None
+    # Rows of about the same length join.
+    assert choose_group([(8, 300)], 1, 280) == 0
+    assert choose_group([(8, 300), (1, 8_000)], 1, 7_000) == 1
+    # Little padding in all (below MIN_SPLIT_SLOTS) joins, whatever the ratio.
+    assert choose_group([(1, 10)], 1, MIN_SPLIT_SLOTS // 4) == 0
+    # At the cap, rows join where they cost least.
+    groups = [(1, 100 * 4**g) for g in range(MAX_GROUPS)]
+    assert choose_group(groups, 1, 30_000) == MAX_GROUPS - 1
+
+
+def test_filter_and_extract_follow_the_rows(kind_model):
+    """Rows leaving from either group keep every other row's cache as it was."""
+    _, model, tokenizer = kind_model
+    generator = grouping_generator(model)
+    jobs = mixed_jobs(tokenizer, 2)
+    results = drive(generator, jobs)
+    plain = drive(plain_generator(model), mixed_jobs(tokenizer, 2))
+    for name, want in plain.items():
+        got = results[name].cache
+        assert [c.offset for c in got] == [c.offset for c in want.cache], name
+        for a, b in zip(got, want.cache, strict=True):
+            if getattr(a, "keys", None) is not None and not isinstance(a.keys, tuple):
+                n = a.offset if isinstance(a.offset, int) else None
+                assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-5).item(), name
