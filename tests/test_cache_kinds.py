@@ -28,11 +28,14 @@ import servicer.engine
 from servicer.engine import cache_kinds
 from servicer.engine.cache_kinds import KINDS, UNFAMILIAR, Bytes, adopt, bytes_of, kind_of
 from servicer.engine.quantized_kv import (
+    BatchDequantizingKVCache,
     BatchQuantizedKVCache,
     DequantizingRowCache,
     QuantizedRowCache,
 )
+from servicer.engine.row_groups import RowGroups
 from servicer.engine.speculation.caches import (
+    RaggedDequantizingKVCache,
     RaggedKVCache,
     RaggedQuantizedKVCache,
     RecurrentCache,
@@ -78,7 +81,8 @@ def _old_speculates(cache: Any) -> bool:  # speculation/support.py: exact classe
 
 def _old_adopts(layer: Any) -> bool:  # speculation/caches.py: an isinstance chain
     kinds = (RaggedKVCache, RingKVCache, RecurrentCache, BatchQuantizedKVCache, BatchKVCache)
-    return isinstance(layer, (*kinds, BatchRotatingKVCache, ArraysCache))
+    later = (RowGroups,)  # kinds that came after the table
+    return isinstance(layer, (*kinds, *later, BatchRotatingKVCache, ArraysCache))
 
 
 def _old_measure(layer: Any) -> str:  # memory.py: an isinstance chain
@@ -115,6 +119,19 @@ def test_each_answer_is_the_one_its_module_gave_before(cls: type, keep: int):
     assert (kind.adopt is not None) == _old_adopts(cache)
     assert MEASURES[kind.measure] == _old_measure(cache)
     assert (kind.nested is not None) == isinstance(cache, CacheList)  # memory's flattening
+
+
+def test_the_batch_kinds_held_in_row_groups_are_full_attention():
+    held = {cls for cls, kind in KINDS.items() if kind.groups_rows}
+    assert held == {
+        BatchKVCache,
+        BatchQuantizedKVCache,
+        BatchDequantizingKVCache,
+        RaggedKVCache,
+        RaggedQuantizedKVCache,
+        RaggedDequantizingKVCache,
+    }
+    assert not kind_of(_bare(_subclass(BatchKVCache))).groups_rows  # a model's own: not promised
 
 
 def test_a_class_outside_the_table_is_unfamiliar():

@@ -119,6 +119,43 @@ def test_groups_beside_speculation(kind_model):
         assert speculated[name].tokens == want.tokens, name
 
 
+def test_groups_beside_fused_prefill(kind_model):
+    """A prompt's chunk packed into the forward of decoding rows that are in groups."""
+    _, model, tokenizer = kind_model
+
+    def jobs() -> list[Job]:
+        """Short rows, a long one decoding in its own group, then another long prompt whose
+        chunks are packed into the forward of the two groups."""
+        rng = random.Random(5)
+        ids = [t for text in passages() for t in tokenizer.encode(text, add_special_tokens=False)]
+        ids = ids * (1 + 1_600 // len(ids))
+        out = [Job(f"s{i}", ids[i * 50 : i * 50 + 20], 80) for i in range(3)]
+        start = rng.randrange(len(ids) - 1_500)
+        out.append(Job("long0", ids[start : start + 1_500], 60, join_at=1))
+        out.append(Job("long1", ids[start + 7 : start + 1_407], 6, join_at=14))
+        return out
+
+    plain = drive(plain_generator(model, prefill_step_size=256), jobs())
+    generator = grouping_generator(model, prefill_step_size=256)
+    generator.fuse_prefill = True
+    fused_in_groups = []
+    groups = most_groups(generator)
+
+    def probe(step: int) -> None:
+        before = generator.fused_steps
+        groups(step)
+        fused_in_groups.append((before, groups.seen[-1]))  # type: ignore[attr-defined]
+
+    got = drive(generator, jobs(), probe)
+    counts = [f for f, _ in fused_in_groups]
+    grouped_fused = [
+        g for (f, g), prev in zip(fused_in_groups[1:], counts, strict=False) if f > prev
+    ]
+    assert any(g >= 2 for g in grouped_fused), fused_in_groups
+    for name, want in plain.items():
+        assert got[name].tokens == want.tokens, name
+
+
 def test_groups_with_a_quantized_cache():
     from mlx_lm import load
 

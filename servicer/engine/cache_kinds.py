@@ -8,7 +8,8 @@ it as. Every other module asks this one: a new mlx-lm cache kind is one entry in
 
 An entry holds for its class exactly. A subclass the table does not name (a model's own cache)
 keeps how its nearest named base is measured, adopted and flattened, but none of the promises
-(`attention_kv`, `quantize`, `speculates`, `drafts`): a subclass may change what they rest on.
+(`attention_kv`, `quantize`, `speculates`, `drafts`, `groups_rows`): a subclass may change what
+they rest on.
 """
 
 from __future__ import annotations
@@ -216,7 +217,14 @@ def kind_of(cache: Any) -> CacheKind:
         if kind is not None:
             if base is cls:
                 return kind
-            return replace(kind, attention_kv=False, quantize=False, speculates=False, drafts=False)
+            return replace(
+                kind,
+                attention_kv=False,
+                quantize=False,
+                speculates=False,
+                drafts=False,
+                groups_rows=False,
+            )
     return UNFAMILIAR
 
 
