@@ -3,7 +3,8 @@ model (issue 39's table): the long prompt's first token, the streams' longest ga
 their own decode steps), and each worker's peak memory.
 
 Workers, one after another on the same cases: ours with its defaults, ours with the prefill
-chunk in the decoding rows' forward (`--fuse-prefill`), ours without the prefill budget
+chunk in the decoding rows' forward (`--fuse-prefill`), ours with every row padded to the
+longest in one batch (`--no-group-rows`), ours without the prefill budget
 (`--max-prefill-stall-ms 0`), ours without the prompt cache (`--prompt-cache-size 0`), and
 smg-grpc-servicer (no chunking). Float32 on this CPU: a 4-bit model prefills about 10x slower
 here (MLX's CPU quantized matmul), which would measure that kernel rather than the scheduling.
@@ -31,12 +32,14 @@ WORKERS = {
     "ours_fused": ("--fuse-prefill",),
     "ours_off": ("--max-prefill-stall-ms", "0"),
     "ours_nocache": ("--prompt-cache-size", "0"),
+    "ours_padded": ("--no-group-rows",),
 }
 LABELS = {
     "ours": "ours, defaults",
     "ours_fused": "ours, `--fuse-prefill`",
     "ours_off": "ours, `--max-prefill-stall-ms 0`",
     "ours_nocache": "ours, `--prompt-cache-size 0`",
+    "ours_padded": "ours, `--no-group-rows`",
     "smg": "smg-grpc-servicer (no chunking)",
 }
 
@@ -100,16 +103,15 @@ def run_part(
     flags: tuple[str, ...] = (),
     only: tuple[str, ...] = tuple(WORKERS),
 ) -> dict[str, Any]:
-    """Every worker (of `only`) on every case; a worker that fails is reported, the others
-    go on."""
+    """Every worker of `only`, in that order, on every case; a worker that fails is
+    reported, the others go on."""
     from mlx_lm.utils import load_tokenizer
 
     vocab_size = len(load_tokenizer(model).get_vocab())
     batch = BatchConfig(completion_batch_size=32, prefill_batch_size=8)
     workers = {
-        name: our_worker(model, batch, log_dir, f"long-{name}", (*flags, *extra))
-        for name, extra in WORKERS.items()
-        if name in only
+        name: our_worker(model, batch, log_dir, f"long-{name}", (*flags, *WORKERS[name]))
+        for name in only
     }
     if smg_python is not None:
         workers["smg"] = smg_worker(smg_python, model, batch, log_dir, "long")

@@ -221,3 +221,28 @@ def test_filter_and_extract_follow_the_rows(kind_model):
             if getattr(a, "keys", None) is not None and not isinstance(a.keys, tuple):
                 n = a.offset if isinstance(a.offset, int) else None
                 assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-5).item(), name
+
+
+def test_groups_are_on_by_default_and_can_be_turned_off():
+    from servicer.cli import config_from_args, parse_args
+
+    assert config_from_args(parse_args([])).engine.group_rows
+    assert not config_from_args(parse_args(["--no-group-rows"])).engine.group_rows
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["default", "off"])
+def test_the_engine_groups_rows_unless_told_not_to(demo_dir, on):
+    from servicer.engine import Engine, EngineConfig
+    from servicer.model_files import ModelSpec, prepare_model_files
+    from servicer.outbox import Outbox
+
+    engine = Engine(EngineConfig(prompt_cache_size=0, group_rows=on), Outbox(lambda: None))
+    engine.start(prepare_model_files(ModelSpec(str(demo_dir))).info)
+    try:
+        engine.wait_ready(120)
+        loop = engine._loop
+        assert loop is not None and loop.parts.group_rows is on
+        batch = loop.batch._generator._generation_batch
+        assert (getattr(batch, "grouping", None) is not None) is on
+    finally:
+        engine.shutdown(30)
