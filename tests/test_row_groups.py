@@ -79,7 +79,7 @@ def most_groups(generator: FusedPrefill) -> list[int]:
     return probe  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_groups_give_the_same_tokens(kind_model, seed, seeded):
     _, model, tokenizer = kind_model
