@@ -88,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from servicer.engine import fused_prefill
 
-    model_dir = resolve_model(args.model)
+    if args.model == "demo":
+        from servicer.demo_model import demo_model_path
+
+        model_dir = demo_model_path()
+    else:
+        model_dir = resolve_model(args.model)
     model, _ = load(str(model_dir))
     if not fused_prefill.enable_fused_prefill(model):
         raise SystemExit(f"{model_dir}: an architecture row groups do not cover")
