@@ -25,6 +25,19 @@ def demo_dir() -> Path:
     return demo_model_path()
 
 
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def kind_model(request) -> tuple[str, Any, Any]:
+    """A demo kind whose attention fused prefill and row groups cover, loaded with its
+    attention classes swapped: (kind, model, tokenizer)."""
+    from mlx_lm import load
+
+    from servicer.engine import fused_prefill
+
+    model, tokenizer = load(str(demo_model_path(request.param)))
+    assert fused_prefill.enable_fused_prefill(model)
+    return request.param, model, tokenizer
+
+
 class Reference:
     """Greedy continuations from mlx-lm's own single-sequence generator (the correctness bar)."""
 

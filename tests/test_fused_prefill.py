@@ -22,15 +22,6 @@ from servicer.engine.speculation import PromptLookup, SpeculationConfig, Specula
 from servicer.messages import SamplingSpec
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
-def kind_model(request) -> tuple[str, Any, Any]:
-    from mlx_lm import load
-
-    model, tokenizer = load(str(demo_model_path(request.param)))
-    assert fused_prefill.enable_fused_prefill(model)
-    return request.param, model, tokenizer
-
-
 def arrival_jobs(tokenizer: Any, seed: int, seeded: bool = False) -> list[Job]:
     """Two to four rows decoding from the start, then long prompts (150-400 tokens) arriving
     one at a time while they decode; random lengths."""

@@ -26,7 +26,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
-from .row_groups import GroupMasks, RowGroups
+from .row_groups import PartMasks, RowGroups
 
 # Attention classes whose forward is the standard one `_segment` reproduces, and the model
 # classes around them whose head is `lm_head`, or the tied embedding.
@@ -43,20 +43,13 @@ class Segments:
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None
-    ) -> SegmentMasks:
+    ) -> PartMasks:
         """What the model's own mask code asks of a layer's cache, asked of each segment's."""
         masks = []
         for cache, rows, width in self.parts:
             shaped = mx.zeros((rows, width, 1))  # create_attention_mask reads its shape only
             masks.append(create_attention_mask(shaped, cache, window_size, return_array))
-        return SegmentMasks(tuple(masks))
-
-
-class SegmentMasks:
-    """Each segment's attention mask, as its own cache made it."""
-
-    def __init__(self, masks: tuple[Any, ...]) -> None:
-        self.masks = masks
+        return PartMasks(masks)
 
 
 class PackedAttention:
@@ -119,7 +112,7 @@ class PackedAttention:
         keys: mx.array,
         values: mx.array,
         width: int,
-        mask: GroupMasks,
+        mask: PartMasks,
         cache: RowGroups,
     ) -> mx.array:
         """The attention of a batch (rows, width, ·) whose rows are in groups: each group's rows

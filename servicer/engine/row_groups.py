@@ -50,11 +50,12 @@ def choose_group(groups: Sequence[tuple[int, int]], rows: int, width: int) -> in
     return best if cheap or len(groups) >= MAX_GROUPS else None
 
 
-class GroupMasks:
-    """Each group's attention mask, as its own cache made it."""
+class PartMasks:
+    """Each part's attention mask (a row group's, or a packed forward's segment's), as that
+    part's own cache made it."""
 
-    def __init__(self, masks: list[Any]) -> None:
-        self.masks = masks
+    def __init__(self, masks: Sequence[Any]) -> None:
+        self.masks = tuple(masks)
 
 
 class RowGroups:
@@ -92,8 +93,8 @@ class RowGroups:
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None, **_: Any
-    ) -> GroupMasks:
-        return GroupMasks(
+    ) -> PartMasks:
+        return PartMasks(
             [
                 g.make_mask(N, return_array=return_array, window_size=window_size)
                 for g in self.groups
