@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..faults import FaultPlan
@@ -59,10 +59,10 @@ class Row:
     prefilled: bool = False  # its prompt is in; its first token comes with the next step
     grammar: GrammarProcessor | None = None  # its structured-output processor, if any
     pins: Pins | None = None  # the blocks of the prefix it reused, pinned while it runs
+    ticket: int = field(init=False)  # its request's (read for every event)
 
-    @property
-    def ticket(self) -> int:
-        return self.admit.request.ticket
+    def __post_init__(self) -> None:
+        self.ticket = self.admit.request.ticket
 
     def produced(self, now: float) -> None:
         """One more event for the next hand-off."""
@@ -108,6 +108,12 @@ class Batch:
         self._wants_logprobs = wants_logprobs  # only rank 0 sends them anywhere
         self._errors = RateLimitedLog(log, 10.0)
         self.rows: dict[int, Row] = {}
+        # Kept as rows change, so a step's bookkeeping reads only the rows it concerns: the
+        # rows whose prompt is not all through the model, the rows whose prompt is through
+        # and whose first token is not out yet, and the memory all rows reserved.
+        self._prefilling: dict[int, Row] = {}
+        self._first_due: set[int] = set()
+        self._reserved = 0
         self.decode_cost = DecodeCost()  # steps without prefill, by decoding rows
         self.steps = 0
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
@@ -119,20 +125,26 @@ class Batch:
     @property
     def decode_step_s(self) -> float:
         """How long the next step takes without prefill, for the rows decoding now."""
-        decoding = sum(1 for row in self.rows.values() if row.prefill_left == 0)
-        return self.decode_cost.seconds(max(decoding, 1))
+        return self.decode_cost.seconds(max(len(self.rows) - len(self._prefilling), 1))
 
     def view(self) -> BatchView:
-        rows = self.rows.values()
-        due = any(row.prefilled and not row.generated for row in rows)
+        rows = self._prefilling.values()
         prefilling = tuple(
             PrefillRow(row.prefill_left - 1, row.context, row.context > row.admit.cached_tokens)
             for row in rows
             if row.prefill_left > 1
         )
         starting = sum(1 for row in rows if row.prefill_left == 1)
-        reserved = sum(row.admit.reserved for row in rows)
-        return BatchView(len(self.rows), due, prefilling, self.decode_step_s, starting, reserved)
+        due = bool(self._first_due)
+        return BatchView(
+            len(self.rows), due, prefilling, self.decode_step_s, starting, self._reserved
+        )
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the next step has rows past their prefill (`BatchView.decoding`)."""
+        prefilling = sum(1 for row in self._prefilling.values() if row.prefill_left > 1)
+        return len(self.rows) > prefilling
 
     def set_chunk(self, tokens: int) -> None:
         """Prompt tokens per row the next step prefills (mlx-lm reads it at every step)."""
@@ -191,6 +203,9 @@ class Batch:
             pins = hit.pins if hit is not None else None
             row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, pins=pins)
             self.rows[uid] = row
+            self._reserved += admit.reserved
+            if left > 0:
+                self._prefilling[uid] = row
 
     def _cache_for(self, hit: Hit | None) -> list[Any] | None:
         if hit is not None:
@@ -206,6 +221,9 @@ class Batch:
 
     def _drop(self, row: Row) -> None:
         del self.rows[row.uid]
+        self._prefilling.pop(row.uid, None)
+        self._first_due.discard(row.uid)
+        self._reserved -= row.admit.reserved
         if row.pins is not None:
             row.pins.release()
 
@@ -217,16 +235,14 @@ class Batch:
         self.steps += 1
         if self._faults is not None:
             self._faults.before_step(self.steps)
-        rows = self.rows
-        before = {uid: (row.context, row.prefill_left) for uid, row in rows.items()}
-        work = any(left > 0 for _, left in before.values())
-        decoding = sum(1 for _, left in before.values() if left == 0)
+        decoding = len(self.rows) - len(self._prefilling)
         started = time.perf_counter()
-        if not work:
+        if not self._prefilling:
             prompt_progress, responses = self._generator.next()
             self.decode_cost.observe(decoding, time.perf_counter() - started)
             self._track_prefill(prompt_progress)
             return StepReport(self._collect(responses, out), None)
+        before = {uid: (row.context, row.prefill_left) for uid, row in self._prefilling.items()}
         fused_before = self._generator.fused_steps
         with self._generator.stats() as stats:
             prompt_progress, responses = self._generator.next()
@@ -245,18 +261,22 @@ class Batch:
                 continue
             if progress.end_of_prompt:
                 row.prefilled, row.prefill_left = True, 0
+                if not row.generated:
+                    self._first_due.add(row.uid)
             else:
                 done, total = progress.progress
                 row.prefill_left = total - done
                 row.context = row.admit.cached_tokens + done
+            if row.prefill_left == 0:
+                self._prefilling.pop(row.uid, None)
         self._snapshot_prefills(prompt_progress)
 
     def _prefill_sample(
         self, before: dict[int, tuple[int, int]], seconds: float
     ) -> PrefillSample | None:
-        """The step's prefill as a cost sample: every row in prefill is padded to the longest
-        chunk, the context is the longest one's, and rows that were through their prompt ran
-        their first token."""
+        """The step's prefill as a cost sample (`before`: the rows in prefill when it began):
+        every row in prefill is padded to the longest chunk, the context is the longest
+        one's, and rows that were through their prompt ran their first token."""
         chunks = [
             (left - row.prefill_left, context)
             for uid, (context, left) in before.items()
@@ -272,10 +292,13 @@ class Batch:
     def _collect(self, responses: list[Any], out: StepOutput) -> bool:
         """The step's tokens as events in `out`; True when some handler needs them now."""
         due, broken, wanted = False, [], []
+        rows, events, first_due = self.rows, out.events, self._first_due
+        logprobs_wanted = self._wants_logprobs
         now = time.perf_counter()
         horizon = now + self.decode_step_s  # the end of the next step
+        check = self.check
         for response in responses:
-            row = self.rows.get(response.uid)
+            row = rows.get(response.uid)
             if row is None:  # removed earlier in this step
                 continue
             row.generated += 1
@@ -284,32 +307,26 @@ class Batch:
                 if response.finish_reason is None:
                     broken.append(row.uid)  # still in the batch
                 continue
-            event = self._event(row, response)
-            out.events.append(event)
+            if row.generated == 1:
+                first_due.discard(row.uid)
+            token, finish = response.token, response.finish_reason
+            stop_token = token if finish == FINISH_STOP else None
+            event = RowEvent(row.ticket, token, finish, stop_token, None, row.admit.cached_tokens)
+            events.append(event)
+            check += token
             row.produced(now)
-            due = due or row.handoff_due(event.finish_reason is not None, horizon)
-            if row.admit.request.top_logprobs is not None and self._wants_logprobs:
-                wanted.append((event, response.logprobs, row.admit.request.top_logprobs))
-            if event.finish_reason is not None:
+            due = due or row.handoff_due(finish is not None, horizon)
+            top = row.admit.request.top_logprobs
+            if top is not None and logprobs_wanted:
+                wanted.append((event, response.logprobs, top))
+            if finish is not None:
                 self._finish(row, response)
         if broken:
             self._generator.remove(broken)
         if wanted:
             _attach_logprobs(wanted)
-        self.check = (self.check + sum(e.token or 0 for e in out.events)) % (1 << 31)
+        self.check = check % (1 << 31)
         return due
-
-    @staticmethod
-    def _event(row: Row, response: Any) -> RowEvent:
-        finish = response.finish_reason
-        return RowEvent(
-            row.ticket,
-            response.token,
-            finish,
-            response.token if finish == FINISH_STOP else None,
-            None,
-            row.admit.cached_tokens,
-        )
 
     def _fail_grammar(self, row: Row, out: StepOutput) -> None:
         assert row.grammar is not None

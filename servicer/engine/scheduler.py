@@ -153,6 +153,10 @@ class Scheduler:
             return StepChoice([], policy.step_tokens)
         widen = self._widen(batch, now)
         budget_s = step_budget(policy, widen, batch.decode_step_s)
+        if not self._waiting and not batch.prefilling and not batch.starting:
+            # Nothing to admit or prefill (most decode steps): no chunk to size.
+            widened = policy.budgeted and widen > 1.0 and batch.decoding
+            return StepChoice([], policy.step_tokens, widened, [], budget_s)
         context = max((row.context for row in batch.prefilling), default=0)
         decoding = batch.decoding and not self._bulk(batch)
         bulk = batch.decoding and not decoding
