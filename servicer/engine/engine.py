@@ -47,6 +47,9 @@ from .watchdog import StepWatch
 
 log = logging.getLogger(__name__)
 FATAL_DELIVERY_S = 5.0  # how long a dying engine waits for the handlers to take its last words
+# While rows run, the figures go out at most this often (building and comparing them every
+# step of a fast model is a measurable share of its step); an idle batch sends them at once.
+FIGURES_INTERVAL_S = 0.05
 
 
 class Sink(Protocol):
@@ -219,6 +222,7 @@ class EngineLoop:
         self._lockstep = lockstep
         self._leads = self._lockstep is None or self._lockstep.leads
         self._published: EngineFigures | None = None
+        self._published_at = 0.0
         self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
         parts = build_parts(config, info, lockstep)
         self.parts = parts
@@ -453,7 +457,12 @@ class EngineLoop:
 
     def _publish(self, out: StepOutput, budget_s: float) -> None:
         """The figures go out with this output when they changed (`budget_s`: the prefill
-        budget the step was planned with)."""
+        budget the step was planned with): at once when no row runs, otherwise at most every
+        `FIGURES_INTERVAL_S`."""
+        now = time.monotonic()
+        if self.batch.rows and now - self._published_at < FIGURES_INTERVAL_S:
+            return
+        self._published_at = now
         budget = budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
         figures = EngineFigures(self.store.stats(), budget, self._speculation_figures())
         if figures != self._published:
