@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
@@ -221,8 +222,7 @@ class EngineLoop:
         self._inbox = inbox
         self._lockstep = lockstep
         self._leads = self._lockstep is None or self._lockstep.leads
-        self._published: EngineFigures | None = None
-        self._published_at = 0.0
+        self._published = Published()
         self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
         parts = build_parts(config, info, lockstep)
         self.parts = parts
@@ -457,16 +457,16 @@ class EngineLoop:
 
     def _publish(self, out: StepOutput, budget_s: float) -> None:
         """The figures go out with this output when they changed (`budget_s`: the prefill
-        budget the step was planned with): at once when no row runs, otherwise at most every
-        `FIGURES_INTERVAL_S`."""
-        now = time.monotonic()
-        if self.batch.rows and now - self._published_at < FIGURES_INTERVAL_S:
+        budget the step was planned with): at once when no row runs or the output answers a
+        flush (its caller reads them), otherwise at most every `FIGURES_INTERVAL_S`."""
+        now, published = time.monotonic(), self._published
+        if self.batch.rows and not out.flushed and now - published.at < FIGURES_INTERVAL_S:
             return
-        self._published_at = now
+        published.at = now
         budget = budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
         figures = EngineFigures(self.store.stats(), budget, self._speculation_figures())
-        if figures != self._published:
-            out.figures = self._published = figures
+        if figures != published.figures:
+            out.figures = published.figures = figures
 
     def _speculation_figures(self) -> SpeculationFigures | None:
         if self.parts.speculation is None:
@@ -495,6 +495,14 @@ class EngineLoop:
         tickets = self.scheduler.drain()
         out.events.extend(RowEvent(ticket, None, FINISH_ABORT) for ticket in tickets)
         self.batch.end_all(out)
+
+
+@dataclass(slots=True)
+class Published:
+    """The figures the engine last sent, and when it last looked (time.monotonic())."""
+
+    figures: EngineFigures | None = None
+    at: float = 0.0
 
 
 def _length(hit: Hit | None) -> int:

@@ -154,9 +154,7 @@ class Scheduler:
         widen = self._widen(batch, now)
         budget_s = step_budget(policy, widen, batch.decode_step_s)
         if not self._waiting and not batch.prefilling and not batch.starting:
-            # Nothing to admit or prefill (most decode steps): no chunk to size.
-            widened = policy.budgeted and widen > 1.0 and batch.decoding
-            return StepChoice([], policy.step_tokens, widened, [], budget_s)
+            return self._decode_only(batch, widen, budget_s)
         context = max((row.context for row in batch.prefilling), default=0)
         decoding = batch.decoding and not self._bulk(batch)
         bulk = batch.decoding and not decoding
@@ -204,6 +202,11 @@ class Scheduler:
             return StepChoice(admits, max(left), widened, failed, planned, bulk)
         chunk = chunk_for(left, capacity, min_chunk)
         return StepChoice(admits, chunk, widened, failed, budget_s, bulk)
+
+    def _decode_only(self, batch: BatchView, widen: float, budget_s: float) -> StepChoice:
+        """A step with nothing to admit or prefill (most decode steps): no chunk to size."""
+        widened = self._policy.budgeted and widen > 1.0 and batch.decoding
+        return StepChoice([], self._policy.step_tokens, widened, [], budget_s)
 
     def _finishing(
         self, batch: BatchView, decoding: bool, context: int, budget_s: float, capacity: int
