@@ -140,12 +140,6 @@ class Batch:
             len(self.rows), due, prefilling, self.decode_step_s, starting, self._reserved
         )
 
-    @property
-    def decoding(self) -> bool:
-        """Whether the next step has rows past their prefill (`BatchView.decoding`)."""
-        prefilling = sum(1 for row in self._prefilling.values() if row.prefill_left > 1)
-        return len(self.rows) > prefilling
-
     def set_chunk(self, tokens: int) -> None:
         """Prompt tokens per row the next step prefills (mlx-lm reads it at every step)."""
         self._generator.prefill_step_size = tokens

@@ -421,7 +421,7 @@ class EngineLoop:
     def _step(self, out: StepOutput, plan: Plan) -> bool:
         """One step; what it prefilled teaches the scheduler's cost model (rank 0 plans)."""
         batch, scheduler = self.batch, self.scheduler
-        decoding = batch.decoding
+        decoding = batch.view().decoding
         report = batch.step(out)
         if report.prefill_tokens:
             out.prefill_tokens.append(report.prefill_tokens)
