@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import report
-from workers import resolve_model
+from workers import model_or_demo, resolve_model
 
 SHORT_PROMPT = 300
 STREAM_TOKENS = 10_000  # the streams outlast the measurement
@@ -88,12 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from servicer.engine import fused_prefill
 
-    if args.model == "demo":
-        from servicer.demo_model import demo_model_path
-
-        model_dir = demo_model_path()
-    else:
-        model_dir = resolve_model(args.model)
+    model_dir = model_or_demo(None if args.model == "demo" else resolve_model(args.model))
     model, _ = load(str(model_dir))
     if not fused_prefill.enable_fused_prefill(model):
         raise SystemExit(f"{model_dir}: an architecture row groups do not cover")
