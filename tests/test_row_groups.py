@@ -5,6 +5,7 @@ speculation drafting across groups, `--kv-bits 8`; and the choice of group on it
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -106,6 +107,52 @@ def test_groups_beside_speculation(kind_model):
     probe = most_groups(generator)
     speculated = drive(generator, jobs(), probe)
     assert max(probe.seen) >= 2 and generator.speculation.drafted > 0
+    for name, want in plain.items():
+        assert speculated[name].tokens == want.tokens, name
+
+
+def test_groups_beside_speculation_that_stops_and_starts(kind_model, monkeypatch):
+    """The mode clock switching drafting off and on (three steps each): each time it stops,
+    every group's caches that roll back become mlx-lm's again, group by group, and the
+    groups stay as they were."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from servicer.engine.speculation.config import ModeClock
+
+    _, model, tokenizer = kind_model
+    asked = [0]
+
+    def three_on_three_off(self: ModeClock, rows: int) -> bool:
+        asked[0] += 1
+        return (asked[0] // 3) % 2 == 0
+
+    monkeypatch.setattr(ModeClock, "drafting", three_on_three_off)
+
+    def jobs() -> list[Job]:
+        out = mixed_jobs(tokenizer, 9)
+        for job in out[:3]:
+            job.prompt = job.prompt + job.prompt  # something for prompt lookup to find
+        return out
+
+    plain = drive(plain_generator(model), jobs())
+    generator = SpeculativeBatchGenerator(
+        model,
+        source=PromptLookup(),
+        speculation=SpeculationConfig(costed=True, max_rows=16),
+        **generator_kwargs(),
+    )
+    generator.group_rows(grouped)
+    released_in_groups = []
+
+    def probe(_: int) -> None:
+        layers = [c for c in generator._generation_batch.prompt_cache if isinstance(c, RowGroups)]
+        if layers and len(layers[0].groups) >= 2:
+            released_in_groups.append(all(type(g) is BatchKVCache for g in layers[0].groups))
+
+    speculated = drive(generator, jobs(), probe)
+    assert generator.speculation.drafted > 0
+    pairs = itertools.pairwise(released_in_groups)
+    assert any(not before and after for before, after in pairs)  # released, in two groups
     for name, want in plain.items():
         assert speculated[name].tokens == want.tokens, name
 

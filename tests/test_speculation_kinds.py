@@ -5,6 +5,7 @@ same tokens as mlx-lm's own BatchGenerator without speculation."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 from typing import Any
@@ -211,3 +212,54 @@ def test_drafting_switched_on_and_off_by_the_clocks_changes_no_output(kind):
         assert_same(plain, drive(costed, jobs(seeded)))
         stats = costed.speculation
         assert stats.speculative_steps > 0 and stats.cutoff_steps > 0  # both modes ran
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain-kv", "kv-bits"])
+@pytest.mark.parametrize("kind", ["llama", *KINDS])
+def test_a_batch_that_stops_drafting_goes_back_to_mlx_lm_caches_exactly(
+    kind, quantized, monkeypatch
+):
+    """Whenever the mode clock stops drafting, the batch's caches that roll back become
+    mlx-lm's again (whose plain step is cheaper), and the next drafting step adopts them
+    anew: rows joining and leaving across the switches, oracle drafts that get rejected,
+    greedy and seeded rows, with and without --kv-bits: the tokens of speculation off."""
+    from mlx_lm import load
+
+    from servicer.engine.speculation.caches import RaggedKVCache, RingKVCache
+    from servicer.engine.speculation.config import ModeClock
+
+    model, tokenizer = load(str(demo_model_path(kind)))
+    asked = [0]
+
+    def three_on_three_off(self: ModeClock, rows: int) -> bool:
+        asked[0] += 1
+        return (asked[0] // 3) % 2 == 0
+
+    monkeypatch.setattr(ModeClock, "drafting", three_on_three_off)
+
+    def jobs(seeded: bool) -> list[Job]:
+        rows = (lambda: make_row_cache(model, 8, 32)) if quantized else None
+        out = random_jobs(tokenizer, 13, 3, caches=rows)
+        if seeded:
+            for i, job in enumerate(out):
+                job.sampler = SeededSampler(SamplingSpec(temperature=0.7, seed=60 + i), 512)
+        return out
+
+    own = (RaggedKVCache, RingKVCache)  # recurrent state steps the same either way and stays
+
+    def check(seeded: bool) -> None:
+        plain = drive(plain_generator(model), jobs(seeded))
+        generator = speculating(model, Oracle(references(jobs(seeded), plain)), costed=True)
+        held: list[bool] = []
+
+        def look(step: int) -> None:
+            caches = generator._generation_batch.prompt_cache
+            held.append(any(isinstance(c, own) for c in caches))
+
+        assert_same(plain, drive(generator, jobs(seeded), on_step=look))
+        assert generator.speculation.speculative_steps > 0
+        released = [a and not b for a, b in itertools.pairwise(held)]
+        assert sum(released) >= 2, held  # back to mlx-lm's caches, more than once
+
+    check(seeded=False)
+    check(seeded=True)

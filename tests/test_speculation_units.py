@@ -4,6 +4,7 @@ the pace."""
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any
 
 import mlx.core as mx
@@ -461,3 +462,39 @@ def test_a_mode_is_judged_by_its_mean_window_not_its_best():
         modes.append(mode)
         clock.record(1, round(rate * 0.01), 0.01, clean=True)
     assert modes[-1000:].count(True) < 0.3 * 1000
+
+
+def test_a_clear_loss_backs_off_faster_than_a_narrow_one():
+    """Drafting that measures well below plain steps (beyond a window's noise) is looked at
+    again a quarter as often after each loss; a narrow loss, half as often."""
+    from servicer.engine.speculation.config import ModeClock
+
+    def probes(drafting_rate: float) -> list[int]:
+        clock = ModeClock(window=2, first_gap=2, most_gap=64)
+        modes = _run_steps(clock, 1, {True: drafting_rate, False: 1000}, 600)
+        return [i for i in range(1, 600) if modes[i] and not modes[i - 1]]
+
+    clear, narrow = probes(600), probes(950)
+    assert len(clear) < len(narrow)
+    gaps = [b - a for a, b in itertools.pairwise(clear)]
+    assert gaps[1] >= 3 * gaps[0]  # four times the windows (less the switch steps)
+
+
+def test_the_step_index_is_the_same_a_position_at_a_time_or_in_bulk(monkeypatch):
+    """Prompt lookup's index: a prompt's thousands of positions at once (numpy), a step's
+    few in a loop; any mix of the two holds the same latest positions."""
+    from servicer.engine.speculation import ngram
+
+    draw = random.Random(3)
+    for sizes in [(3, 2), (3, 2, 1), (2,), (1,), (3,)]:
+        for _ in range(10):
+            context = [draw.randrange(12) for _ in range(draw.randrange(1, 900))]
+            cuts = sorted(draw.sample(range(1, len(context) + 1), min(len(context), 5)))
+            built = []
+            for bulk in (1, 10**9):
+                monkeypatch.setattr(ngram, "_BULK", bulk)
+                index = ngram.NgramIndex(sizes)
+                for cut in cuts:
+                    index._index(context, cut)
+                built.append(index._ends)
+            assert built[0] == built[1], (sizes, cuts)

@@ -66,6 +66,9 @@ class Bytes:
 # A batch cache from mlx-lm's prefill -> the cache that rolls back per row (`extra`: the most
 # tokens a verify gives back; `padding_inert`: the model honours per-row lengths).
 Adopt = Callable[[Any, int, bool], Any]
+# A speculating batch's cache -> mlx-lm's batch cache again, for a batch that has stopped
+# drafting (mlx-lm's plain step is cheaper: one write index, no per-row scatter).
+Release = Callable[[Any], Any]
 Measure = Callable[[Any], Bytes | None]  # None: nothing to read yet (no keys)
 
 
@@ -80,6 +83,7 @@ class CacheKind:
     drafts: bool = False  # a draft model may keep it: its batch gives back any number of tokens
     sliding: bool = False  # a window; its kept sink tokens (`keep`) cannot be rolled back
     adopt: Adopt | None = None  # None: a speculating batch cannot hold it
+    release: Release | None = None  # None: it stays as it is when drafting stops
     measure: Measure | None = None  # None: what one token made it hold, counted per token
     nested: Callable[[Any], list[Any]] | None = None  # a cache of caches: its layers
     groups_rows: bool = False  # a batch's full-attention KV that row_groups may hold in groups
@@ -114,6 +118,12 @@ def _state_bytes(layer: Any) -> Bytes:
 
 def _as_is(layer: Any, extra: int, padding_inert: bool) -> Any:
     return layer  # already one of the caches that roll back per row
+
+
+def _rows_merged(layer: Any) -> Any:
+    """Each row as mlx-lm's single-sequence cache, merged as mlx-lm's batch (one copy)."""
+    rows = [layer.extract(i) for i in range(layer.rows)]
+    return rows[0].merge(rows)
 
 
 KINDS: Mapping[type, CacheKind] = MappingProxyType(
@@ -185,15 +195,26 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
         ),
         # ours: a speculating batch's caches (speculation.caches), adopted already
         RaggedKVCache: CacheKind(
-            "full attention, rows rolled back per row", adopt=_as_is, groups_rows=True
+            "full attention, rows rolled back per row",
+            adopt=_as_is,
+            release=_rows_merged,
+            groups_rows=True,
         ),
         RaggedQuantizedKVCache: CacheKind(
-            "RaggedKVCache, quantized", adopt=_as_is, groups_rows=True
+            "RaggedKVCache, quantized", adopt=_as_is, release=_rows_merged, groups_rows=True
         ),
         RaggedDequantizingKVCache: CacheKind(
-            "RaggedKVCache, quantized, dequantized for attention", adopt=_as_is, groups_rows=True
+            "RaggedKVCache, quantized, dequantized for attention",
+            adopt=_as_is,
+            release=_rows_merged,
+            groups_rows=True,
         ),
-        RingKVCache: CacheKind("a sliding window, rolled back per row", sliding=True, adopt=_as_is),
+        RingKVCache: CacheKind(
+            "a sliding window, rolled back per row",
+            sliding=True,
+            adopt=_as_is,
+            release=_rows_merged,
+        ),
         RecurrentCache: CacheKind(
             "recurrent state, snapshot and replay", adopt=_as_is, measure=_state_bytes
         ),
@@ -201,6 +222,7 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
         RowGroups: CacheKind(
             "full attention, a batch in groups of similar length",
             adopt=lambda layer, extra, inert: layer.map(lambda g: adopt(g, extra, inert)),
+            release=lambda layer: layer.map(release),
         ),
     }
 )
@@ -242,6 +264,13 @@ def adopt(layer: Any, extra: int, padding_inert: bool = True) -> Any:
     if how is None:
         raise TypeError(f"{type(layer).__name__} cannot roll back per row")
     return how(layer, extra, padding_inert)
+
+
+def release(layer: Any) -> Any:
+    """One layer of a speculating batch that stopped drafting, as mlx-lm's batch cache where
+    its kind has one (recurrent state steps the same either way and stays)."""
+    how = kind_of(layer).release
+    return layer if how is None else how(layer)
 
 
 def grouped(caches: Sequence[Any]) -> list[Any]:

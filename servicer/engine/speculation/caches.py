@@ -104,6 +104,10 @@ class _RowEnds:
         raise NotImplementedError
 
     @property
+    def rows(self) -> int:
+        return len(self._end)
+
+    @property
     def state(self) -> tuple:
         return self.keys, self.values, self.offset
 

@@ -54,8 +54,9 @@ class RowPace:
             self.idle = 0
 
 
-_PROMISE_EWMA = 0.05  # weight of one step's shadow in a batch size's promise
+_PROMISE_EWMA = 0.15  # weight of one shadow lookup (every few steps) in a batch size's promise
 _RECENT_WINDOWS = 3
+_CLEAR_LOSS = 0.85  # a probed mode's rate below this share of the other's lost for certain
 
 
 def _mean(windows: deque[float]) -> float:
@@ -152,9 +153,13 @@ class ModeClock:
         )
         other = self._rate(bucket, not window.drafting)
         if window.probe and other is not None:
-            lost = self._rate(bucket, window.drafting) < other
+            rate = self._rate(bucket, window.drafting) or 0.0
             gap = self.gaps.get(bucket, 1)
-            self.gaps[bucket] = min(self.most_gap, gap * 2) if lost else self.first_gap
+            if rate >= other:
+                self.gaps[bucket] = self.first_gap
+            else:  # a loss beyond a window's noise backs off faster
+                grow = 4 if rate < _CLEAR_LOSS * other else 2
+                self.gaps[bucket] = min(self.most_gap, gap * grow)
         del self._open[bucket]
 
     def _choose(self, bucket: int) -> tuple[bool, bool]:
@@ -198,7 +203,10 @@ class StepClock:
 
     def record(self, rows: int, width: int, seconds: float) -> None:
         key = (self.bucket(rows), width)
-        self.periods.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        periods = self.periods.get(key)
+        if periods is None:  # (not setdefault: that would build a deque every step)
+            periods = self.periods[key] = deque(maxlen=self.window)
+        periods.append(seconds)
 
     def choose(self, rows: int, widest: int, tokens: Callable[[int], float]) -> tuple[int, bool]:
         """The verify width for a step that could verify up to `widest` (`tokens(w)` is what
@@ -254,6 +262,12 @@ class SpeculationCounters:
         self.accepted += accepted
         self.emitted += sum(emitted)
         self.per_row_step.update(emitted)
+
+    def record_plain(self, rows: int) -> None:
+        """A step without drafts: one token for each of `rows` rows."""
+        self.steps += 1
+        self.emitted += rows
+        self.per_row_step[1] += rows
 
     def snapshot(self) -> SpeculationFigures:
         return SpeculationFigures(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 _BITS = 21  # token ids below 2**21; an n-gram of up to 3 ids packs into one int key
-_BULK = 64  # index this many new positions or more with numpy, fewer in a Python loop
+_BULK = 256  # index this many new positions or more with numpy (a prompt), fewer in a loop
 
 
 def _keys(window: Sequence[int], n: int) -> int:
@@ -28,6 +28,8 @@ class NgramIndex:
     def __init__(self, sizes: Sequence[int]) -> None:
         self._sizes = tuple(sizes)
         self._ends: dict[int, dict[int, int]] = {n: {} for n in self._sizes}
+        # The maps by n - 1, up to the largest n (None for a size not looked up).
+        self._by_back = [self._ends.get(n) for n in range(1, max(self._sizes) + 1)]
         self._indexed = 0  # positions [0, _indexed) are in the maps
 
     def _index(self, context: list[int], upto: int) -> None:
@@ -35,14 +37,21 @@ class NgramIndex:
         if upto - start >= _BULK:
             self._index_bulk(context, start, upto)
         else:
+            # Each n-gram's key grows from the shorter one's (as `_keys` packs it): a step's
+            # few new positions are indexed without slicing the context.
+            by_back = self._by_back
             for end in range(start, upto):
-                for n in self._sizes:
-                    if end + 1 >= n:
-                        self._ends[n][_keys(context[end + 1 - n : end + 1], n)] = end
+                key = 0
+                for back in range(min(len(by_back), end + 1)):
+                    key |= context[end - back] << (_BITS * back)
+                    ends = by_back[back]
+                    if ends is not None:
+                        ends[key] = end
         self._indexed = max(upto, start)
 
     def _index_bulk(self, context: list[int], start: int, upto: int) -> None:
-        ids = np.asarray(context[:upto], dtype=np.int64)
+        low = max(start - max(self._sizes) + 1, 0)  # the oldest token a new n-gram reads
+        ids = np.asarray(context[low:upto], dtype=np.int64)
         for n in self._sizes:
             first = max(start, n - 1)
             if first >= upto:
@@ -50,7 +59,7 @@ class NgramIndex:
             ends = np.arange(first, upto)
             keys = np.zeros(len(ends), dtype=np.int64)
             for back in range(n - 1, -1, -1):
-                keys = (keys << _BITS) | ids[ends - back]
+                keys = (keys << _BITS) | ids[ends - back - low]
             # dict.update keeps the last pair of a repeated key: the latest occurrence.
             self._ends[n].update(zip(keys.tolist(), ends.tolist(), strict=True))
 
