@@ -104,6 +104,9 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
         self._paces.extend(RowPace() for _ in batch.uids)
         super().extend(batch)
 
+    def after_pause(self) -> None:
+        self._timer.restart()
+
     def _adopted(self, caches: list[Any]) -> list[Any]:
         speculator = self.speculator
         k, inert = speculator.config.k_max, speculator.padding_inert

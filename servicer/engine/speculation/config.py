@@ -56,7 +56,9 @@ class RowPace:
 
 _PROMISE_EWMA = 0.15  # weight of one shadow lookup (every few steps) in a batch size's promise
 _RECENT_WINDOWS = 3
-_CLEAR_LOSS = 0.85  # a probed mode's rate below this share of the other's lost for certain
+# A look at the mode that lost costs about its shortfall over one window: the next look waits
+# until that is at most this share of the windows in between.
+_LOOK_COST = 0.01
 
 
 def _mean(windows: deque[float]) -> float:
@@ -79,8 +81,10 @@ class ModeClock:
     """Whether a batch of this size drafts at all, judged by what it delivers: tokens a
     second over windows of decode steps with drafting allowed and without, every cost in
     (the wait for the pending tokens a drafting step needs, the lookups, verifies, rollbacks
-    and replays). The better mode runs; the other gets one window now and then to re-measure
-    it, less often each time it loses again. Each batch size (in powers of two) keeps its own
+    and replays). The better mode (the leader) runs; the other gets one window now and then to
+    re-measure it, less often each time it loses again, and takes the lead only by winning
+    such a window: rates drift as contexts grow, so a mode measured long ago is not compared
+    with one measured now. Each batch size (in powers of two) keeps its own
     window open while the batch passes through other sizes. Steps that shared their time
     with a prefill are not counted, nor one that followed a step in the other mode (it
     carries its predecessor's forward)."""
@@ -88,9 +92,10 @@ class ModeClock:
     window: int = 8  # counted steps per measurement
     # Windows of the better mode before the other is measured again: one after the first
     # comparison (the first windows are a request's start, with the least to copy yet),
-    # then doubling each time it loses again, up to `most_gap`; `first_gap` once it wins.
+    # then doubling each time it loses again, or more where it lost by much (`_LOOK_COST`),
+    # up to `most_gap`; `first_gap` once it wins.
     first_gap: int = 4
-    most_gap: int = 32
+    most_gap: int = 64
     # While a batch size does not draft, how often its rows' lookups would have drafted the
     # token they got (`shadow`); drafting is tried only where this reaches `min_promise`.
     min_promise: float = 0.25
@@ -100,6 +105,8 @@ class ModeClock:
     # would favour drafting where it is even on average.
     recent: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
     gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
+    leaders: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode that runs
+    latest: dict[tuple[int, bool], float] = field(default_factory=dict)  # each mode's last window
     since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
     _open: dict[int, _Window] = field(default_factory=dict)
     _last_mode: bool | None = None  # the mode of the last step recorded
@@ -148,18 +155,22 @@ class ModeClock:
 
     def _close(self, bucket: int, window: _Window) -> None:
         key = (bucket, window.drafting)
-        self.recent.setdefault(key, deque(maxlen=_RECENT_WINDOWS)).append(
-            window.tokens / window.seconds
-        )
+        self.latest[key] = window.tokens / window.seconds
+        self.recent.setdefault(key, deque(maxlen=_RECENT_WINDOWS)).append(self.latest[key])
         other = self._rate(bucket, not window.drafting)
         if window.probe and other is not None:
-            rate = self._rate(bucket, window.drafting) or 0.0
+            # It takes the lead by beating the leader's last few windows (which ran just
+            # before it) both with this window and with its own last few: its older windows
+            # ran at other contexts (alone, they would compare old speeds with new ones), and
+            # one window alone may have caught a copied span (a lucky one).
+            rate = min(window.tokens / window.seconds, self._rate(bucket, window.drafting) or 0.0)
             gap = self.gaps.get(bucket, 1)
             if rate >= other:
+                self.leaders[bucket] = window.drafting
                 self.gaps[bucket] = self.first_gap
-            else:  # a loss beyond a window's noise backs off faster
-                grow = 4 if rate < _CLEAR_LOSS * other else 2
-                self.gaps[bucket] = min(self.most_gap, gap * grow)
+            else:
+                due = math.ceil((1.0 - rate / other) / _LOOK_COST)
+                self.gaps[bucket] = min(self.most_gap, max(gap * 2, due))
         del self._open[bucket]
 
     def _choose(self, bucket: int) -> tuple[bool, bool]:
@@ -171,14 +182,17 @@ class ModeClock:
             return promising, False
         if off is None:
             return False, False
-        better = on >= off
-        if self.since[bucket] >= self.gaps.get(bucket, 1):
+        leader = self.leaders.setdefault(bucket, on >= off)  # the first comparison
+        # The other mode is measured again after its gap, or at once should the leader have
+        # slowed below the other's last window (the contexts it runs at have changed).
+        slowed = (on if leader else off) < self.latest.get((bucket, not leader), 0.0)
+        if slowed or self.since[bucket] >= self.gaps.get(bucket, 1):
             self.since[bucket] = 0
-            if not better and not promising:
+            if not leader and not promising:
                 return False, False  # nothing suggests drafting would do better now
-            return not better, True
+            return not leader, True
         self.since[bucket] += 1
-        return better, False
+        return leader, False
 
 
 @dataclass(slots=True)

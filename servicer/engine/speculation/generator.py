@@ -60,6 +60,11 @@ class SpeculativeBatchGenerator(FusedPrefill):
         self._generation_batch.shares_step_with_prefill = prefilling
         return super()._next()
 
+    def after_pause(self) -> None:
+        """The caller did other work since the last step (a benchmark alternating
+        generators): neither clock counts that gap as the last step's time."""
+        self._generation_batch.after_pause()
+
     @property
     def speculation(self) -> SpeculationFigures:
         """The counters so far (a snapshot; read it on the engine thread)."""
