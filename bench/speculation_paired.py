@@ -10,6 +10,8 @@ got per step. Each row's tokens are compared between the two (greedy: they must 
     python bench/speculation_paired.py [--kinds llama,hybrid,gemma3] [--levels 1,2,4,8]
         [--workloads genai-style,copy-heavy] [--chunks 50] [--tokens 16] [--out DIR]
 
+The demo models only: rows that decode without end are a steady state of the clocks, not a
+workload (a real model falls into repeating itself, which prompt lookup copies perfectly).
 Served runs (bench/speculation.py) vary 10-15 % run to run on a shared CPU, more than the
 3 % this has to show; paired chunks of one process cancel the machine's drift. Preload
 OpenBLAS on a Linux CPU (README). About 6 minutes with the defaults.

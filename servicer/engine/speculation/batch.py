@@ -22,8 +22,9 @@ from .timing import StepTimer
 from .verify import accepted_prefix, can_speculate, choose
 
 # Steps without drafts per shadow lookup: the promise it feeds is an average, which a sample
-# of the steps reads as well, for a quarter of the lookups.
-SHADOW_EVERY = 4
+# of the steps reads as well (a lookup costs ~5-10 us a row on a slow CPU, a demo model's
+# step 1-2 ms).
+SHADOW_EVERY = 16
 
 
 @dataclass(slots=True)
@@ -125,9 +126,8 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
         drafting does not pay at this size, or the batch is past the cap): a plain step on
         the caches that roll back pays their per-row writes and masks (up to 1.6x mlx-lm's
         step on the demo gemma3), and the clock should measure plain steps as they run."""
-        if self._rolls_back:
-            self.prompt_cache = [cache_kinds.release(c) for c in self.prompt_cache]
-            self._rolls_back = False
+        self.prompt_cache = [cache_kinds.release(c) for c in self.prompt_cache]
+        self._rolls_back = False
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
@@ -196,7 +196,8 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
             off = not self.speculator.modes.drafting(rows)
         if off:
             counters.cutoff_steps += 1
-            self._release()
+            if self._rolls_back:
+                self._release()
             return [0] * rows, False
         ks = []
         for i in range(rows):

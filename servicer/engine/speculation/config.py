@@ -54,11 +54,15 @@ class RowPace:
             self.idle = 0
 
 
-_PROMISE_EWMA = 0.15  # weight of one shadow lookup (every few steps) in a batch size's promise
+_PROMISE_EWMA = 0.4  # weight of one shadow lookup (every 16 steps) in a batch size's promise
 _RECENT_WINDOWS = 3
 # A look at the mode that lost costs about its shortfall over one window: the next look waits
 # until that is at most this share of the windows in between.
 _LOOK_COST = 0.01
+# A mode takes the lead only by beating the other by this much: a window of 8 steps on a busy
+# machine reads 10-20 % off, and a wrong lead costs far more where drafting loses (a verify
+# of a few tokens costs 2x a step on a CPU) than it gains where the two are even.
+_LEAD_MARGIN = 1.05
 
 
 def _mean(windows: deque[float]) -> float:
@@ -165,7 +169,7 @@ class ModeClock:
             # one window alone may have caught a copied span (a lucky one).
             rate = min(window.tokens / window.seconds, self._rate(bucket, window.drafting) or 0.0)
             gap = self.gaps.get(bucket, 1)
-            if rate >= other:
+            if rate >= _LEAD_MARGIN * other:
                 self.leaders[bucket] = window.drafting
                 self.gaps[bucket] = self.first_gap
             else:
@@ -182,7 +186,7 @@ class ModeClock:
             return promising, False
         if off is None:
             return False, False
-        leader = self.leaders.setdefault(bucket, on >= off)  # the first comparison
+        leader = self.leaders.setdefault(bucket, on >= _LEAD_MARGIN * off)  # the first look
         # The other mode is measured again after its gap, or at once should the leader have
         # slowed below the other's last window (the contexts it runs at have changed).
         slowed = (on if leader else off) < self.latest.get((bucket, not leader), 0.0)

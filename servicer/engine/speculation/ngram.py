@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 _BITS = 21  # token ids below 2**21; an n-gram of up to 3 ids packs into one int key
-_BULK = 256  # index this many new positions or more with numpy (a prompt), fewer in a loop
+_BULK = 64  # index this many new positions or more with numpy (a prompt), fewer in a loop
 
 
 def _keys(window: Sequence[int], n: int) -> int:
