@@ -444,7 +444,7 @@ def test_after_the_first_comparison_the_losing_mode_is_measured_again_at_once():
     assert modes[:9] == [True, True, False, False, False, False, False, True, True]
 
 
-def test_a_mode_is_judged_by_its_mean_window_not_its_best():
+def test_a_mode_is_judged_by_its_median_window_not_its_best():
     """Drafting on prose: some windows catch a copied span and are fast, most are slow; on
     average it loses to plain steps, and must not win on its best windows."""
     import random

@@ -4,6 +4,7 @@ exports; the settings they read (`SpeculationConfig`) are plain data in `engine_
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,8 +66,10 @@ _LOOK_COST = 0.01
 _LEAD_MARGIN = 1.05
 
 
-def _mean(windows: deque[float]) -> float:
-    return sum(windows) / len(windows)
+def _middle(windows: deque[float]) -> float:
+    """The median of a mode's last windows: one window that a busy machine slowed, or that
+    caught a copied span, moves it not at all."""
+    return statistics.median(windows)
 
 
 @dataclass(slots=True)
@@ -104,9 +107,10 @@ class ModeClock:
     # token they got (`shadow`); drafting is tried only where this reaches `min_promise`.
     min_promise: float = 0.25
     promise: dict[int, float] = field(default_factory=dict)
-    # A mode's rate is the mean of its last few windows. Not their best: drafting's windows
+    # A mode's rate is the median of its last few windows. Not their best: drafting's windows
     # vary with the text (a copied span, then none), plain ones hardly, so the best of a few
-    # would favour drafting where it is even on average.
+    # would favour drafting where it is even on average; nor their mean, which one window
+    # slowed by a busy machine drags down.
     recent: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
     gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
     leaders: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode that runs
@@ -118,11 +122,11 @@ class ModeClock:
     @property
     def rates(self) -> dict[tuple[int, bool], float]:
         """Tokens a second by (batch size, drafting)."""
-        return {key: _mean(windows) for key, windows in self.recent.items()}
+        return {key: _middle(windows) for key, windows in self.recent.items()}
 
     def _rate(self, bucket: int, drafting: bool) -> float | None:
         windows = self.recent.get((bucket, drafting))
-        return _mean(windows) if windows else None
+        return _middle(windows) if windows else None
 
     def drafting(self, rows: int) -> bool:
         """The mode of a step of `rows` rows: its batch size's open window's."""
