@@ -192,8 +192,8 @@ class ModeClock:
             return False, False
         leader = self.leaders.setdefault(bucket, on >= _LEAD_MARGIN * off)  # the first look
         # The other mode is measured again after its gap, or at once should the leader have
-        # slowed below the other's last window (the contexts it runs at have changed).
-        slowed = (on if leader else off) < self.latest.get((bucket, not leader), 0.0)
+        # slowed clearly below the other's last window (the contexts it runs at have changed).
+        slowed = _LEAD_MARGIN * (on if leader else off) < self.latest.get((bucket, not leader), 0)
         if slowed or self.since[bucket] >= self.gaps.get(bucket, 1):
             self.since[bucket] = 0
             if not leader and not promising:
