@@ -86,26 +86,32 @@ def test_groups_give_the_same_tokens(kind_model, seed, seeded):
         assert got[name].all_tokens == want.all_tokens, name
 
 
-def test_groups_beside_speculation(kind_model):
-    """Rows drafting in both groups: verify forwards of several tokens, per-row rollback."""
-    _, model, tokenizer = kind_model
+def repeating_jobs(tokenizer: Any, seed: int) -> list[Job]:
+    """`mixed_jobs` whose first three prompts repeat (something for prompt lookup to find)."""
+    out = mixed_jobs(tokenizer, seed)
+    for job in out[:3]:
+        job.prompt = job.prompt + job.prompt
+    return out
 
-    def jobs() -> list[Job]:
-        out = mixed_jobs(tokenizer, 7)
-        for job in out[:3]:
-            job.prompt = job.prompt + job.prompt  # something for prompt lookup to find
-        return out
 
-    plain = drive(plain_generator(model), jobs())
+def speculating_in_groups(model: Any, costed: bool) -> SpeculativeBatchGenerator:
     generator = SpeculativeBatchGenerator(
         model,
         source=PromptLookup(),
-        speculation=SpeculationConfig(costed=False, max_rows=16),
+        speculation=SpeculationConfig(costed=costed, max_rows=16),
         **generator_kwargs(),
     )
     generator.group_rows(grouped)
+    return generator
+
+
+def test_groups_beside_speculation(kind_model):
+    """Rows drafting in both groups: verify forwards of several tokens, per-row rollback."""
+    _, model, tokenizer = kind_model
+    plain = drive(plain_generator(model), repeating_jobs(tokenizer, 7))
+    generator = speculating_in_groups(model, costed=False)
     probe = most_groups(generator)
-    speculated = drive(generator, jobs(), probe)
+    speculated = drive(generator, repeating_jobs(tokenizer, 7), probe)
     assert max(probe.seen) >= 2 and generator.speculation.drafted > 0
     for name, want in plain.items():
         assert speculated[name].tokens == want.tokens, name
@@ -127,21 +133,8 @@ def test_groups_beside_speculation_that_stops_and_starts(kind_model, monkeypatch
         return (asked[0] // 3) % 2 == 0
 
     monkeypatch.setattr(ModeClock, "drafting", three_on_three_off)
-
-    def jobs() -> list[Job]:
-        out = mixed_jobs(tokenizer, 9)
-        for job in out[:3]:
-            job.prompt = job.prompt + job.prompt  # something for prompt lookup to find
-        return out
-
-    plain = drive(plain_generator(model), jobs())
-    generator = SpeculativeBatchGenerator(
-        model,
-        source=PromptLookup(),
-        speculation=SpeculationConfig(costed=True, max_rows=16),
-        **generator_kwargs(),
-    )
-    generator.group_rows(grouped)
+    plain = drive(plain_generator(model), repeating_jobs(tokenizer, 9))
+    generator = speculating_in_groups(model, costed=True)
     released_in_groups = []
 
     def probe(_: int) -> None:
@@ -149,7 +142,7 @@ def test_groups_beside_speculation_that_stops_and_starts(kind_model, monkeypatch
         if layers and len(layers[0].groups) >= 2:
             released_in_groups.append(all(type(g) is BatchKVCache for g in layers[0].groups))
 
-    speculated = drive(generator, jobs(), probe)
+    speculated = drive(generator, repeating_jobs(tokenizer, 9), probe)
     assert generator.speculation.drafted > 0
     pairs = itertools.pairwise(released_in_groups)
     assert any(not before and after for before, after in pairs)  # released, in two groups
