@@ -302,7 +302,7 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
                 row[used - 1].finish_reason = finish
                 finished.append((i, row[used - 1]))
         _consume(samplers, step.used_keys)
-        self._roll_back(step.fed, emitted)
+        roll_back(self.model, self.prompt_cache, step.fed, emitted, self.speculator.padding_inert)
         self.speculator.source.accepted(kept_drafts)
         self.speculator.counters.record(drafted, accepted, emitted)
         self._next_tokens = mx.array(next_tokens, dtype=mx.uint32)
@@ -313,49 +313,6 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
-
-    def _roll_back(self, fed: list[list[int]], kept: list[int]) -> None:
-        """Every layer keeps each row's first `kept[i]` fed tokens (one call per layer, the
-        cache's own rollback). Rows whose state a layer could not cut there (recurrent
-        layers: it put them back to before the verify) run those tokens again: in one
-        forward for all of them where the model honours per-row lengths, else one forward
-        per replay length (a row padded past its length would be replayed again, forever).
-        So a step runs at most k + 1 replays, and a replay that still leaves a row uncut
-        fails the step rather than loop."""
-        again = self._cut(kept)
-        if not again:
-            return
-        self._cut([0 if i in again else k for i, k in enumerate(kept)])
-        if self.speculator.padding_inert:
-            groups = [sorted(again)]
-        else:
-            by_length: dict[int, list[int]] = {}
-            for i in sorted(again):
-                by_length.setdefault(kept[i], []).append(i)
-            groups = list(by_length.values())
-        for rows in groups:
-            self._replay(fed, kept, set(rows))
-
-    def _replay(self, fed: list[list[int]], kept: list[int], rows: set[int]) -> None:
-        """Rows `rows` run their first `kept[i]` fed tokens again, the others feed nothing."""
-        replay = [fed[i][: kept[i]] if i in rows else [] for i in range(len(fed))]
-        width = max(len(r) for r in replay)
-        inputs = [r + [fed[i][0]] * (width - len(r)) for i, r in enumerate(replay)]
-        lengths = [len(r) for r in replay]
-        for layer in self.prompt_cache:
-            layer.checkpoint(lengths)
-        self.model(mx.array(inputs, dtype=mx.uint32), cache=self.prompt_cache)
-        left = self._cut(lengths)
-        if left:
-            raise RuntimeError(
-                f"speculation: rows {sorted(left)} could not be rolled back after a replay"
-            )
-
-    def _cut(self, kept: list[int]) -> set[int]:
-        again: set[int] = set()
-        for layer in self.prompt_cache:
-            again.update(layer.rollback(kept))
-        return again
 
     def _count(self, i: int, tokens: list[int]) -> tuple[str | None, int]:
         """Emit `tokens` in order through row i's length and stop checks: the finish reason
@@ -378,3 +335,53 @@ def _consume(samplers: Sequence[Any], used: Sequence[int]) -> None:
             most[id(sampler)] = (sampler, max(n, most.get(id(sampler), (None, 0))[1]))
     for sampler, n in most.values():
         sampler.consume(n)
+
+
+def roll_back(
+    model: Any, caches: list[Any], fed: list[list[int]], kept: list[int], padding_inert: bool
+) -> None:
+    """Every layer keeps each row's first `kept[i]` fed tokens (one call per layer, the
+    cache's own rollback). Rows whose state a layer could not cut there (recurrent
+    layers: it put them back to before the verify) run those tokens again: in one
+    forward for all of them where the model honours per-row lengths (`padding_inert`), else
+    one forward per replay length (a row padded past its length would be replayed again,
+    forever). So a step runs at most k + 1 replays, and a replay that still leaves a row
+    uncut fails the step rather than loop."""
+    again = _cut(caches, kept)
+    if not again:
+        return
+    _cut(caches, [0 if i in again else k for i, k in enumerate(kept)])
+    if padding_inert:
+        groups = [sorted(again)]
+    else:
+        by_length: dict[int, list[int]] = {}
+        for i in sorted(again):
+            by_length.setdefault(kept[i], []).append(i)
+        groups = list(by_length.values())
+    for rows in groups:
+        _replay(model, caches, fed, kept, set(rows))
+
+
+def _replay(
+    model: Any, caches: list[Any], fed: list[list[int]], kept: list[int], rows: set[int]
+) -> None:
+    """Rows `rows` run their first `kept[i]` fed tokens again, the others feed nothing."""
+    replay = [fed[i][: kept[i]] if i in rows else [] for i in range(len(fed))]
+    width = max(len(r) for r in replay)
+    inputs = [r + [fed[i][0]] * (width - len(r)) for i, r in enumerate(replay)]
+    lengths = [len(r) for r in replay]
+    for layer in caches:
+        layer.checkpoint(lengths)
+    model(mx.array(inputs, dtype=mx.uint32), cache=caches)
+    left = _cut(caches, lengths)
+    if left:
+        raise RuntimeError(
+            f"speculation: rows {sorted(left)} could not be rolled back after a replay"
+        )
+
+
+def _cut(caches: list[Any], kept: list[int]) -> set[int]:
+    again: set[int] = set()
+    for layer in caches:
+        again.update(layer.rollback(kept))
+    return again
