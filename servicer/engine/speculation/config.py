@@ -114,7 +114,6 @@ class ModeClock:
     recent: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
     gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
     leaders: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode that runs
-    latest: dict[tuple[int, bool], float] = field(default_factory=dict)  # each mode's last window
     since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
     _open: dict[int, _Window] = field(default_factory=dict)
     _last_mode: bool | None = None  # the mode of the last step recorded
@@ -163,15 +162,15 @@ class ModeClock:
 
     def _close(self, bucket: int, window: _Window) -> None:
         key = (bucket, window.drafting)
-        self.latest[key] = window.tokens / window.seconds
-        self.recent.setdefault(key, deque(maxlen=_RECENT_WINDOWS)).append(self.latest[key])
+        measured = window.tokens / window.seconds
+        self.recent.setdefault(key, deque(maxlen=_RECENT_WINDOWS)).append(measured)
         other = self._rate(bucket, not window.drafting)
         if window.probe and other is not None:
             # It takes the lead by beating the leader's last few windows (which ran just
             # before it) both with this window and with its own last few: its older windows
             # ran at other contexts (alone, they would compare old speeds with new ones), and
             # one window alone may have caught a copied span (a lucky one).
-            rate = min(window.tokens / window.seconds, self._rate(bucket, window.drafting) or 0.0)
+            rate = min(measured, self._rate(bucket, window.drafting) or 0.0)
             gap = self.gaps.get(bucket, 1)
             if rate >= _LEAD_MARGIN * other:
                 self.leaders[bucket] = window.drafting
@@ -193,7 +192,8 @@ class ModeClock:
         leader = self.leaders.setdefault(bucket, on >= _LEAD_MARGIN * off)  # the first look
         # The other mode is measured again after its gap, or at once should the leader have
         # slowed clearly below the other's last window (the contexts it runs at have changed).
-        slowed = _LEAD_MARGIN * (on if leader else off) < self.latest.get((bucket, not leader), 0)
+        other = self.recent.get((bucket, not leader))
+        slowed = other is not None and _LEAD_MARGIN * (on if leader else off) < other[-1]
         if slowed or self.since[bucket] >= self.gaps.get(bucket, 1):
             self.since[bucket] = 0
             if not leader and not promising:
