@@ -141,34 +141,59 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
     # ----- one step -----
 
     def next(self) -> list[GenerationBatch.Response]:
-        self._timer.step_begins(len(self.uids), self.shares_step_with_prefill)
-        if not self.uids:
+        rows = len(self.uids)
+        self._timer.step_begins(rows, self.shares_step_with_prefill)
+        if not rows:
             self._timer.forward_begins(waited=False)
             return []
-        responses = self._step_with_drafts()
+        if self._may_draft(rows):
+            responses = self._step_with_drafts()
+        else:
+            responses = self._plain_step(rows, shadow=rows <= self.speculator.config.max_rows)
         self._timer.step_gave(len(responses))
         return responses
 
+    def _may_draft(self, rows: int) -> bool:
+        """Whether any row may draft this step: not in a batch past the cap, nor of a size
+        where the mode clock finds that drafting does not pay now (where the batch goes back
+        to mlx-lm's caches, and its step is mlx-lm's and little more)."""
+        config = self.speculator.config
+        if rows <= config.max_rows and (not config.costed or self.speculator.modes.drafting(rows)):
+            return True
+        self.speculator.counters.cutoff_steps += 1
+        if self._rolls_back:
+            self._release()
+        return False
+
     def _step_with_drafts(self) -> list[GenerationBatch.Response]:
         ks, probing = self._plan()
-        if any(ks):
-            pending = self._next_tokens.tolist()  # waits for a plain step's forward
-            self._timer.forward_begins(waited=True)
-            source = self.speculator.source
-            drafts = source.draft(self.tokens, pending, ks)
-            if not probing:
-                drafts = self._worth_verifying(drafts)
-            if any(drafts):
-                self._roll_back_ready()
-                self._timer.step_ran(len(self.uids), 1 + max(len(d) for d in drafts))
-                return self._speculate(pending, drafts)
-            source.accepted([0] * len(drafts))
-        else:
+        if not any(ks):
+            return self._plain_step(len(self.uids), shadow=True)
+        pending = self._next_tokens.tolist()  # waits for a plain step's forward
+        self._timer.forward_begins(waited=True)
+        source = self.speculator.source
+        drafts = source.draft(self.tokens, pending, ks)
+        if not probing:
+            drafts = self._worth_verifying(drafts)
+        if any(drafts):
+            self._roll_back_ready()
+            self._timer.step_ran(len(self.uids), 1 + max(len(d) for d in drafts))
+            return self._speculate(pending, drafts)
+        source.accepted([0] * len(drafts))
+        return self._plain_step(len(self.uids), shadow=False, waited=True)
+
+    def _plain_step(
+        self, rows: int, shadow: bool, waited: bool = False
+    ) -> list[GenerationBatch.Response]:
+        """mlx-lm's step (its forward left running for the next step to wait on). `shadow`:
+        the rows' lookups, which did not run, may tell the mode clock what they would have
+        drafted; `waited`: the step already read its pending tokens (looking for drafts)."""
+        if not waited:
             self._timer.forward_begins(waited=False)
-        self._timer.step_ran(len(self.uids), 1)
+        self._timer.step_ran(rows, 1)
         responses = super().next()
         self.speculator.counters.record_plain(len(responses))
-        if not any(ks) and len(self.uids) <= self.speculator.config.max_rows:
+        if shadow:
             self._shadow()
         return responses
 
@@ -186,21 +211,11 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
 
     def _plan(self) -> tuple[list[int], bool]:
         """Each row's draft length this step (its pace, within its max_tokens; nothing for
-        rows with logits processors; nothing for anyone in a batch past the cap or of a size
-        where drafting does not pay now; no more than the verify width the clock expects to
+        rows with logits processors; no more than the verify width the clock expects to
         give the most tokens a second), and whether this step re-measures the widest width."""
-        config, counters = self.speculator.config, self.speculator.counters
-        rows = len(self.uids)
-        off = rows > config.max_rows
-        if not off and config.costed:
-            off = not self.speculator.modes.drafting(rows)
-        if off:
-            counters.cutoff_steps += 1
-            if self._rolls_back:
-                self._release()
-            return [0] * rows, False
+        config = self.speculator.config
         ks = []
-        for i in range(rows):
+        for i in range(len(self.uids)):
             budget = self.max_tokens[i] - self._num_tokens[i] - 1
             if budget <= 0 or self.logits_processors[i] or not can_speculate(self._sampler(i)):
                 ks.append(0)
@@ -208,9 +223,10 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
                 ks.append(min(self._paces[i].k(config), budget))
         if not any(ks) or not config.costed:
             return ks, False
+        rows = len(self.uids)
         width, probing = self.speculator.clock.choose(rows, 1 + max(ks), self._expected_tokens(ks))
         if width == 1:
-            counters.cutoff_steps += 1
+            self.speculator.counters.cutoff_steps += 1
         return [min(k, width - 1) for k in ks], probing
 
     def _expected_tokens(self, lengths: list[int]) -> Callable[[int], float]:

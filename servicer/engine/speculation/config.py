@@ -58,12 +58,17 @@ class RowPace:
 _PROMISE_EWMA = 0.4  # weight of one shadow lookup (every 16 steps) in a batch size's promise
 _RECENT_WINDOWS = 3
 # A look at the mode that lost costs about its shortfall over one window: the next look waits
-# until that is at most this share of the windows in between.
-_LOOK_COST = 0.01
+# until that is at most this share of the windows in between (a copied span need not wait
+# for it: see `_PROMISE_RISE`).
+_LOOK_COST = 0.005
 # A mode takes the lead only by beating the other by this much: a window of 8 steps on a busy
 # machine reads 10-20 % off, and a wrong lead costs far more where drafting loses (a verify
 # of a few tokens costs 2x a step on a CPU) than it gains where the two are even.
 _LEAD_MARGIN = 1.05
+# Drafting, while it trails, is looked at again before its gap once the lookups promise this
+# much more than when it last ran (the rows began to copy): the gap after a loss can then be
+# long, the looks cheap, without missing a copied span.
+_PROMISE_RISE = 0.25
 
 
 def _middle(windows: deque[float]) -> float:
@@ -102,7 +107,7 @@ class ModeClock:
     # then doubling each time it loses again, or more where it lost by much (`_LOOK_COST`),
     # up to `most_gap`; `first_gap` once it wins.
     first_gap: int = 4
-    most_gap: int = 64
+    most_gap: int = 128
     # While a batch size does not draft, how often its rows' lookups would have drafted the
     # token they got (`shadow`); drafting is tried only where this reaches `min_promise`.
     min_promise: float = 0.25
@@ -113,6 +118,8 @@ class ModeClock:
     # slowed by a busy machine drags down.
     recent: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
     gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
+    # bucket -> the lookups' promise when a drafting window last closed
+    drafted_at: dict[int, float] = field(default_factory=dict)
     leaders: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode that runs
     since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
     _open: dict[int, _Window] = field(default_factory=dict)
@@ -178,6 +185,8 @@ class ModeClock:
             else:
                 due = math.ceil((1.0 - rate / other) / _LOOK_COST)
                 self.gaps[bucket] = min(self.most_gap, max(gap * 2, due))
+        if window.drafting:
+            self.drafted_at[bucket] = self.promise.get(bucket, 1.0)
         del self._open[bucket]
 
     def _choose(self, bucket: int) -> tuple[bool, bool]:
@@ -191,16 +200,22 @@ class ModeClock:
             return False, False
         leader = self.leaders.setdefault(bucket, on >= _LEAD_MARGIN * off)  # the first look
         # The other mode is measured again after its gap, or at once should the leader have
-        # slowed clearly below the other's last window (the contexts it runs at have changed).
+        # slowed clearly below the other's last window (the contexts it runs at have changed),
+        # or drafting trail while the lookups promise clearly more than when it last ran.
         other = self.recent.get((bucket, not leader))
         slowed = other is not None and _LEAD_MARGIN * (on if leader else off) < other[-1]
-        if slowed or self.since[bucket] >= self.gaps.get(bucket, 1):
+        copying = not leader and self._promise_rose(bucket)
+        if slowed or copying or self.since[bucket] >= self.gaps.get(bucket, 1):
             self.since[bucket] = 0
             if not leader and not promising:
                 return False, False  # nothing suggests drafting would do better now
             return not leader, True
         self.since[bucket] += 1
         return leader, False
+
+    def _promise_rose(self, bucket: int) -> bool:
+        then = self.drafted_at.get(bucket)
+        return then is not None and self.promise.get(bucket, 0.0) >= then + _PROMISE_RISE
 
 
 @dataclass(slots=True)
