@@ -59,16 +59,20 @@ _PROMISE_EWMA = 0.4  # weight of one shadow lookup (every 16 steps) in a batch s
 _RECENT_WINDOWS = 3
 # A look at the mode that lost costs about its shortfall over one window: the next look waits
 # until that is at most this share of the windows in between (a copied span need not wait
-# for it: see `_PROMISE_RISE`).
+# for it: see `_COPY_RISE`).
 _LOOK_COST = 0.005
 # A mode takes the lead only by beating the other by this much: a window of 8 steps on a busy
 # machine reads 10-20 % off, and a wrong lead costs far more where drafting loses (a verify
 # of a few tokens costs 2x a step on a CPU) than it gains where the two are even.
 _LEAD_MARGIN = 1.05
-# Drafting, while it trails, is looked at again before its gap once the lookups promise this
-# much more than when it last ran (the rows began to copy): the gap after a loss can then be
-# long, the looks cheap, without missing a copied span.
-_PROMISE_RISE = 0.25
+# Drafting, while it trails, is looked at again before its gap once the rows' lookups hit
+# clearly more often than they did (the rows began to copy): the gap after a loss can then be
+# long, the looks cheap, without missing a copied span. A CUSUM test on each row's lookup for
+# a rise of `_COPY_RISE` over the hit rate's slow average (`_BASE_WEIGHT` a lookup) fires at
+# `_COPY_EVIDENCE`: on steady text about once in 1,200 lookups, once rows copy within 4-13.
+_COPY_RISE = 0.25
+_COPY_EVIDENCE = 5.0
+_BASE_WEIGHT = 1 / 64
 
 
 def _middle(windows: deque[float]) -> float:
@@ -118,8 +122,8 @@ class ModeClock:
     # slowed by a busy machine drags down.
     recent: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
     gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
-    # bucket -> the lookups' promise when a drafting window last closed
-    drafted_at: dict[int, float] = field(default_factory=dict)
+    hit_rate: dict[int, float] = field(default_factory=dict)  # the lookups' slow average
+    copy_evidence: dict[int, float] = field(default_factory=dict)  # since drafting last ran
     leaders: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode that runs
     since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
     _open: dict[int, _Window] = field(default_factory=dict)
@@ -149,6 +153,20 @@ class ModeClock:
             hits = sum(predicted) / len(predicted)
             old = self.promise.get(bucket, hits)
             self.promise[bucket] = old + _PROMISE_EWMA * (hits - old)
+            self._watch_for_copying(bucket, predicted)
+
+    def _watch_for_copying(self, bucket: int, predicted: list[bool]) -> None:
+        base = self.hit_rate.get(bucket)
+        if base is None:
+            base = sum(predicted) / len(predicted)
+        low = min(max(base, 0.05), 0.7)
+        high = low + _COPY_RISE
+        hit, miss = math.log(high / low), math.log((1.0 - high) / (1.0 - low))
+        evidence = self.copy_evidence.get(bucket, 0.0)
+        for predicted_hit in predicted:
+            evidence = max(0.0, evidence + (hit if predicted_hit else miss))
+            base += _BASE_WEIGHT * (predicted_hit - base)
+        self.copy_evidence[bucket], self.hit_rate[bucket] = evidence, base
 
     def record(self, rows: int, tokens: int, seconds: float, clean: bool) -> None:
         """The last step (of `rows` rows): the tokens it gave and the time to the next step's
@@ -186,7 +204,7 @@ class ModeClock:
                 due = math.ceil((1.0 - rate / other) / _LOOK_COST)
                 self.gaps[bucket] = min(self.most_gap, max(gap * 2, due))
         if window.drafting:
-            self.drafted_at[bucket] = self.promise.get(bucket, 1.0)
+            self.copy_evidence[bucket] = 0.0
         del self._open[bucket]
 
     def _choose(self, bucket: int) -> tuple[bool, bool]:
@@ -204,7 +222,7 @@ class ModeClock:
         # or drafting trail while the lookups promise clearly more than when it last ran.
         other = self.recent.get((bucket, not leader))
         slowed = other is not None and _LEAD_MARGIN * (on if leader else off) < other[-1]
-        copying = not leader and self._promise_rose(bucket)
+        copying = not leader and self.copy_evidence.get(bucket, 0.0) > _COPY_EVIDENCE
         if slowed or copying or self.since[bucket] >= self.gaps.get(bucket, 1):
             self.since[bucket] = 0
             if not leader and not promising:
@@ -212,10 +230,6 @@ class ModeClock:
             return not leader, True
         self.since[bucket] += 1
         return leader, False
-
-    def _promise_rose(self, bucket: int) -> bool:
-        then = self.drafted_at.get(bucket)
-        return then is not None and self.promise.get(bucket, 0.0) >= then + _PROMISE_RISE
 
 
 @dataclass(slots=True)
