@@ -557,3 +557,20 @@ def test_drafting_that_trails_is_looked_at_once_the_rows_begin_to_copy():
     for _ in range(5):
         again.shadow(1, [False, True, True, False])
     assert _run_steps(again, 1, {True: 1500, False: 1000}, 60).count(True) == 0
+
+
+def test_plain_steps_that_slow_as_contexts_grow_do_not_send_drafting_to_be_looked_at():
+    """Plain steps lead; both modes slow as the contexts grow, drafting always 30 % behind.
+    Plain steps falling below drafting's last window (measured at shorter contexts) is no
+    sign that drafting pays now: it is looked at only after the gap its loss set."""
+    from servicer.engine.speculation.config import ModeClock
+
+    clock = ModeClock(window=4, first_gap=2, most_gap=64)
+    modes = []
+    for step in range(1500):
+        plain = 4000 * 0.997**step
+        mode = clock.drafting(1)
+        modes.append(mode)
+        clock.record(1, round((0.7 * plain if mode else plain) * 0.1), 0.1, clean=True)
+    probes = [i for i in range(100, 1500) if modes[i] and not modes[i - 1]]
+    assert all(b - a >= 60 * 4 for a, b in itertools.pairwise(probes)), probes

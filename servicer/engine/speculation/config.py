@@ -98,10 +98,11 @@ class ModeClock:
     second over windows of decode steps with drafting allowed and without, every cost in
     (the wait for the pending tokens a drafting step needs, the lookups, verifies, rollbacks
     and replays). The better mode (the leader) runs; the other gets one window now and then to
-    re-measure it, less often each time it loses again, and takes the lead only by winning
-    such a window: rates drift as contexts grow, so a mode measured long ago is not compared
-    with one measured now. Each batch size (in powers of two) keeps its own
-    window open while the batch passes through other sizes. Steps that shared their time
+    re-measure it, less often each time it loses again (sooner where the rows begin to copy),
+    and takes the lead only by winning such a window: rates drift as contexts grow, so a mode
+    measured long ago is not compared with one measured now. Each batch size (in powers of
+    two) keeps its own window open while the batch passes through other sizes. Steps that
+    shared their time
     with a prefill are not counted, nor one that followed a step in the other mode (it
     carries its predecessor's forward)."""
 
@@ -200,11 +201,19 @@ class ModeClock:
             if rate >= _LEAD_MARGIN * other:
                 self.leaders[bucket] = window.drafting
                 self.gaps[bucket] = self.first_gap
+            elif measured >= _LEAD_MARGIN * other:
+                self.gaps[bucket] = 1  # this window won, its older ones did not: look again soon
             else:
                 due = math.ceil((1.0 - rate / other) / _LOOK_COST)
                 self.gaps[bucket] = min(self.most_gap, max(gap * 2, due))
         if window.drafting:
+            # What the rows' lookups hit now is what drafting was measured at: the copying
+            # test looks for a rise above that (a text that repeats more and more as it goes
+            # would otherwise send drafting that does not pay to be looked at again and again).
             self.copy_evidence[bucket] = 0.0
+            if bucket in self.promise:
+                base = self.hit_rate.get(bucket, 0.0)
+                self.hit_rate[bucket] = max(base, self.promise[bucket])
         del self._open[bucket]
 
     def _choose(self, bucket: int) -> tuple[bool, bool]:
@@ -217,13 +226,16 @@ class ModeClock:
         if off is None:
             return False, False
         leader = self.leaders.setdefault(bucket, on >= _LEAD_MARGIN * off)  # the first look
-        # The other mode is measured again after its gap, or at once should the leader have
-        # slowed clearly below the other's last window (the contexts it runs at have changed),
-        # or drafting trail while the lookups promise clearly more than when it last ran.
-        other = self.recent.get((bucket, not leader))
-        slowed = other is not None and _LEAD_MARGIN * (on if leader else off) < other[-1]
-        copying = not leader and self.copy_evidence.get(bucket, 0.0) > _COPY_EVIDENCE
-        if slowed or copying or self.since[bucket] >= self.gaps.get(bucket, 1):
+        # The other mode is measured again after its gap, or at once: should drafting lead and
+        # slow clearly below plain steps' last window (the rows stopped copying), or trail while
+        # the rows' lookups hit clearly more often than when it last ran (they began to). Plain
+        # steps that slow say nothing of drafting: both slow as the contexts grow.
+        if leader:
+            plain = self.recent.get((bucket, False))
+            slowed = plain is not None and _LEAD_MARGIN * on < plain[-1]
+        else:
+            slowed = self.copy_evidence.get(bucket, 0.0) > _COPY_EVIDENCE
+        if slowed or self.since[bucket] >= self.gaps.get(bucket, 1):
             self.since[bucket] = 0
             if not leader and not promising:
                 return False, False  # nothing suggests drafting would do better now
