@@ -102,9 +102,8 @@ class ModeClock:
     and takes the lead only by winning such a window: rates drift as contexts grow, so a mode
     measured long ago is not compared with one measured now. Each batch size (in powers of
     two) keeps its own window open while the batch passes through other sizes. Steps that
-    shared their time
-    with a prefill are not counted, nor one that followed a step in the other mode (it
-    carries its predecessor's forward)."""
+    shared their time with a prefill are not counted, nor one that followed a step in the
+    other mode (it carries its predecessor's forward)."""
 
     window: int = 8  # counted steps per measurement
     # Windows of the better mode before the other is measured again: one after the first
