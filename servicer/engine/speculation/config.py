@@ -71,6 +71,8 @@ _LEAD_MARGIN = 1.05
 # a rise of `_COPY_RISE` over the hit rate's slow average (`_BASE_WEIGHT` a lookup) fires at
 # `_COPY_EVIDENCE`: on steady text about once in 1,200 lookups, once rows copy within 4-13.
 _COPY_RISE = 0.25
+# A mode's last window stands for it, against a leader that slowed, this many windows on.
+_FRESH = 4
 _COPY_EVIDENCE = 5.0
 _BASE_WEIGHT = 1 / 64
 
@@ -126,6 +128,8 @@ class ModeClock:
     copy_evidence: dict[int, float] = field(default_factory=dict)  # since drafting last ran
     leaders: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode that runs
     since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
+    closes: Counter[int] = field(default_factory=Counter)  # windows closed, by bucket
+    closed_at: dict[tuple[int, bool], int] = field(default_factory=dict)  # a mode's last, by that
     _open: dict[int, _Window] = field(default_factory=dict)
     _last_mode: bool | None = None  # the mode of the last step recorded
 
@@ -189,6 +193,8 @@ class ModeClock:
         key = (bucket, window.drafting)
         measured = window.tokens / window.seconds
         self.recent.setdefault(key, deque(maxlen=_RECENT_WINDOWS)).append(measured)
+        self.closes[bucket] += 1
+        self.closed_at[key] = self.closes[bucket]
         other = self._rate(bucket, not window.drafting)
         if window.probe and other is not None:
             # It takes the lead by beating the leader's last few windows (which ran just
@@ -225,15 +231,18 @@ class ModeClock:
         if off is None:
             return False, False
         leader = self.leaders.setdefault(bucket, on >= _LEAD_MARGIN * off)  # the first look
-        # The other mode is measured again after its gap, or at once: should drafting lead and
-        # slow clearly below plain steps' last window (the rows stopped copying), or trail while
-        # the rows' lookups hit clearly more often than when it last ran (they began to). Plain
-        # steps that slow say nothing of drafting: both slow as the contexts grow.
-        if leader:
-            plain = self.recent.get((bucket, False))
-            slowed = plain is not None and _LEAD_MARGIN * on < plain[-1]
-        else:
-            slowed = self.copy_evidence.get(bucket, 0.0) > _COPY_EVIDENCE
+        # The other mode is measured again after its gap, or at once: should the leader slow
+        # clearly below the other's last window (drafting stopped paying; or plain steps, while
+        # drafting's window is recent: a noisy probe handed them the lead), or drafting trail
+        # while the rows' lookups hit clearly more often than when it last ran (they began to
+        # copy). Plain steps that fall below an old drafting window say nothing of drafting:
+        # both slow as the contexts grow.
+        other = self.recent.get((bucket, not leader))
+        slowed = other is not None and _LEAD_MARGIN * (on if leader else off) < other[-1]
+        if not leader:
+            recent = self.closes[bucket] - self.closed_at.get((bucket, True), 0) <= _FRESH
+            copying = self.copy_evidence.get(bucket, 0.0) > _COPY_EVIDENCE
+            slowed = (slowed and recent) or copying
         if slowed or self.since[bucket] >= self.gaps.get(bucket, 1):
             self.since[bucket] = 0
             if not leader and not promising:
