@@ -58,23 +58,12 @@ class RowPace:
 _PROMISE_EWMA = 0.4  # weight of one shadow lookup (every 16 steps) in a batch size's promise
 _RECENT_WINDOWS = 3
 # A look at the mode that lost costs about its shortfall over one window: the next look waits
-# until that is at most this share of the windows in between (a copied span need not wait
-# for it: see `_COPY_RISE`).
-_LOOK_COST = 0.005
+# until that is at most this share of the windows in between.
+_LOOK_COST = 0.01
 # A mode takes the lead only by beating the other by this much: a window of 8 steps on a busy
 # machine reads 10-20 % off, and a wrong lead costs far more where drafting loses (a verify
 # of a few tokens costs 2x a step on a CPU) than it gains where the two are even.
 _LEAD_MARGIN = 1.05
-# Drafting, while it trails, is looked at again before its gap once the rows' lookups hit
-# clearly more often than they did (the rows began to copy): the gap after a loss can then be
-# long, the looks cheap, without missing a copied span. A CUSUM test on each row's lookup for
-# a rise of `_COPY_RISE` over the hit rate's slow average (`_BASE_WEIGHT` a lookup) fires at
-# `_COPY_EVIDENCE`: on steady text about once in 1,200 lookups, once rows copy within 4-13.
-_COPY_RISE = 0.25
-# A mode's last window stands for it, against a leader that slowed, this many windows on.
-_FRESH = 4
-_COPY_EVIDENCE = 5.0
-_BASE_WEIGHT = 1 / 64
 
 
 def _middle(windows: deque[float]) -> float:
@@ -100,12 +89,12 @@ class ModeClock:
     second over windows of decode steps with drafting allowed and without, every cost in
     (the wait for the pending tokens a drafting step needs, the lookups, verifies, rollbacks
     and replays). The better mode (the leader) runs; the other gets one window now and then to
-    re-measure it, less often each time it loses again (sooner where the rows begin to copy),
-    and takes the lead only by winning such a window: rates drift as contexts grow, so a mode
-    measured long ago is not compared with one measured now. Each batch size (in powers of
-    two) keeps its own window open while the batch passes through other sizes. Steps that
-    shared their time with a prefill are not counted, nor one that followed a step in the
-    other mode (it carries its predecessor's forward)."""
+    re-measure it, less often each time it loses again, and takes the lead only by winning
+    such a window: rates drift as contexts grow, so a mode measured long ago is not compared
+    with one measured now. Each batch size (in powers of two) keeps its own
+    window open while the batch passes through other sizes. Steps that shared their time
+    with a prefill are not counted, nor one that followed a step in the other mode (it
+    carries its predecessor's forward)."""
 
     window: int = 8  # counted steps per measurement
     # Windows of the better mode before the other is measured again: one after the first
@@ -113,7 +102,7 @@ class ModeClock:
     # then doubling each time it loses again, or more where it lost by much (`_LOOK_COST`),
     # up to `most_gap`; `first_gap` once it wins.
     first_gap: int = 4
-    most_gap: int = 128
+    most_gap: int = 64
     # While a batch size does not draft, how often its rows' lookups would have drafted the
     # token they got (`shadow`); drafting is tried only where this reaches `min_promise`.
     min_promise: float = 0.25
@@ -124,12 +113,8 @@ class ModeClock:
     # slowed by a busy machine drags down.
     recent: dict[tuple[int, bool], deque[float]] = field(default_factory=dict)
     gaps: dict[int, int] = field(default_factory=dict)  # bucket -> windows between probes
-    hit_rate: dict[int, float] = field(default_factory=dict)  # the lookups' slow average
-    copy_evidence: dict[int, float] = field(default_factory=dict)  # since drafting last ran
     leaders: dict[int, bool] = field(default_factory=dict)  # bucket -> the mode that runs
     since: Counter[int] = field(default_factory=Counter)  # windows since the last probe
-    closes: Counter[int] = field(default_factory=Counter)  # windows closed, by bucket
-    closed_at: dict[tuple[int, bool], int] = field(default_factory=dict)  # a mode's last, by that
     _open: dict[int, _Window] = field(default_factory=dict)
     _last_mode: bool | None = None  # the mode of the last step recorded
 
@@ -157,20 +142,6 @@ class ModeClock:
             hits = sum(predicted) / len(predicted)
             old = self.promise.get(bucket, hits)
             self.promise[bucket] = old + _PROMISE_EWMA * (hits - old)
-            self._watch_for_copying(bucket, predicted)
-
-    def _watch_for_copying(self, bucket: int, predicted: list[bool]) -> None:
-        base = self.hit_rate.get(bucket)
-        if base is None:
-            base = sum(predicted) / len(predicted)
-        low = min(max(base, 0.05), 0.7)
-        high = low + _COPY_RISE
-        hit, miss = math.log(high / low), math.log((1.0 - high) / (1.0 - low))
-        evidence = self.copy_evidence.get(bucket, 0.0)
-        for predicted_hit in predicted:
-            evidence = max(0.0, evidence + (hit if predicted_hit else miss))
-            base += _BASE_WEIGHT * (predicted_hit - base)
-        self.copy_evidence[bucket], self.hit_rate[bucket] = evidence, base
 
     def record(self, rows: int, tokens: int, seconds: float, clean: bool) -> None:
         """The last step (of `rows` rows): the tokens it gave and the time to the next step's
@@ -193,8 +164,6 @@ class ModeClock:
         key = (bucket, window.drafting)
         measured = window.tokens / window.seconds
         self.recent.setdefault(key, deque(maxlen=_RECENT_WINDOWS)).append(measured)
-        self.closes[bucket] += 1
-        self.closed_at[key] = self.closes[bucket]
         other = self._rate(bucket, not window.drafting)
         if window.probe and other is not None:
             # It takes the lead by beating the leader's last few windows (which ran just
@@ -206,19 +175,9 @@ class ModeClock:
             if rate >= _LEAD_MARGIN * other:
                 self.leaders[bucket] = window.drafting
                 self.gaps[bucket] = self.first_gap
-            elif measured >= _LEAD_MARGIN * other:
-                self.gaps[bucket] = 1  # this window won, its older ones did not: look again soon
             else:
                 due = math.ceil((1.0 - rate / other) / _LOOK_COST)
                 self.gaps[bucket] = min(self.most_gap, max(gap * 2, due))
-        if window.drafting:
-            # What the rows' lookups hit now is what drafting was measured at: the copying
-            # test looks for a rise above that (a text that repeats more and more as it goes
-            # would otherwise send drafting that does not pay to be looked at again and again).
-            self.copy_evidence[bucket] = 0.0
-            if bucket in self.promise:
-                base = self.hit_rate.get(bucket, 0.0)
-                self.hit_rate[bucket] = max(base, self.promise[bucket])
         del self._open[bucket]
 
     def _choose(self, bucket: int) -> tuple[bool, bool]:
@@ -231,18 +190,10 @@ class ModeClock:
         if off is None:
             return False, False
         leader = self.leaders.setdefault(bucket, on >= _LEAD_MARGIN * off)  # the first look
-        # The other mode is measured again after its gap, or at once: should the leader slow
-        # clearly below the other's last window (drafting stopped paying; or plain steps, while
-        # drafting's window is recent: a noisy probe handed them the lead), or drafting trail
-        # while the rows' lookups hit clearly more often than when it last ran (they began to
-        # copy). Plain steps that fall below an old drafting window say nothing of drafting:
-        # both slow as the contexts grow.
+        # The other mode is measured again after its gap, or at once should the leader have
+        # slowed clearly below the other's last window (the contexts it runs at have changed).
         other = self.recent.get((bucket, not leader))
         slowed = other is not None and _LEAD_MARGIN * (on if leader else off) < other[-1]
-        if not leader:
-            recent = self.closes[bucket] - self.closed_at.get((bucket, True), 0) <= _FRESH
-            copying = self.copy_evidence.get(bucket, 0.0) > _COPY_EVIDENCE
-            slowed = (slowed and recent) or copying
         if slowed or self.since[bucket] >= self.gaps.get(bucket, 1):
             self.since[bucket] = 0
             if not leader and not promising:
