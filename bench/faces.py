@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 import httpx
 import report
 from genai import Router

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 FAMILIES = BENCH / "families"

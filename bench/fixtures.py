@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
+
 from servicer.demo_model import (
     DEMO_SEED,
     RECIPE_VERSION,

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 import report
 from workers import resolve_model
 

@@ -21,6 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator

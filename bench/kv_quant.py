@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 import report
 from load import served_run
 from workers import BatchConfig, Worker, log, our_worker, resolve_model, scrape_metrics

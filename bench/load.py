@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 import grpc
 from workload import WARMUP_SEED, LevelStats, RequestRecord, Shape, make_prompts, percentile
 

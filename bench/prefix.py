@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 from load import Client, _median_ms
 from workers import Worker, scrape_metrics
 from workload import chat_prompt, make_prompts, percentile, system_texts

@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 from workload import (
     WARMUP_SEED,
     LevelStats,

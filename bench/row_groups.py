@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 import report
 from workers import model_or_demo, resolve_model
 

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 import grpc
 
 from servicer.proto import mlx_engine_pb2 as pb

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 import report
 from fixtures import target_model_path
 from load import served_run

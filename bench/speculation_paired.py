@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 import report
 from workers import parse_levels
 from workload import chat_prompts, copy_prompts

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import _checkout  # noqa: F401  (before any `servicer` import)
 import grpc
 from workload import LevelStats, Shape
 

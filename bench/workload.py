@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import _checkout  # noqa: F401  (before any `servicer` import)
+
 T = TypeVar("T")
 
 # Warm-up requests use their own prompts, so a worker with a prompt cache gets no head start.

@@ -204,3 +204,35 @@ def test_the_family_matrix_names_each_cell_a_strict_run_fails_on():
     }
     assert families.failing(results) == ["gemma2 / defaults", "qwen3 / defaults", "qwen3 / kv8"]
     assert families.failing({"llama": results["llama"]}) == []
+
+
+def test_a_bench_run_from_another_checkout_measures_that_checkouts_code(tmp_path: Path) -> None:
+    """The venv installs this checkout's package in editable mode; a bench module run from a
+    copy of the code (a worktree of the code before a change) must import the copy's."""
+    import shutil
+
+    copy = tmp_path / "checkout"
+    shutil.copytree(
+        ROOT / "servicer", copy / "servicer", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (copy / "bench").mkdir()
+    for module in (ROOT / "bench").glob("*.py"):  # not its venvs and results
+        shutil.copy(module, copy / "bench" / module.name)
+    probe = copy / "bench" / "which_package.py"
+    probe.write_text("import workload\nimport servicer\nprint(servicer.__file__)\n")
+    done = subprocess.run(
+        [sys.executable, str(probe)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert Path(done.stdout.strip()).resolve().is_relative_to(copy.resolve()), done.stdout
+
+
+def test_every_bench_module_that_imports_the_package_imports_the_checkout_first() -> None:
+    import re
+
+    for module in sorted((ROOT / "bench").glob("*.py")):
+        text = module.read_text()
+        found = re.search(r"^\s*(from servicer|import servicer)\b", text, flags=re.MULTILINE)
+        if found is None:
+            continue
+        guard = text.find("import _checkout")
+        assert 0 <= guard < found.start(), f"{module.name} imports servicer before _checkout"
