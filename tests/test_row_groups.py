@@ -123,7 +123,7 @@ def test_groups_beside_speculation_that_stops_and_starts(kind_model, monkeypatch
     groups stay as they were."""
     from mlx_lm.models.cache import BatchKVCache
 
-    from servicer.engine.speculation.config import ModeClock
+    from servicer.engine.speculation.config import ModeClock, StepClock
 
     _, model, tokenizer = kind_model
     asked = [0]
@@ -132,7 +132,10 @@ def test_groups_beside_speculation_that_stops_and_starts(kind_model, monkeypatch
         asked[0] += 1
         return (asked[0] // 3) % 2 == 0
 
+    # The switches come from the mode clock alone, not from the width clock's wall time.
     monkeypatch.setattr(ModeClock, "drafting", three_on_three_off)
+    monkeypatch.setattr(StepClock, "choose", lambda self, rows, widest, tokens: (widest, False))
+    monkeypatch.setattr(StepClock, "best", lambda self, rows, widest, tokens: widest)
     plain = drive(plain_generator(model), repeating_jobs(tokenizer, 9))
     generator = speculating_in_groups(model, costed=True)
     released_in_groups = []
