@@ -164,8 +164,13 @@ def test_real_gemma_seeded_identical_with_rows_joining(gemma: tuple[Any, Any]) -
 
 def test_real_gemma_fused_prefill_identical(gemma: tuple[Any, Any]) -> None:
     """A 700-token prompt (past the 512 window) arriving while two rows decode, its chunks
-    in the rows' forwards (servicer/engine/fused_prefill.py): the tokens and log-probabilities
-    of separate forwards, greedy and seeded."""
+    in the rows' forwards (servicer/engine/fused_prefill.py): the tokens of separate forwards,
+    greedy and seeded, and their log-probabilities as exactly as the BLAS keeps a row's
+    product apart from the batch's shape. OpenBLAS on AVX-512 does not (a small product takes
+    another kernel): there mlx-lm's own log-probabilities move in the last bits when one more
+    row joins the batch, and the fused ones may move as far, no farther."""
+    import mlx.core as mx
+
     from servicer.engine import fused_prefill
     from servicer.engine.fused_prefill import FusedPrefill
 
@@ -173,21 +178,26 @@ def test_real_gemma_fused_prefill_identical(gemma: tuple[Any, Any]) -> None:
     assert fused_prefill.enable_fused_prefill(model)
     everything = [t for text in passages() for t in _ids(tokenizer, text)]
 
-    def jobs() -> list[Job]:
+    def jobs(joining: bool = True) -> list[Job]:
         out = [
             Job("a", [BOS, *everything[100:130]], 24),
             Job("b", [BOS, *everything[400:420]], 24),
             Job("long", [BOS, *everything[1000:1700]], 4, join_at=2),
         ]
         out[1].sampler = SeededSampler(SamplingSpec(temperature=0.8, seed=5, top_k=40), VOCAB)
-        return out
+        return out if joining else out[:2]
+
+    def farthest(x: list[Any], y: list[Any]) -> float:
+        return max(mx.abs(a - b).max().item() for a, b in zip(x, y, strict=True))
 
     plain = drive(plain_generator(model, prefill_step_size=96), jobs())
+    two_rows = drive(plain_generator(model, prefill_step_size=96), jobs(joining=False))
+    batch_noise = max(farthest(two_rows[n].logprobs, plain[n].logprobs) for n in two_rows)
     generator = FusedPrefill(model, **{**generator_kwargs(), "prefill_step_size": 96})
     generator.fuse_prefill = True
     fused = drive(generator, jobs())
     assert generator.fused_steps >= 5
     for name, want in plain.items():
         assert fused[name].tokens == want.tokens, name
-        for a, b in zip(want.logprobs, fused[name].logprobs, strict=True):
-            assert (a == b).all().item(), name
+        moved = farthest(want.logprobs, fused[name].logprobs)
+        assert moved <= 4 * batch_noise < 1e-3, (name, moved, batch_noise)
