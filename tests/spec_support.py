@@ -95,10 +95,15 @@ def _insert(generator: BatchGenerator, job: Job) -> int:
 
 
 def drive(
-    generator: BatchGenerator, jobs: Sequence[Job], on_step: Callable[[int], None] | None = None
+    generator: BatchGenerator,
+    jobs: Sequence[Job],
+    on_step: Callable[[int], None] | None = None,
+    results: dict[str, Result] | None = None,
 ) -> dict[str, Result]:
-    """Run the schedule to the end; each job's tokens, logprobs and finish."""
-    results = {job.name: Result() for job in jobs}
+    """Run the schedule to the end; each job's tokens, logprobs and finish (in `results`
+    as they come, where given: for `on_step` to look at)."""
+    results = {} if results is None else results
+    results.update({job.name: Result() for job in jobs})
     active: dict[int, Job] = {}
     waiting = sorted(jobs, key=lambda j: j.join_at)
     step = 0

@@ -189,6 +189,31 @@ def test_a_batch_too_large_to_draft_steps_on_mlx_lm_caches(kind_model):
     assert any(rolls_back for rows, rolls_back in kinds if rows <= 4)
 
 
+def test_a_rows_first_token_waits_for_no_verify(kind_model):
+    """The step that sends a row's first token is a plain one (its forward runs while the
+    token goes out), never a verify of drafts that it would wait on: rows joining a batch
+    that drafts at every step, the oracle drafting the right tokens. The tokens of off."""
+    _, model, tokenizer = kind_model
+    plain = drive(plain_generator(model), random_jobs(tokenizer, 17, 2))
+    generator = speculating(model, Oracle(references(random_jobs(tokenizer, 17, 2), plain)))
+    got: dict[str, Any] = {}
+    sent: dict[str, int] = {}
+    verified = [0]
+    first_steps: list[tuple[int, int]] = []  # (tokens the row got, verifies run) that step
+
+    def look(step: int) -> None:
+        ran = generator.speculation.speculative_steps - verified[0]
+        verified[0] += ran
+        for name, result in got.items():
+            if not sent.get(name) and result.tokens:
+                first_steps.append((len(result.tokens), ran))
+            sent[name] = len(result.tokens)
+
+    assert_same(plain, drive(generator, random_jobs(tokenizer, 17, 2), look, results=got))
+    assert verified[0] > 0 and len(first_steps) == len(plain)
+    assert all(step == (1, 0) for step in first_steps), first_steps
+
+
 @pytest.mark.parametrize("kind", ["llama", *KINDS])
 def test_drafting_switched_on_and_off_by_the_clocks_changes_no_output(kind):
     """The default setting (costed: the mode clock and the width clock decide), with windows of

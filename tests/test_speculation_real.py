@@ -133,7 +133,7 @@ def random_real_jobs(tokenizer: Any, seed: int, batch: int, **extra: Any) -> lis
             body = ids[start : start + rng.randint(16, 60)]
             prompt = [BOS, *body, *body[: len(body) // 2]]
         join = 0 if i < batch else rng.randint(2, 5)
-        jobs.append(Job(f"r{i}", prompt, rng.randint(8, 14), join_at=join, **extra))
+        jobs.append(Job(f"r{i}", prompt, rng.randint(12, 18), join_at=join, **extra))
     return jobs
 
 
