@@ -134,6 +134,23 @@ def drive(
     return results
 
 
+def draft_three_steps_then_stop_three(monkeypatch: Any) -> None:
+    """The mode clock drafts three steps, then stops for three, and so on; the width clock
+    (which measures wall time, and on a slow or busy machine would cut some drafting steps
+    to plain ones) always verifies the widest: the switches follow this schedule alone."""
+    from servicer.engine.speculation.config import ModeClock, StepClock
+
+    asked = [0]
+
+    def three_on_three_off(self: ModeClock, rows: int) -> bool:
+        asked[0] += 1
+        return (asked[0] // 3) % 2 == 0
+
+    monkeypatch.setattr(ModeClock, "drafting", three_on_three_off)
+    monkeypatch.setattr(StepClock, "choose", lambda self, rows, widest, tokens: (widest, False))
+    monkeypatch.setattr(StepClock, "best", lambda self, rows, widest, tokens: widest)
+
+
 class Oracle:
     """A draft source that knows the answers: each row's drafts are what followed its
     context in a reference run (prompt + output), with every `spoil`-th draft call's last

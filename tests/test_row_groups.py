@@ -11,7 +11,14 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from spec_support import Job, drive, generator_kwargs, passages, plain_generator
+from spec_support import (
+    Job,
+    draft_three_steps_then_stop_three,
+    drive,
+    generator_kwargs,
+    passages,
+    plain_generator,
+)
 
 from servicer.demo_model import demo_model_path
 from servicer.engine import fused_prefill
@@ -123,19 +130,8 @@ def test_groups_beside_speculation_that_stops_and_starts(kind_model, monkeypatch
     groups stay as they were."""
     from mlx_lm.models.cache import BatchKVCache
 
-    from servicer.engine.speculation.config import ModeClock, StepClock
-
     _, model, tokenizer = kind_model
-    asked = [0]
-
-    def three_on_three_off(self: ModeClock, rows: int) -> bool:
-        asked[0] += 1
-        return (asked[0] // 3) % 2 == 0
-
-    # The switches come from the mode clock alone, not from the width clock's wall time.
-    monkeypatch.setattr(ModeClock, "drafting", three_on_three_off)
-    monkeypatch.setattr(StepClock, "choose", lambda self, rows, widest, tokens: (widest, False))
-    monkeypatch.setattr(StepClock, "best", lambda self, rows, widest, tokens: widest)
+    draft_three_steps_then_stop_three(monkeypatch)
     plain = drive(plain_generator(model), repeating_jobs(tokenizer, 9))
     generator = speculating_in_groups(model, costed=True)
     released_in_groups = []

@@ -14,6 +14,7 @@ import pytest
 from spec_support import (
     Job,
     Oracle,
+    draft_three_steps_then_stop_three,
     drive,
     generator_kwargs,
     passages,
@@ -251,20 +252,9 @@ def test_a_batch_that_stops_drafting_goes_back_to_mlx_lm_caches_exactly(
     from mlx_lm import load
 
     from servicer.engine.speculation.caches import RaggedKVCache, RingKVCache
-    from servicer.engine.speculation.config import ModeClock, StepClock
 
     model, tokenizer = load(str(demo_model_path(kind)))
-    asked = [0]
-
-    def three_on_three_off(self: ModeClock, rows: int) -> bool:
-        asked[0] += 1
-        return (asked[0] // 3) % 2 == 0
-
-    # The switches come from the mode clock alone: the width clock, which measures wall time,
-    # would otherwise cut some "on" steps to plain ones on a slow or busy machine.
-    monkeypatch.setattr(ModeClock, "drafting", three_on_three_off)
-    monkeypatch.setattr(StepClock, "choose", lambda self, rows, widest, tokens: (widest, False))
-    monkeypatch.setattr(StepClock, "best", lambda self, rows, widest, tokens: widest)
+    draft_three_steps_then_stop_three(monkeypatch)
 
     def jobs(seeded: bool) -> list[Job]:
         rows = (lambda: make_row_cache(model, 8, 32)) if quantized else None
