@@ -139,7 +139,7 @@ def test_greedy_outputs_are_unchanged_by_split_prefill(kind):
     reference = Reference(model_dir)
     arriving = [_long_prompt(reference, n, salt=n) for n in (700, 300)]
     # Two prompts arriving together are a queue; a fixed budget keeps them in pieces, and so
-    # does a chunk of at most 128 tokens where the budget's floor (four decode steps, which on
+    # does a chunk of at most 128 tokens where the budget's floor (three decode steps, which on
     # a loaded machine may fit hundreds of the demo's tokens) would not.
     config = demo_config(
         model_dir,

@@ -180,11 +180,12 @@ class PrefillRow:
 
 # A step's prefill may always take this many decode steps. On a slow (memory-bound) model every
 # prefill call adds about a decode step (the decode forward's weight read) to its chunk, so a
-# chunk of one decode step spends half of the prompt's time on those reads; a chunk of four
-# leaves the running streams a gap of about five of their steps and costs the prompt's first
-# token about 1.25x a prefill without a budget. On a fast model (decode steps of a few ms)
-# the budget in force is larger anyway.
-STALL_DECODE_STEPS = 4.0
+# chunk of one decode step spends half of the prompt's time on those reads. A chunk of three
+# leaves the running streams a gap of about four of their steps, and the room up to five takes
+# a step that runs 30 % over the cost model (the worst of a long prompt's ~100 steps on a busy
+# 2-core VM); four planned the whole five, so such a step made a gap of six or seven. On a fast
+# model (decode steps of a few ms) the budget in force is larger anyway.
+STALL_DECODE_STEPS = 3.0
 
 
 def step_budget(policy: PrefillPolicy, widen: float, decode_step_s: float) -> float:
