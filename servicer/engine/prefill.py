@@ -218,7 +218,8 @@ def step_capacity(
 # a step longer. On a fast model (a decode step of a few ms) this barely moves the budget.
 # Only prompts that have not begun take it: one more step is half a short prompt's wait but a
 # few percent of a long one's, and a long prompt's last step would be the streams' longest gap.
-FINISH_DECODE_STEPS = 2.0
+# With the floor's three, a short prompt beside slow streams may take six decode steps.
+FINISH_DECODE_STEPS = 3.0
 
 
 def finish_budget(budget_s: float, decode_step_s: float) -> float:
