@@ -58,8 +58,10 @@ class EngineConfig:
     # Decoding rows of very different lengths attend in groups instead of one rectangle padded
     # to the longest row, where the model's attention is a standard one (engine/row_groups.py).
     group_rows: bool = True
-    # A burst that is still arriving while nothing generates is admitted together:
-    # wait while new requests keep coming `coalesce_quiet_s` apart, at most `coalesce_max_s`.
+    # A burst that is still arriving while nothing generates is admitted together: an idle
+    # engine waits for as many requests as ended with the step that emptied its batch (their
+    # clients come back together), while they keep coming `coalesce_quiet_s` apart, at most
+    # `coalesce_max_s`; a lone request starts at once.
     coalesce_quiet_s: float = 0.002
     coalesce_max_s: float = 0.010
     warmup: bool = True

@@ -224,6 +224,9 @@ class EngineLoop:
         self._leads = self._lockstep is None or self._lockstep.leads
         self._published = Published()
         self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
+        # The requests an idle engine waits for before admitting the first: as many as ended
+        # with the step that emptied the batch (their clients come back together).
+        self._returning = 1
         parts = build_parts(config, info, lockstep)
         self.parts = parts
         self.store = parts.prefix
@@ -285,6 +288,7 @@ class EngineLoop:
             self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
             started = time.perf_counter()
             due = False
+            running = bool(batch.rows or plan.admits)
             try:
                 self._apply(plan, hits, out)
                 if batch.rows:
@@ -303,6 +307,8 @@ class EngineLoop:
                 if self._lockstep is not None:
                     raise  # the ranks may no longer hold the same batch: nothing to recover
                 batch.recover(exc, plan, out)
+            if running and not batch.rows:
+                self._returning = sum(1 for event in out.events if event.finish_reason)
             if self._embeds:
                 self._embed(out)
             if self._lockstep is not None:
@@ -344,7 +350,7 @@ class EngineLoop:
             idle=not batch.rows and (not scheduler.waiting or loading),
             quiet_s=self.config.coalesce_quiet_s,
             max_s=self.config.coalesce_max_s,
-            burst_size=self.config.prefill_batch_size,
+            burst_size=min(self._returning, self.config.prefill_batch_size),
             timeout_s=lockstep.heartbeat_s if lockstep is not None else (0.1 if loading else None),
         )
         self._watch.begin()  # the wait for work is over: planning counts from here
