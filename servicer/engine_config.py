@@ -60,8 +60,9 @@ class EngineConfig:
     group_rows: bool = True
     # A burst that is still arriving while nothing generates is admitted together: an idle
     # engine waits for as many requests as ended with the step that emptied its batch (their
-    # clients come back together), while they keep coming `coalesce_quiet_s` apart, at most
-    # `coalesce_max_s`; a lone request starts at once.
+    # clients come back together; a prefill batch at first), while they keep coming
+    # `coalesce_quiet_s` apart, at most `coalesce_max_s`; a lone request after a lone one
+    # starts at once.
     coalesce_quiet_s: float = 0.002
     coalesce_max_s: float = 0.010
     warmup: bool = True

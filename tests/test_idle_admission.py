@@ -1,5 +1,6 @@
-"""An idle engine admits a lone request at once, and waits for a burst only as large as the
-one its clients are expected to send: the requests that ended with the step that emptied it.
+"""An idle engine waits for a burst only as large as the one its clients are expected to send:
+the requests that ended with the step that emptied it (a prefill batch before anything ran),
+so a lone request after a lone one is admitted at once.
 
 The quiet window here is a minute, so a wait for a burst that never comes would show as a
 request that does not finish; no timing is measured."""
@@ -57,10 +58,18 @@ class Tokens:
         return self.wait(lambda: all(self._counts.get(t, 0) >= 2 for t in tickets))
 
 
+FIRST_WAVE = 3  # the prefill batch: what a fresh engine waits for
+
+
 @pytest.fixture
 def engine(demo_dir) -> Iterator[tuple[Engine, Tokens]]:
     tokens = Tokens()
-    config = EngineConfig(prompt_cache_size=0, coalesce_quiet_s=QUIET_S, coalesce_max_s=2 * QUIET_S)
+    config = EngineConfig(
+        prompt_cache_size=0,
+        prefill_batch_size=FIRST_WAVE,
+        coalesce_quiet_s=QUIET_S,
+        coalesce_max_s=2 * QUIET_S,
+    )
     engine = Engine(config, tokens.outbox)
     engine.start(prepare_model_files(ModelSpec(str(demo_dir))).info)
     engine.wait_ready(120)
@@ -78,27 +87,25 @@ def _request(ticket: int, prompt: list[int], max_tokens: int) -> GenerationReque
     )
 
 
-def test_a_lone_request_on_an_idle_engine_starts_at_once(engine, prompts):
-    running, tokens = engine
-    running.submit(_request(1, prompts[0], 4))  # a fresh engine expects nobody
-    assert tokens.finished(1)
-    running.submit(_request(2, prompts[1], 4))  # one request ended: one comes back
-    assert tokens.finished(2)
-
-
 def test_an_idle_engine_waits_for_as_many_as_ended_together_and_no_more(engine, prompts):
     running, tokens = engine
-    running.submit(_request(1, prompts[0], 1000))
-    running.submit(_request(2, prompts[1], 1000))
-    assert tokens.decoding(1, 2)
-    running.abort([1, 2])  # both end with one step, which empties the batch
-    assert tokens.finished(1, 2)
+    for ticket in (1, 2, 3):  # a first wave, as large as the prefill batch
+        running.submit(_request(ticket, prompts[ticket - 1], 1000))
+    assert tokens.decoding(1, 2, 3)
+    running.abort([1])
+    assert tokens.finished(1)
+    running.abort([2, 3])  # two end with the step that empties the batch
+    assert tokens.finished(2, 3)
 
     def second() -> None:
         tokens.marker.set()
-        running.submit(_request(4, prompts[3], 4))
+        running.submit(_request(5, prompts[1], 8))
 
-    running.submit(_request(3, prompts[2], 4))
+    running.submit(_request(4, prompts[0], 4))
     threading.Timer(0.3, second).start()
-    assert tokens.finished(3, 4)  # the second admitted both: no third was waited for
-    assert 3 not in tokens.before_marker  # the first waited for the second
+    assert tokens.finished(4, 5)  # the second admitted both: no third was waited for
+    assert 4 not in tokens.before_marker  # the first waited for the second
+
+    # The longer of the two ended alone: the next request is admitted on its own at once.
+    running.submit(_request(6, prompts[2], 4))
+    assert tokens.finished(6)

@@ -225,8 +225,9 @@ class EngineLoop:
         self._published = Published()
         self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
         # The requests an idle engine waits for before admitting the first: as many as ended
-        # with the step that emptied the batch (their clients come back together).
-        self._returning = 1
+        # with the step that emptied the batch (their clients come back together), and a
+        # full prefill batch before anything ran (a first wave).
+        self._returning = config.prefill_batch_size
         parts = build_parts(config, info, lockstep)
         self.parts = parts
         self.store = parts.prefix
