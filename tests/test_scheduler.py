@@ -69,6 +69,17 @@ def test_withdraw_and_drain():
     assert scheduler.drain() == [4] and scheduler.waiting == 0
 
 
+def test_an_idle_engine_expects_as_many_as_ended_together_at_most_a_prefill_batch():
+    scheduler = Scheduler(ADMISSION, PrefillPolicy(max_stall_s=0.05, max_rows=4))
+    assert scheduler.burst == 4  # nothing ran yet: a first wave
+    scheduler.emptied(1)
+    assert scheduler.burst == 1  # a lone request after a lone one: no wait
+    scheduler.emptied(9)
+    assert scheduler.burst == 4
+    scheduler.emptied(0)  # the batch failed: nobody is expected back
+    assert scheduler.burst == 0
+
+
 # With a prefill budget.
 
 POLICY = PrefillPolicy(max_stall_s=0.05, step_tokens=2048, max_rows=8, min_chunk=32)

@@ -224,10 +224,6 @@ class EngineLoop:
         self._leads = self._lockstep is None or self._lockstep.leads
         self._published = Published()
         self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
-        # The requests an idle engine waits for before admitting the first: as many as ended
-        # with the step that emptied the batch (their clients come back together), and a
-        # full prefill batch before anything ran (a first wave).
-        self._returning = config.prefill_batch_size
         parts = build_parts(config, info, lockstep)
         self.parts = parts
         self.store = parts.prefix
@@ -276,7 +272,6 @@ class EngineLoop:
         self.store.close()
 
     def run(self) -> None:
-        batch = self.batch
         self._publish_now()
         while True:
             out = StepOutput()
@@ -287,29 +282,7 @@ class EngineLoop:
                 self._sink.put(out, due=True)
                 return
             self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
-            started = time.perf_counter()
-            due = False
-            running = bool(batch.rows or plan.admits)
-            try:
-                self._apply(plan, hits, out)
-                if batch.rows:
-                    admitted = time.perf_counter()
-                    due = self._step(out, plan)
-                    ended = time.perf_counter()
-                    out.step_seconds.append(ended - started)
-                    if (plan.admits or out.prefill_tokens) and log.isEnabledFor(logging.DEBUG):
-                        log.debug(
-                            "step: %.3fs, of which admitting %d took %.3fs",
-                            ended - started,
-                            len(plan.admits),
-                            admitted - started,
-                        )
-            except Exception as exc:
-                if self._lockstep is not None:
-                    raise  # the ranks may no longer hold the same batch: nothing to recover
-                batch.recover(exc, plan, out)
-            if running and not batch.rows:
-                self._returning = sum(1 for event in out.events if event.finish_reason)
+            due = self._apply_and_step(plan, hits, out)
             if self._embeds:
                 self._embed(out)
             if self._lockstep is not None:
@@ -318,6 +291,31 @@ class EngineLoop:
             self._publish(out, plan.budget_s)
             self._send(out, due)
             self._watch.end()
+
+    def _apply_and_step(self, plan: Plan, hits: list[Hit | None], out: StepOutput) -> bool:
+        """The plan applied and one step run (a failure fails the batch's requests, and a fresh
+        generator serves on); True when some handler needs the output now."""
+        batch = self.batch
+        started = time.perf_counter()
+        due = False
+        running = bool(batch.rows or plan.admits)
+        try:
+            self._apply(plan, hits, out)
+            if batch.rows:
+                admitted = time.perf_counter()
+                due = self._step(out, plan)
+                ended = time.perf_counter()
+                out.step_seconds.append(ended - started)
+                if (plan.admits or out.prefill_tokens) and log.isEnabledFor(logging.DEBUG):
+                    took = (ended - started, len(plan.admits), admitted - started)
+                    log.debug("step: %.3fs, of which admitting %d took %.3fs", *took)
+        except Exception as exc:
+            if self._lockstep is not None:
+                raise  # the ranks may no longer hold the same batch: nothing to recover
+            batch.recover(exc, plan, out)
+        if running and not batch.rows:
+            self.scheduler.emptied(sum(1 for event in out.events if event.finish_reason))
+        return due
 
     # ----- planning (rank 0) -----
 
@@ -351,7 +349,7 @@ class EngineLoop:
             idle=not batch.rows and (not scheduler.waiting or loading),
             quiet_s=self.config.coalesce_quiet_s,
             max_s=self.config.coalesce_max_s,
-            burst_size=min(self._returning, self.config.prefill_batch_size),
+            burst_size=scheduler.burst,
             timeout_s=lockstep.heartbeat_s if lockstep is not None else (0.1 if loading else None),
         )
         self._watch.begin()  # the wait for work is over: planning counts from here

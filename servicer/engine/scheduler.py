@@ -120,10 +120,22 @@ class Scheduler:
         self._arrived: dict[int, float] = {}  # ticket -> when it joined the line
         self.cost = PrefillCost()
         self.widening = Widening()
+        self._returning = self._policy.max_rows  # a first wave: a prefill batch
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def burst(self) -> int:
+        """The requests an idle engine waits for before admitting the first: as many as ended
+        with the step that emptied the batch (their clients come back together), a prefill
+        batch before anything ran, never more than one prefill takes."""
+        return min(self._returning, self._policy.max_rows)
+
+    def emptied(self, ended: int) -> None:
+        """The last step emptied the batch; `ended` requests ended with it."""
+        self._returning = ended
 
     def enqueue(self, requests: Iterable[GenerationRequest], now: float = 0.0) -> None:
         for request in requests:
