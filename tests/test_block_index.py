@@ -32,6 +32,15 @@ def test_attention_only_reuses_any_length_and_leaves_the_last_token():
     assert _match(index, [*range(10), 5, 6]) == 10
 
 
+def test_a_prefix_shorter_than_the_least_worth_reusing_is_no_hit():
+    stored = list(range(100, 140))
+    index = _index(True, [(stored, False)], block=256)
+    assert index.min_reuse == 16
+    assert _match(index, [*stored[:15], 7, 8]) == 0  # a BOS, a template's first line
+    assert _match(index, [*stored[:16], 7, 8]) == 16
+    assert _index(True, [], block=16).min_reuse == 8  # at most half a block
+
+
 def test_uncuttable_state_reuses_only_prefixes_ending_at_a_snapshot():
     index = _index(False, [(list(range(10)), True)])  # a snapshot at 10 only
     assert _match(index, [*range(10), 7]) == 10

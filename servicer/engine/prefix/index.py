@@ -26,6 +26,7 @@ from .keys import ROOT, block_key
 log = logging.getLogger(__name__)
 
 PENDING_EVENTS = 10_000  # more events than this waiting for the engine is worth a warning
+MIN_REUSE_TOKENS = 16  # the shortest prefix worth a hit (at most half a block)
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 RAM, DISK = "ram", "disk"
 
@@ -85,6 +86,10 @@ class BlockIndex:
     def __init__(self, block_size: int, cuttable: bool) -> None:
         self.block_size = block_size
         self.cuttable = cuttable  # every layer's state can be cut at any token
+        # A shorter prefix (a BOS, a chat template's first line, a random prompt's first
+        # token) saves less prefill than its cache costs to build and merge into a batch, and
+        # would make nearly every request a hit.
+        self.min_reuse = max(1, min(MIN_REUSE_TOKENS, block_size // 2))
         self._nodes: dict[bytes, Node] = {}
         self._roots: dict[bytes, Node] = {}
         self._ram: OrderedDict[bytes, Node] = OrderedDict()
@@ -115,8 +120,8 @@ class BlockIndex:
 
     def match(self, prompt: list[int], keys: tuple[bytes, ...]) -> Match:
         """The longest prefix of `prompt` that can be reused, at most all but its last token
-        (which must go through the model to give the first new token). `keys` are the names
-        of the prompt's full blocks."""
+        (which must go through the model to give the first new token), and none shorter than
+        `min_reuse`. `keys` are the names of the prompt's full blocks."""
         limit = len(prompt) - 1
         path: list[Node] = []
         children = self._roots
@@ -136,7 +141,7 @@ class BlockIndex:
             tail = self._best_tail(parent.values(), prompt, end, limit)
             if tail is not None and tail[1] > best.length:
                 best = Match((*chain, tail[0]), tail[1])
-        return best
+        return best if best.length >= self.min_reuse else Match()
 
     def shared_length(self, prompt: list[int], keys: tuple[bytes, ...]) -> int:
         """How many leading tokens `prompt` shares with anything stored, snapshots or not:
