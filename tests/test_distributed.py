@@ -101,9 +101,13 @@ def test_sharded_outputs_equal_the_single_process_worker(group, reference, promp
         # Unseeded sampling draws from one random stream that every rank holds identically.
         unseeded = [generate(sharded_channel, p, **params) for p in prompts[:3]]
         assert all(o.error is None and len(o.tokens) == 16 for o in unseeded)
-        again = generate(sharded_channel, prompts[0], temperature=0, max_tokens=24, ignore_eos=True)
-        assert again.complete.cached_tokens > 0  # prefix reuse, on both ranks alike
-        assert again.tokens == reference.greedy(prompts[0], 24)
+        # Prefix reuse, on both ranks alike (a prompt past the shortest prefix worth a hit).
+        joined = [token for prompt in prompts for token in prompt]
+        greedy = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+        first = generate(sharded_channel, joined, **greedy)
+        again = generate(sharded_channel, joined, **greedy)
+        assert again.complete.cached_tokens > 0
+        assert first.tokens == again.tokens == reference.greedy(joined, 24)
 
 
 def test_abort_and_cancel_reach_every_rank(group, reference, prompts):
@@ -173,11 +177,14 @@ def test_a_sharded_quantized_cache_gives_the_single_process_quantized_output(
                 generate(chan, p, temperature=0, max_tokens=16, ignore_eos=True)
                 for p in prompts[:3]
             ]
-            again = generate(chan, prompts[0], temperature=0, max_tokens=16, ignore_eos=True)
+            joined = [token for prompt in prompts for token in prompt]  # a reusable length
+            first = generate(chan, joined, temperature=0, max_tokens=16, ignore_eos=True)
+            again = generate(chan, joined, temperature=0, max_tokens=16, ignore_eos=True)
     finally:
         group.stop()
     assert [o.tokens for o in outcomes] == [quantized.greedy(p, 16) for p in prompts[:3]]
-    assert again.complete.cached_tokens > 0 and again.tokens == quantized.greedy(prompts[0], 16)
+    assert again.complete.cached_tokens > 0
+    assert first.tokens == again.tokens == quantized.greedy(joined, 16)
 
 
 def test_speculation_is_refused_with_distributed_serving_and_says_so(capsys):
