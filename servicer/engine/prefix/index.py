@@ -86,9 +86,9 @@ class BlockIndex:
     def __init__(self, block_size: int, cuttable: bool) -> None:
         self.block_size = block_size
         self.cuttable = cuttable  # every layer's state can be cut at any token
-        # A shorter prefix (a BOS, a chat template's first line, a random prompt's first
-        # token) saves less prefill than its cache costs to build and merge into a batch, and
-        # would make nearly every request a hit.
+        # A shorter prefix (a shared first word, a BOS, a chat template's opening) saves less
+        # prefill than its cache costs to build and merge into a batch, and would count as a
+        # hit.
         self.min_reuse = max(1, min(MIN_REUSE_TOKENS, block_size // 2))
         self._nodes: dict[bytes, Node] = {}
         self._roots: dict[bytes, Node] = {}
