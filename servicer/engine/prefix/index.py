@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...messages import KvBlockEvent
+from .children import Children
 from .keys import ROOT, block_key
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Node:
     disk_bytes: int = 0
     disk_snapshot: bool = False  # the file holds that state
     pins: int = 0
-    children: dict[bytes, Node] = field(default_factory=dict)
+    children: Children[Node] = field(default_factory=Children)
 
     @property
     def end(self) -> int:
@@ -91,7 +92,7 @@ class BlockIndex:
         # hit.
         self.min_reuse = max(1, min(MIN_REUSE_TOKENS, block_size // 2))
         self._nodes: dict[bytes, Node] = {}
-        self._roots: dict[bytes, Node] = {}
+        self._roots: Children[Node] = Children()
         self._ram: OrderedDict[bytes, Node] = OrderedDict()
         self.ram_bytes = 0
         self.disk_bytes = 0
@@ -138,7 +139,7 @@ class BlockIndex:
             if depth and (self.cuttable or chain[-1].snapshot):
                 best = max(best, Match(chain, min(end, limit)), key=lambda m: m.length)
             parent = chain[-1].children if chain else self._roots
-            tail = self._best_tail(parent.values(), prompt, end, limit)
+            tail = self._best_tail(parent, prompt, end, limit)
             if tail is not None and tail[1] > best.length:
                 best = Match((*chain, tail[0]), tail[1])
         return best if best.length >= self.min_reuse else Match()
@@ -152,28 +153,25 @@ class BlockIndex:
             if node is None:
                 break
             shared, children = node.end, node.children
-        extra = max((_common(n.tokens, prompt, shared) for n in children.values()), default=0)
+        _, extra = children.longest_common(tuple(prompt[shared : shared + self.block_size]))
         return shared + extra
 
     def _best_tail(
-        self, candidates: Any, prompt: list[int], start: int, limit: int
+        self, children: Children[Node], prompt: list[int], start: int, limit: int
     ) -> tuple[Node, int] | None:
         """A block hanging off the matched path that covers more of the prompt: any common
         prefix when state can be cut, else a tail matched whole with its snapshot."""
-        best: tuple[Node, int] | None = None
-        for node in candidates:
-            tokens = node.tokens
-            if self.cuttable:
-                shared = _common(tokens, prompt, start)
-            elif node.snapshot and len(tokens) < self.block_size and start + len(tokens) <= limit:
-                # A snapshot holds the state after all of its tokens: used whole or not at all.
-                shared = len(tokens) if _common(tokens, prompt, start) == len(tokens) else 0
-            else:
-                continue
+        window = tuple(prompt[start : start + self.block_size])
+        if self.cuttable:
+            node, shared = children.longest_common(window)
             end = min(start + shared, limit)
-            if shared and end > start and (best is None or end > best[1]):
-                best = (node, end)
-        return best
+            return (node, end) if node is not None and end > start else None
+        for node in children.prefixes(window):  # longest first
+            # A snapshot holds the state after all of its tokens: used whole or not at all.
+            length = len(node.tokens)
+            if node.snapshot and length < self.block_size and start + length <= limit:
+                return node, start + length
+        return None
 
     # ----- changing -----
 
@@ -186,7 +184,7 @@ class BlockIndex:
             start = parent.end if parent is not None else 0
             node = Node(key, parent, tokens, start)
             self._nodes[key] = node
-            (parent.children if parent is not None else self._roots)[key] = node
+            (parent.children if parent is not None else self._roots).add(key, node)
         return node
 
     def set_ram(self, node: Node, payload: Any, nbytes: int, snapshot: bool) -> None:
@@ -249,7 +247,7 @@ class BlockIndex:
                 self.pinned_blocks -= 1
                 each.pins = 0
         siblings = node.parent.children if node.parent is not None else self._roots
-        siblings.pop(node.key, None)
+        siblings.pop(node.key)
         return gone
 
     def clear(self) -> list[Any]:
@@ -264,7 +262,7 @@ class BlockIndex:
             node.ram, node.ram_bytes, node.ram_snapshot = None, 0, False
             node.disk, node.disk_bytes, node.disk_snapshot = None, 0, False
             node.pins = 0
-        self._nodes, self._roots, self._ram = {}, {}, OrderedDict()
+        self._nodes, self._roots, self._ram = {}, Children(), OrderedDict()
         self.ram_bytes = self.disk_bytes = self.disk_blocks = self.pinned_blocks = 0
         self.events.append(KvBlockEvent(CLEARED))
         return entries
@@ -284,10 +282,10 @@ class BlockIndex:
         if len(self.events) == PENDING_EVENTS:  # kept anyway: the engine takes them each step
             log.warning("%d prefix cache events wait for the engine", PENDING_EVENTS)
 
-    def siblings(self, node: Node) -> list[Node]:
-        """The other blocks under `node`'s parent."""
-        under = node.parent.children if node.parent is not None else self._roots
-        return [other for other in under.values() if other is not node]
+    def shorter_ends(self, tail: Node) -> list[Node]:
+        """The other blocks under `tail`'s parent that `tail` begins with."""
+        under = tail.parent.children if tail.parent is not None else self._roots
+        return [other for other in under.prefixes(tail.tokens) if other is not tail]
 
     def _subtree(self, node: Node) -> Iterator[Node]:
         for child in list(node.children.values()):
@@ -329,16 +327,3 @@ class BlockIndex:
             if node.disk is not None and node.ram is None and node.pins == 0 and not node.children:
                 return node
         return None
-
-
-def _common(tokens: tuple[int, ...], prompt: list[int], start: int) -> int:
-    # Most candidates differ at once (a planning step asks about every block under a node):
-    # no slice for those.
-    if not tokens or start >= len(prompt) or tokens[0] != prompt[start]:
-        return 0
-    count = 0
-    for a, b in zip(tokens, prompt[start : start + len(tokens)], strict=False):
-        if a != b:
-            break
-        count += 1
-    return count

@@ -302,10 +302,8 @@ class PrefixStore:
     def _drop_shorter_tails(self, tail: Node) -> None:
         """A tail that starts another tail holds nothing the longer one lacks (attention state
         can be cut anywhere): a prompt's end, once its output is kept after it."""
-        for node in self.index.siblings(tail):
-            shorter = len(node.tokens) < len(tail.tokens)
-            starts = tail.tokens[: len(node.tokens)] == node.tokens
-            if shorter and starts and node.pins == 0 and node.disk is None:
+        for node in self.index.shorter_ends(tail):
+            if node.pins == 0 and node.disk is None:
                 self.index.remove(node)
 
     def _kv_slices(self, cache: list[Any], start: int, end: int) -> list[tuple[Part, Part]]:
