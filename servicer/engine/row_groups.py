@@ -78,6 +78,9 @@ class RowGroups:
 
     def _index(self) -> None:
         self.single = len(self.groups) == 1
+        if self.single:  # the forward is mlx-lm's on the one group: no gathers to build
+            self.take, self.inverse = [], mx.array([], dtype=mx.int32)
+            return
         self.take = [mx.array(m, dtype=mx.int32) for m in self.members]
         order = [b for m in self.members for b in m]
         inverse = [0] * len(order)
@@ -106,6 +109,8 @@ class RowGroups:
 
     @property
     def offset(self) -> mx.array:
+        if self.single:
+            return mx.broadcast_to(self.groups[0].offset, (len(self.members[0]),))
         pairs = zip(self.groups, self.members, strict=True)
         offsets = [mx.broadcast_to(g.offset, (len(m),)) for g, m in pairs]
         return mx.concatenate(offsets)[self.inverse]
