@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # One prepared run on a lent NVIDIA machine (no network there): MLX's CUDA build from carried
-# wheels, then the demo llama's served ÷ raw sweep (speculation on, the default, and off), and
-# where a served token's time goes there (bench/step_profile.py, py-spy in both worker
-# processes). Tables go to stdout; everything else, as one tarball, to $OUT/gpu-results.tgz
+# wheels, then the demo llama served ÷ raw with speculation on (the default) and off, and where
+# a served token's time goes (bench/step_profile.py: py-spy in both worker processes; or, with
+# MODE=sweeps, bench.py's sweeps). Tables go to stdout; everything else, as one tarball, to $OUT/gpu-results.tgz
 # (rewritten after each part, so a run cut short still brings back what it finished).
 #
 # Carried (ignored folders; a call carries at most 64 MiB, the mlx-cuda-13 wheel alone is 90 MB,
 # so a first call on the same warm machine copies its first half to /root):
 #   /root/mlxcuda.part-aa   the first 52,000,000 bytes of mlx_cuda_13-0.32.4's wheel
 #   .gpu/   mlxcuda.part-ab (the rest), whl/ (Python 3.12 wheels: mlx, mlx-lm, grpcio*,
-#           protobuf, llguidance, msgspec, py-spy), cache/ (the demo models)
+#           protobuf, llguidance, msgspec, py-spy), cache/ (the demo llama), and optionally
+#           before/ (an earlier commit's tree, to measure against)
 #
 #   first call:  cp .gpu1/mlxcuda.part-aa /root/            (carry .gpu1)
-#   second call: bash bench/gpu_session.sh                  (carry .gpu, timeout_s ~560)
+#   second call: bash bench/gpu_session.sh                  (carry .gpu, timeout_s ~300)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 RES=/tmp/gpu-results
@@ -59,13 +60,26 @@ sweep() {  # tag, seconds, then bench.py arguments
         --out "$RES/$tag" --device-note "$DEVICE" "$@" 2>&1 | tee "$RES/$tag.log" | grep -v "^\[bench"
     save
 }
+profile() {  # tag, checkout, then step_profile.py arguments
+    local tag=$1 tree=$2
+    shift 2
+    echo "=== profile $tag $(date -u +%T)"
+    (cd "$tree" && PYTHONPATH=$tree timeout "${PROFILE_S:-100}" $PY bench/step_profile.py \
+        --levels "$LEVELS" --rounds 3 --requests 8 --tokens 128 --out "$RES/$tag" "$@") 2>&1 |
+        tee "$RES/$tag.log" | grep -v "^\[bench"
+    save
+}
 # Each new process compiles MLX's CUDA kernels on first use (30-70 s a process on a fresh
-# machine, seconds once they are cached): one short pass first, not read.
-sweep warm 150 --repeats 1 --min-seconds 1
-sweep demo 150 --repeats 3
-sweep demo-spec-off 120 --repeats 3 --worker-flags=--speculate\ off
-echo "=== step profile $(date -u +%T)"
-timeout 120 $PY bench/step_profile.py --levels "$LEVELS" --rounds 3 --requests 4 --out "$RES/profile" \
-    2>&1 | tee "$RES/profile.log"
-save
+# machine): the bench's sweep starts two processes a level and needs ~3 minutes a worker;
+# step_profile keeps its two up across levels and rounds (about a minute a run).
+if [ "${MODE:-profiles}" = sweeps ]; then
+    sweep warm 150 --repeats 1 --min-seconds 1
+    sweep demo 240 --repeats 3
+    sweep demo-spec-off 240 --repeats 3 --worker-flags=--speculate\ off
+else
+    # .gpu/before: an earlier commit's tree (git archive), measured in the same run.
+    [ -d .gpu/before ] && profile before "$ROOT/.gpu/before"
+    profile after "$ROOT"
+    profile after-spec-off "$ROOT" --flags="--speculate off"
+fi
 echo "=== done $(date -u +%T)"

@@ -68,7 +68,7 @@ def test_the_null_store_answers_everything_the_engine_asks_a_store():
     calls = (("engine.py", r"self\.store\.(\w+)"), ("batch.py", r"self\._prefix\.(\w+)"))
     for name, pattern in calls:
         asked |= set(re.findall(pattern, (engine / name).read_text()))
-    assert {"fetch_admitted", "ready", "keep"} <= asked  # the patterns still find the calls
+    assert {"fetch_admitted", "ready", "keep_later"} <= asked  # the patterns still find the calls
     from mlx_lm.models.cache import KVCache
 
     from servicer.engine.prefix.store import CacheLayout

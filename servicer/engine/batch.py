@@ -331,7 +331,7 @@ class Batch:
     def _finish(self, row: Row, response: Any) -> None:
         self._drop(row)
         if response.prompt_cache is not None:
-            self._prefix.keep(response.all_tokens, response.prompt_cache, snapshot=True)
+            self._prefix.keep_later(response.all_tokens, response.prompt_cache, snapshot=True)
 
     def _snapshot_prefills(self, progress: list[Any]) -> None:
         """Keep the blocks of prompts whose prefill just reached a snapshot point or their last
@@ -339,7 +339,7 @@ class Batch:
         done = [p.uid for p in progress if p.end_of_segment and not p.end_of_prompt]
         if done:
             for cache, tokens in self._generator.extract_cache(done).values():
-                self._prefix.keep(tokens, cache, snapshot=True)
+                self._prefix.keep_later(tokens, cache, snapshot=True)
 
     def handed_over(self) -> None:
         """Every row's events so far went to the handlers."""

@@ -278,7 +278,7 @@ class EngineLoop:
             plan, hits = self._shared_plan(out)
             if plan.stop:
                 self._end_all(out)
-                self._take_events(out)
+                out.kv_events.extend(self.store.take_events())
                 self._sink.put(out, due=True)
                 return
             self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
@@ -287,7 +287,7 @@ class EngineLoop:
                 self._embed(out)
             if self._lockstep is not None:
                 self._lockstep.progress()
-            self._take_events(out)
+            out.kv_events.extend(self.store.take_events())
             self._publish(out, plan.budget_s)
             self._send(out, due)
             self._watch.end()
@@ -457,9 +457,6 @@ class EngineLoop:
             log.exception("embedding failed")
             out.embeddings.extend(self.embedder.refuse(embeds, f"embedding failed: {exc}"))
 
-    def _take_events(self, out: StepOutput) -> None:
-        out.kv_events.extend(self.store.take_events())
-
     def _publish(self, out: StepOutput, budget_s: float) -> None:
         """The figures go out with this output when they changed (`budget_s`: the prefill
         budget the step was planned with): at once when no row runs or the output answers a
@@ -486,15 +483,18 @@ class EngineLoop:
     def _send(self, out: StepOutput, due: bool) -> None:
         """Hand the output over; the loop wakes only once some handler needs it (a first
         token, a full `tokens_per_handoff`, a finish or a failure), or, with nothing
-        running, for new figures (no other hand-off would bring them soon)."""
-        if not out:
-            return
-        finished = any(event.finish_reason for event in out.events)
-        answers = bool(out.failures or out.embeddings or out.flushed)
-        due = due or answers or finished or not self.batch.rows
-        if due:
-            self.batch.handed_over()
-        self._sink.put(out, due)
+        running, for new figures (no other hand-off would bring them soon). Then the step's
+        finished and prefilled blocks are kept (their block events go with the next output,
+        at once when nothing runs)."""
+        if out:
+            finished = any(event.finish_reason for event in out.events)
+            answers = bool(out.failures or out.embeddings or out.flushed)
+            due = due or answers or finished or not self.batch.rows
+            if due:
+                self.batch.handed_over()
+            self._sink.put(out, due)
+        if self.store.keep_pending() and not self.batch.rows:
+            self._sink.put(StepOutput(kv_events=self.store.take_events()), due=True)
 
     def _end_all(self, out: StepOutput) -> None:
         tickets = self.scheduler.drain()

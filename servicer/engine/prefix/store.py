@@ -167,6 +167,7 @@ class PrefixStore:
         self.max_blocks = max_blocks
         self.index = BlockIndex(block_size, layout.cuttable)
         self.counters = StoreCounters()
+        self._later: list[tuple[list[int], list[Any], bool]] = []
         self._link = DiskLink(self.index, layout, disk) if disk is not None else None
         if self._link is not None:
             self._link.index_files()
@@ -263,6 +264,18 @@ class PrefixStore:
             self._keep(tokens, cache, snapshot)
         except Exception as exc:
             self._fault("keep", "keeping a prompt's blocks failed; they are not kept", exc)
+
+    def keep_later(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
+        """`keep` at the next `keep_pending`: the engine hands a step's tokens over first, as
+        the copies wait for the forward in flight."""
+        self._later.append((tokens, cache, snapshot))
+
+    def keep_pending(self) -> bool:
+        """What `keep_later` was given, kept; True when block events wait to go out."""
+        later, self._later = self._later, []
+        for tokens, cache, snapshot in later:
+            self.keep(tokens, cache, snapshot)
+        return bool(self.index.events)
 
     def _keep(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
         if not tokens:
@@ -383,6 +396,7 @@ class PrefixStore:
         the blocks, and releasing a block the index forgot changes nothing. The files go on
         the writer thread, after the writes queued before them."""
         entries = self.index.clear()
+        self._later.clear()
         if self._link is not None:
             self._link.forget_files(entries)
 
@@ -435,6 +449,12 @@ class NoPrefixStore:
 
     def keep(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
         pass
+
+    def keep_later(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
+        pass
+
+    def keep_pending(self) -> bool:
+        return False
 
     def ready(self, request: GenerationRequest) -> bool:
         return True
