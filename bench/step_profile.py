@@ -99,7 +99,7 @@ def profiled_run(worker: Any, prompts: list[list[int]], level: int, tokens: int,
         pids["engine process"] = child
     spies = {}
     for name, pid in pids.items():
-        target = out / f"{name.replace(' ', '-')}.txt"
+        target = out / f"{name.replace(' ', '-')}-c{level}.txt"
         command = [py_spy(), "record", "--pid", str(pid), "--rate", str(RATE), "--format"]
         command += ["raw", "--output", str(target), "--nonblocking", "--threads"]
         spies[name] = (
