@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # One prepared run on a lent NVIDIA machine (no network there): MLX's CUDA build from carried
-# wheels, then the demo llama served ÷ raw with speculation on (the default) and off, and where
-# a served token's time goes (bench/step_profile.py: py-spy in both worker processes; or, with
-# MODE=sweeps, bench.py's sweeps). Tables go to stdout; everything else, as one tarball, to $OUT/gpu-results.tgz
-# (rewritten after each part, so a run cut short still brings back what it finished).
+# wheels, then, by MODE:
+#   profiles (default)  bench/step_profile.py on the demo llama (served ÷ raw, best of 3
+#                       alternating rounds, and py-spy in both worker processes), speculation on
+#                       and off, and .gpu/before/ (an earlier commit's tree) first when present
+#   sweeps              bench.py's quick sweep on the demo llama, speculation on and off
+#   shapes              the quick sweep on random 4-bit llamas of real shape (SmolLM2-135M's, and
+#                       Llama 3.2 1B's beside smg-grpc-servicer from .gpu/peer/)
+# Tables go to stdout; everything else, as one tarball, to $OUT/gpu-results.tgz (rewritten after
+# each part, so a run cut short still brings back what it finished).
 #
 # Carried (ignored folders; a call carries at most 64 MiB, the mlx-cuda-13 wheel alone is 90 MB,
 # so a first call on the same warm machine copies its first half to /root):
 #   /root/mlxcuda.part-aa   the first 52,000,000 bytes of mlx_cuda_13-0.32.4's wheel
 #   .gpu/   mlxcuda.part-ab (the rest), whl/ (Python 3.12 wheels: mlx, mlx-lm, grpcio*,
-#           protobuf, llguidance, msgspec, py-spy), cache/ (the demo llama), and optionally
-#           before/ (an earlier commit's tree, to measure against)
+#           protobuf, llguidance, msgspec, py-spy), cache/ (the demo llama); before/ (profiles),
+#           smollm2/ (SmolLM2's tokenizer and config) and peer/ (smg-grpc-servicer,
+#           smg-grpc-proto, mlx-lm 0.31) for shapes
 #
 #   first call:  cp .gpu1/mlxcuda.part-aa /root/            (carry .gpu1)
-#   second call: bash bench/gpu_session.sh                  (carry .gpu, timeout_s ~300)
+#   second call: bash bench/gpu_session.sh                  (carry .gpu; see bench/README.md)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 RES=/tmp/gpu-results
@@ -72,7 +78,30 @@ profile() {  # tag, checkout, then step_profile.py arguments
 # Each new process compiles MLX's CUDA kernels on first use (30-70 s a process on a fresh
 # machine): the bench's sweep starts two processes a level and needs ~3 minutes a worker;
 # step_profile keeps its two up across levels and rounds (about a minute a run).
-if [ "${MODE:-profiles}" = sweeps ]; then
+if [ "${MODE:-profiles}" = shapes ]; then  # random 4-bit llamas of real shape, one beside the peer
+    build() {  # name layers hidden intermediate heads kv_heads
+        $PY bench/fixtures.py random --out "/tmp/models/$1" --layers "$2" --hidden "$3" \
+            --intermediate "$4" --heads "$5" --kv-heads "$6" --like .gpu/smollm2 || exit 1
+    }
+    build smol-shape 30 576 1536 9 3  # SmolLM2-135M's shape, 4-bit
+    build llama-1b 16 2048 8192 32 8  # Llama 3.2 1B's shape, 4-bit
+    # The peer in its own folder (it wants mlx-lm < 0.32), reached through the bench's side venv.
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer .gpu/peer/*.whl
+    mkdir -p bench/.venv-smg/bin
+    printf '#!/usr/bin/env bash\nPYTHONPATH=/tmp/peer exec %s "$@"\n' "$(command -v $PY)" \
+        > bench/.venv-smg/bin/python
+    chmod +x bench/.venv-smg/bin/python
+    MLX_VERSION=$($PY -c 'import importlib.metadata as m; print(m.version("mlx"))')
+    printf 'smg-grpc-servicer[mlx]==0.14.1\nmlx[cuda13]==%s\n' "$MLX_VERSION" \
+        > bench/.venv-smg/.bench-requirements
+    if bench/.venv-smg/bin/python -c "import smg_grpc_servicer.mlx.server"; then
+        sweep 1b 300 --model /tmp/models/llama-1b --side-by-side
+    else
+        echo "the peer does not import here: 1b without it"
+        sweep 1b 240 --model /tmp/models/llama-1b
+    fi
+    sweep smol 240 --model /tmp/models/smol-shape
+elif [ "${MODE:-profiles}" = sweeps ]; then
     sweep warm 150 --repeats 1 --min-seconds 1
     sweep demo 240 --repeats 3
     sweep demo-spec-off 240 --repeats 3 --worker-flags=--speculate\ off
