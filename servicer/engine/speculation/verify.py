@@ -18,6 +18,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
 
+from ..prefix.children import common_length
+
 Sampler = Callable[[mx.array], mx.array]
 
 
@@ -63,9 +65,4 @@ def _draw(sampler: Any, logprobs: mx.array) -> mx.array:
 
 def accepted_prefix(drafts: Sequence[int], chosen: Sequence[int]) -> int:
     """How many drafts in a row equal the target's draws."""
-    n = 0
-    for draft, target in zip(drafts, chosen, strict=False):
-        if draft != target:
-            break
-        n += 1
-    return n
+    return common_length(drafts, chosen)
