@@ -92,3 +92,33 @@ def test_a_finished_rows_last_token_goes_out_before_its_blocks_are_kept(
         timeline.wait(lambda entries: stored_events(entries) >= len(prompt) // 16)
     finally:
         engine.shutdown(30)
+
+
+def test_kept_later_blocks_enter_at_keep_pending_and_a_flush_drops_them():
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from servicer.engine.prefix.keys import block_keys
+    from servicer.engine.prefix.store import CacheLayout
+
+    def cache_of(length: int) -> KVCache:
+        cache = KVCache()
+        cache.update_and_fetch(
+            mx.random.normal((1, 2, length, 8)), mx.random.normal((1, 2, length, 8))
+        )
+        return cache
+
+    store = PrefixStore(CacheLayout.of([KVCache()]), 16, 64, 1 << 20)
+    tokens = list(range(40))
+    store.keep_later(tokens, [cache_of(40)], snapshot=True)
+    assert len(store.index) == 0  # nothing yet: the step's output goes first
+    assert store.keep_pending()  # two full blocks and a tail: events wait
+    prompt = [*tokens, 7]
+    assert len(store.index) == 3
+    assert store.index.match(prompt, block_keys(prompt, 16)).length == 40
+    store.take_events()
+    store.keep_later(list(range(100, 140)), [cache_of(40)], snapshot=True)
+    store.flush()  # what was computed before a flush is not kept after it
+    store.take_events()
+    assert not store.keep_pending()
+    assert len(store.index) == 0
