@@ -121,3 +121,13 @@ def test_a_lookup_among_thousands_of_prompt_ends_reads_a_few(monkeypatch):
     index.set_ram(start, object(), 1, False)
     assert index.shorter_ends(index.add(None, tuple(prompts[99]))) == [start]
     assert reads <= 12
+
+
+def test_a_child_leaves_by_identity_among_equal_tokens():
+    children: Children[Leaf] = Children()
+    first, second = Leaf((1, 2)), Leaf((1, 2))
+    children.add(b"a", first)
+    children.add(b"b", second)
+    children.pop(b"b")
+    assert children.longest_common((1, 2, 3)) == (first, 2)
+    assert list(children.prefixes((1, 2, 3))) == [first]

@@ -37,7 +37,7 @@ def common_length(a: Sequence[int], b: Sequence[int]) -> int:
 class Children(Generic[NodeT]):
     def __init__(self) -> None:
         self._by_key: dict[bytes, NodeT] = {}
-        self._tokens: list[tuple[int, ...]] = []  # sorted; distinct (a key names its tokens)
+        self._tokens: list[tuple[int, ...]] = []  # sorted
         self._nodes: list[NodeT] = []  # in the same order
 
     def __len__(self) -> int:
@@ -65,6 +65,8 @@ class Children(Generic[NodeT]):
         if node is None:
             return
         at = bisect_left(self._tokens, node.tokens)
+        while self._nodes[at] is not node:  # keys name their tokens: no step in practice
+            at += 1
         del self._tokens[at]
         del self._nodes[at]
 
