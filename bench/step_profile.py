@@ -4,12 +4,16 @@
     python bench/step_profile.py --levels 1 --requests 4 --flags "--speculate off"
 
 At each level: the raw engine (mlx-lm's BatchGenerator loop in its own process) and our worker
-on the same prompts, alternating, best of `--rounds`; then one more run of our worker with
-py-spy sampling both of its processes (the engine process and the handler process). Each
+on the same prompts, alternating, best of `--rounds`; then one more run of each on the same
+prompts with py-spy sampling the raw engine's process and both of ours (the engine process
+and the handler process; `--native` adds C/C++ frames to the stacks kept under logs/). Each
 sample is put in the bucket of the innermost Python frame that names one:
 
-- `mlx-lm step`: mlx-lm's generation and prompt batches (the forward, sampling, the wait for
-  the GPU/CPU result) - what the raw engine spends too;
+- `mlx-lm launch`: mlx-lm's decode step handing the next step's graph to MLX (`async_eval`: on
+  a GPU this encodes and launches the step's kernels, and waits where MLX's queue is full);
+- `mlx-lm wait`: mlx-lm's decode step waiting for the step in flight (`eval`);
+- `mlx-lm step`: the rest of mlx-lm's generation and prompt batches (building the forward,
+  sampling) - what the raw engine spends too;
 - `speculation`: our speculating batch (drafting, clocks, its own verify forwards);
 - `engine loop`: planning, the batch's rows, events, the prefix store, sending output;
 - `hand-off`: the frames between the two processes, both ends;
@@ -24,6 +28,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import importlib
+import inspect
 import json
 import shutil
 import subprocess
@@ -46,11 +53,33 @@ BUCKETS = (
     ("grpc / asyncio", ("grpc/", "asyncio/")),
 )
 RATE = 250  # samples a second per thread
+LAUNCH = "mlx-lm launch"  # mlx-lm's step handing the next step's graph to MLX (async_eval)
+WAIT = "mlx-lm wait"  # mlx-lm's step waiting for the step in flight (eval)
+
+
+@functools.cache
+def step_lines() -> dict[str, str]:
+    """py-spy's names for the two lines of mlx-lm's decode step (`GenerationBatch._step`) where
+    it hands the next step to MLX and where it waits for the one in flight, for the installed
+    mlx-lm: on a GPU the first encodes and launches every kernel of the step."""
+    generate = importlib.import_module("mlx_lm.generate")
+    lines, first = inspect.getsourcelines(generate.GenerationBatch._step)
+    found = {}
+    for name, code in ((LAUNCH, "mx.async_eval(self._next_tokens"), (WAIT, "mx.eval(inputs")):
+        at = next((i for i, line in enumerate(lines) if code in line), None)
+        if at is not None:
+            found[f"_step (mlx_lm/generate.py:{first + at})"] = name
+    return found
 
 
 def bucket(stack: str) -> str:
     """The bucket of one collapsed stack ("frame;frame;...", outermost first)."""
-    for frame in reversed(stack.split(";")):
+    frames = stack.split(";")
+    innermost = next((f for f in reversed(frames) if ".py:" in f), "")  # past native frames
+    for line, name in step_lines().items():
+        if innermost.endswith(line):
+            return name
+    for frame in reversed(frames):
         for name, marks in BUCKETS:
             if any(mark in frame for mark in marks):
                 return name
@@ -92,29 +121,49 @@ def served(address: str, prompts: list[list[int]], level: int, tokens: int) -> t
     return asyncio.run(run())
 
 
-def profiled_run(worker: Any, prompts: list[list[int]], level: int, tokens: int, out: Path):
+class Spies:
+    """py-spy on some processes while a run goes; their samples per bucket after it."""
+
+    def __init__(self, pids: dict[str, int], out: Path, level: int, native: bool) -> None:
+        self.spies = {}
+        for name, pid in pids.items():
+            target = out / f"{name.replace(' ', '-')}-c{level}.txt"
+            command = [py_spy(), "record", "--pid", str(pid), "--rate", str(RATE), "--format"]
+            command += ["raw", "--output", str(target), "--nonblocking", "--threads"]
+            command += ["--native"] if native else []
+            self.spies[name] = (
+                subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
+                target,
+            )
+        time.sleep(1.0)  # py-spy attaches
+
+    def stop(self) -> dict[str, dict[str, int]]:
+        for proc, _ in self.spies.values():
+            proc.send_signal(2)  # SIGINT: py-spy writes what it has
+        found = {}
+        for name, (proc, target) in self.spies.items():
+            proc.wait(60)
+            found[name] = dict(fold(target.read_text())) if target.exists() else {}
+        return found
+
+
+def profiled_run(worker: Any, prompts: list[list[int]], level: int, tokens: int, args: Any):
     """One served run with py-spy on the worker and its engine process; samples per bucket."""
     pids = {"handler process": worker.proc.pid}
     for child in children(worker.proc.pid):
         pids["engine process"] = child
-    spies = {}
-    for name, pid in pids.items():
-        target = out / f"{name.replace(' ', '-')}-c{level}.txt"
-        command = [py_spy(), "record", "--pid", str(pid), "--rate", str(RATE), "--format"]
-        command += ["raw", "--output", str(target), "--nonblocking", "--threads"]
-        spies[name] = (
-            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
-            target,
-        )
-    time.sleep(1.0)  # py-spy attaches
+    spies = Spies(pids, args.logs, level, args.native)
     count, wall = served(worker.address, prompts, level, tokens)
-    for proc, _ in spies.values():
-        proc.send_signal(2)  # SIGINT: py-spy writes what it has
-    found = {}
-    for name, (proc, target) in spies.items():
-        proc.wait(60)
-        found[name] = dict(fold(target.read_text())) if target.exists() else {}
-    return count, wall, found
+    return count, wall, spies.stop()
+
+
+def profiled_raw_run(raw: Any, prompts: list[list[int]], level: int, args: Any):
+    """The same prompts through the raw engine with py-spy on its process."""
+    spies = Spies({"raw process": raw.proc.pid}, args.logs, level, args.native)
+    stats = raw.run(
+        level, Shape(args.prompt_tokens, args.tokens), requests=len(prompts), prompts=prompts
+    )
+    return stats.output_tokens, spies.stop()["raw process"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,19 +176,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--flags", default="", help="extra flags for our worker")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument(
+        "--native", action="store_true", help="py-spy --native: C/C++ frames in the stacks too"
+    )
     args = parser.parse_args(argv)
     model = model_or_demo(args.model)
     vocab = model_vocab_size(model)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     logs = args.out / "logs" / f"step-profile-{stamp}"
     logs.mkdir(parents=True, exist_ok=True)
+    args.logs = logs
     batch = BatchConfig()
     results: dict[str, Any] = {"model": str(model), "flags": args.flags, "levels": {}}
     worker = our_worker(model, batch, logs, "profile", args.flags.split()).start()
     try:
         with raw_process(model, batch) as raw:
             for level in args.levels:
-                results["levels"][level] = one_level(args, level, vocab, raw, worker, logs)
+                results["levels"][level] = one_level(args, level, vocab, raw, worker)
     finally:
         worker.stop()
     print(render(results))
@@ -149,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def one_level(args, level: int, vocab: int, raw, worker, logs: Path) -> dict[str, Any]:
+def one_level(args, level: int, vocab: int, raw, worker) -> dict[str, Any]:
     count = level * args.requests
     shape = Shape(args.prompt_tokens, args.tokens)
     raw_ms, served_ms = [], []
@@ -165,11 +218,13 @@ def one_level(args, level: int, vocab: int, raw, worker, logs: Path) -> dict[str
             f"c={level} round {round_ + 1}: raw {raw_ms[-1]:.3f} ms/token, ours {served_ms[-1]:.3f}"
         )
     prompts = make_prompts(4 * count, args.prompt_tokens, vocab, f"profile-{level}-spy")
-    tokens, wall, samples = profiled_run(worker, prompts, level, args.tokens, logs)
+    raw_tokens, raw_samples = profiled_raw_run(raw, prompts, level, args)
+    tokens, wall, samples = profiled_run(worker, prompts, level, args.tokens, args)
     per_token = {
         process: {k: 1000 * v / RATE / tokens for k, v in found.items()}
         for process, found in samples.items()
     }
+    per_token["raw process"] = {k: 1000 * v / RATE / raw_tokens for k, v in raw_samples.items()}
     return {
         "raw_ms_per_token": min(raw_ms),
         "served_ms_per_token": min(served_ms),
@@ -180,7 +235,7 @@ def one_level(args, level: int, vocab: int, raw, worker, logs: Path) -> dict[str
 
 
 def render(results: dict[str, Any]) -> str:
-    names = [name for name, _ in BUCKETS] + ["other"]
+    names = [LAUNCH, WAIT] + [name for name, _ in BUCKETS] + ["other"]
     lines = [
         f"Model {results['model']}, our flags `{results['flags'] or '(defaults)'}`; wall ms a "
         "token (best of the rounds; served ÷ raw as tok/s), then CPU ms a token by bucket "

@@ -236,3 +236,15 @@ def test_every_bench_module_that_imports_the_package_imports_the_checkout_first(
             continue
         guard = text.find("import _checkout")
         assert 0 <= guard < found.start(), f"{module.name} imports servicer before _checkout"
+
+
+def test_the_step_profile_finds_mlx_lms_launch_and_wait_lines() -> None:
+    import step_profile
+
+    lines = step_profile.step_lines()
+    assert sorted(lines.values()) == [step_profile.LAUNCH, step_profile.WAIT]
+    for line, name in lines.items():
+        thread = "thread (1): mlx-engine;run (servicer/engine/engine.py:285)"
+        assert step_profile.bucket(f"{thread};{line}") == name
+        assert step_profile.bucket(f"{thread};{line};mlx::core::eval (libmlx.so)") == name
+    assert step_profile.bucket("t;_step (mlx_lm/generate.py:1)") == "mlx-lm step"
