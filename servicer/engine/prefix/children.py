@@ -10,7 +10,7 @@ children that are its prefixes are found by bisecting for each, so both take O(l
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, ValuesView
 from typing import Generic, Protocol, TypeVar
 
 
@@ -49,8 +49,8 @@ class Children(Generic[NodeT]):
     def get(self, key: bytes) -> NodeT | None:
         return self._by_key.get(key)
 
-    def values(self) -> list[NodeT]:
-        return list(self._by_key.values())
+    def values(self) -> ValuesView[NodeT]:
+        return self._by_key.values()
 
     def add(self, key: bytes, node: NodeT) -> None:
         if key in self._by_key:
