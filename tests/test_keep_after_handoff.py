@@ -1,6 +1,6 @@
-"""A step's tokens are handed over before its rows' blocks are kept: keeping copies the rows'
-caches, which waits for the forward in flight (a whole step on a GPU), and a finished row's
-client is waiting for its last token to send the next request."""
+"""A step's tokens are handed over before its rows' blocks are kept (a finished row's client is
+waiting for its last token to send the next request), and a keep's copies never wait for the
+forward in flight (a whole step on a GPU)."""
 
 from __future__ import annotations
 
@@ -122,3 +122,38 @@ def test_kept_later_blocks_enter_at_keep_pending_and_a_flush_drops_them():
     store.take_events()
     assert not store.keep_pending()
     assert len(store.index) == 0
+
+
+def test_keeping_blocks_does_not_wait_for_the_computation_that_made_them(monkeypatch):
+    """The copies of a keep go to MLX's queue behind the step in flight instead of waiting for
+    it: the engine thread builds the next step meanwhile. The blocks hold the right values."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from servicer.engine.prefix import store as store_module
+    from servicer.engine.prefix.store import CacheLayout
+
+    waits: list[int] = []
+
+    class NoWaits:
+        def __getattr__(self, name: str):
+            if name == "eval":
+                return lambda *arrays: waits.append(len(arrays))
+            return getattr(mx, name)
+
+    monkeypatch.setattr(store_module, "mx", NoWaits())
+    source = mx.random.normal((1, 2, 40, 8), key=mx.random.key(3))
+    keys, values = source * 2, source - 1  # still to be computed
+    cache = KVCache()
+    cache.update_and_fetch(keys, values)
+    store = PrefixStore(CacheLayout.of([KVCache()]), 16, 64, 1 << 20)
+    store.keep_later(list(range(40)), [cache], snapshot=True)
+    assert store.keep_pending()
+    assert waits == []
+    nodes = store.index.ram_nodes()
+    assert [node.start for node in nodes] == [0, 16, 32]
+    for node in nodes:
+        ((kept_keys, kept_values),) = node.ram.kv
+        start, end = node.start, node.start + len(node.tokens)
+        assert mx.array_equal(kept_keys, (source * 2)[..., start:end, :]).item()
+        assert mx.array_equal(kept_values, (source - 1)[..., start:end, :]).item()

@@ -266,8 +266,8 @@ class PrefixStore:
             self._fault("keep", "keeping a prompt's blocks failed; they are not kept", exc)
 
     def keep_later(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
-        """`keep` at the next `keep_pending`: the engine hands a step's tokens over first, as
-        the copies wait for the forward in flight."""
+        """`keep` at the next `keep_pending`: the engine hands a step's tokens over first (a
+        keep's bookkeeping is a fraction of a step)."""
         self._later.append((tokens, cache, snapshot))
 
     def keep_pending(self) -> bool:
@@ -300,7 +300,9 @@ class PrefixStore:
                     data.states = {i: copy.deepcopy(cache[i]) for i in self.layout.state_layers}
             blocks.append((piece, key, data))
             parent_key = key
-        mx.eval([arrays_of(data) for _, _, data in blocks if data is not None])
+        # Queued behind the forward in flight, which the cache's arrays come from: waiting
+        # for it here would leave the device idle while the next step is built.
+        mx.async_eval([arrays_of(data) for _, _, data in blocks if data is not None])
         parent: Node | None = None
         for piece, key, data in blocks:
             parent = self.index.add(parent, piece, key)
