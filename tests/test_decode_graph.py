@@ -1,0 +1,95 @@
+"""A plain decode step of the engine's generator (speculation, fused prefill and row groups, as
+the engine builds it) hands MLX exactly the operations of mlx-lm's own BatchGenerator step:
+whatever the served path costs beyond the raw engine is host work around the step, never
+more work on the device (issue 39, part 3)."""
+
+from __future__ import annotations
+
+import importlib
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from servicer.demo_model import demo_model_path
+from servicer.engine import EngineConfig
+from servicer.engine.parts import build_parts, new_generator
+from servicer.model_files import ModelSpec, prepare_model_files
+
+
+class StepGraphs:
+    """The operations (by name, with counts) of each graph mlx-lm's decode step launches."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.graphs: list[Counter[str]] = []
+        self._file = workdir / "step.dot"
+
+    def __getattr__(self, name: str) -> Any:
+        return self._async_eval if name == "async_eval" else getattr(mx, name)
+
+    def _async_eval(self, *args: Any) -> None:
+        mx.export_to_dot(str(self._file), *[a for _, a in tree_flatten(list(args))])
+        lines = self._file.read_text().splitlines()
+        self.graphs.append(Counter(line.split('"')[1] for line in lines if "label =" in line))
+        mx.async_eval(*args)
+
+
+def _step_graphs(generator: Any, rows: int, new_row: Any, monkeypatch: Any) -> list[Counter]:
+    from mlx_lm.sample_utils import greedy_sampler
+
+    # The module, not the package's `generate` function of the same name.
+    generate_module = importlib.import_module("mlx_lm.generate")
+
+    prompts = [[(7 * row + i) % 200 + 3 for i in range(40)] for row in range(rows)]
+    caches = [new_row() for _ in range(rows)] if new_row is not None else None
+    generator.insert(
+        prompts, max_tokens=[40] * rows, caches=caches, samplers=[greedy_sampler] * rows
+    )
+    for _ in range(8):  # the prompts through, every row decoding
+        generator.next()
+    with tempfile.TemporaryDirectory() as workdir:
+        spy = StepGraphs(Path(workdir))
+        with monkeypatch.context() as patch:
+            patch.setattr(generate_module, "mx", spy)
+            for _ in range(3):
+                generator.next()
+    generator.close()
+    return spy.graphs
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "hybrid"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_plain_decode_step_launches_the_raw_engines_operations(kind, rows, monkeypatch):
+    from mlx_lm import load
+
+    from servicer.engine.speculation.ngram import PromptLookup
+
+    # Prompt lookup finds nothing (prose, mostly): every step is a plain one. A verify's step
+    # and the one after it (rows then at different lengths) are speculation's own.
+    monkeypatch.setattr(PromptLookup, "draft", lambda self, tokens, pending, ks: [[] for _ in ks])
+
+    path = demo_model_path(kind)
+    config = EngineConfig()
+    stream = mx.new_stream(mx.default_device())
+    raw_model, _ = load(str(path))
+    raw = _step_graphs(new_generator(raw_model, config, stream), rows, None, monkeypatch)
+
+    parts = build_parts(config, prepare_model_files(ModelSpec(str(path))).info)
+    assert parts.speculation is not None  # speculation is on by default
+    ours = new_generator(
+        parts.loaded.model,
+        config,
+        stream,
+        parts.speculation,
+        None,
+        parts.fused_prefill,
+        parts.group_rows,
+    )
+    served = _step_graphs(ours, rows, parts.new_row, monkeypatch)
+    assert len(raw) == len(served) == 3
+    assert served == raw
+    assert sum(raw[0].values()) > 100  # the whole forward, not a fragment of it
