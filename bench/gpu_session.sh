@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One prepared run on a lent NVIDIA machine (no network there): MLX's CUDA build from carried
 # wheels, then, by MODE:
-#   profiles (default)  bench/step_profile.py on the demo llama (served ÷ raw, best of 3
-#                       alternating rounds, and py-spy in both worker processes), speculation on
-#                       and off, and .gpu/before/ (an earlier commit's tree) first when present
+#   profiles (default)  bench/engine_loop.py on the demo llama (the engine ÷ the raw engine in
+#                       one process: the loop's own share, without gRPC or a second process),
+#                       then bench/step_profile.py (served ÷ raw, best of 3 alternating rounds,
+#                       and py-spy in both worker processes), speculation on and off, and
+#                       .gpu/before/ (an earlier commit's tree) first when present
 #   sweeps              bench.py's quick sweep on the demo llama, speculation on and off
 #   shapes              the quick sweep on random 4-bit llamas of real shape (SmolLM2-135M's, and
 #                       Llama 3.2 1B's beside smg-grpc-servicer from .gpu/peer/)
@@ -75,6 +77,14 @@ profile() {  # tag, checkout, then step_profile.py arguments
         tee "$RES/$tag.log" | grep -v "^\[bench"
     save
 }
+loop() {  # tag, then engine_loop.py arguments
+    local tag=$1
+    shift
+    echo "=== engine loop $tag $(date -u +%T)"
+    timeout "${LOOP_S:-120}" $PY bench/engine_loop.py --levels "$LEVELS" --rounds 4 \
+        --out "$RES/$tag" "$@" 2>&1 | tee "$RES/$tag.log"
+    save
+}
 # Each new process compiles MLX's CUDA kernels on first use (30-70 s a process on a fresh
 # machine): the bench's sweep starts two processes a level and needs ~3 minutes a worker;
 # step_profile keeps its two up across levels and rounds (about a minute a run).
@@ -106,6 +116,7 @@ elif [ "${MODE:-profiles}" = sweeps ]; then
     sweep demo 240 --repeats 3
     sweep demo-spec-off 240 --repeats 3 --worker-flags=--speculate\ off
 else
+    loop loop
     # .gpu/before: an earlier commit's tree (git archive), measured in the same run.
     [ -d .gpu/before ] && profile before "$ROOT/.gpu/before"
     profile after "$ROOT"

@@ -59,6 +59,17 @@ def test_raw_engine_process_answers_one_run_per_command(demo_dir: Path) -> None:
     assert "steal_share" in first.extra
 
 
+def test_the_engine_loop_bench_runs_both_loops_on_the_same_prompts(demo_dir: Path) -> None:
+    import engine_loop
+    from workload import Shape
+
+    (cell,) = engine_loop.measure(demo_dir, [2], rounds=2, requests=4, shape=Shape(12, 5))
+    assert cell["c"] == 2 and len(cell["ratios"]) == 2
+    assert all(r > 0 for r in cell["raw_tokens_per_s"] + cell["engine_tokens_per_s"])
+    assert set(cell["ttft_p50_ms"]) == {"raw", "engine"}
+    assert cell["errors"] == {"raw": 0, "engine": 0}  # every request got its 5 tokens
+
+
 def test_bursts_are_summarised_by_the_median_one_and_all_stay_listed() -> None:
     from load import summarize_bursts
 
