@@ -39,8 +39,10 @@ class EngineDriver:
         from servicer.model_files import prepare_model_files
         from servicer.outbox import Outbox
 
-        args = ["--model", str(model_dir), "--completion-batch-size", "32"]
-        config = config_from_args(parse_args([*args, "--prefill-batch-size", "8"]))
+        # The sizes bench.py gives its workers (and RawEngine's defaults).
+        sizes = ["--completion-batch-size", "32", "--prefill-batch-size", "8"]
+        config = config_from_args(parse_args(["--model", str(model_dir), *sizes]))
+        self._engine_config = config.engine
         self._window_s = config.handlers.stream_window_ms / 1000
         self._per_handoff = config.handlers.stream_interval
         self._cond = threading.Condition()
@@ -69,8 +71,8 @@ class EngineDriver:
             concurrency,
             self._done,
             expected_tokens=max_tokens,
-            completion_batch_size=32,
-            prefill_batch_size=8,
+            completion_batch_size=self._engine_config.completion_batch_size,
+            prefill_batch_size=self._engine_config.prefill_batch_size,
         )
 
     def _submit(self) -> None:
@@ -99,6 +101,12 @@ class EngineDriver:
             return
         now = time.perf_counter()
         with self._cond:
+            for failure in out.failures:  # an error, not a hang: the round still ends
+                record = self._records.pop(failure.ticket, None)
+                if record is not None:
+                    record.error = failure.message
+                    self._done.append(record)
+                    self._submit()
             for event in out.events:
                 record = self._records.get(event.ticket)
                 if record is None:
