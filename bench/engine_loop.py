@@ -2,6 +2,7 @@
 
     python bench/engine_loop.py                      # the demo model, c = 1, 8, 32
     python bench/engine_loop.py --levels 1 --rounds 6 --model real
+    python bench/engine_loop.py --levels 8 --worker-flags "--speculate off"
 
 No server, no gRPC, no second process: the worker's `Engine` (scheduler, batch, prefix store,
 speculation, hand-off to an outbox; its default settings, as `python -m servicer` builds them)
@@ -9,13 +10,16 @@ and mlx-lm's `BatchGenerator` loop (bench/raw.py), each driven by a closed loop 
 next prompt as soon as a request finishes, on the same prompts, alternating within each round.
 What the served sweep adds beyond this ratio is the handler process, gRPC and the client; what
 this ratio lacks of 1.0 is the engine loop's own host work around mlx-lm's step (the step's
-graph is mlx-lm's: tests/test_decode_graph.py). Prints a table, writes
-bench/results/engine-loop-STAMP.json.
+graph is mlx-lm's: tests/test_decode_graph.py). The loop thread's CPU time a token (the
+engine thread's, the raw loop's) is the host work that builds and launches each step, less
+its waits for the device: where the device is fast (a small model on a GPU) that work is the
+step. Prints a table, writes bench/results/engine-loop-STAMP.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import threading
@@ -33,7 +37,7 @@ from workload import LevelStats, RequestRecord, Shape, make_prompts, model_vocab
 class EngineDriver:
     """The worker's engine in this process, its output read by a closed loop of clients."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, flags: list[str] | None = None) -> None:
         from servicer.cli import config_from_args, parse_args
         from servicer.engine import Engine
         from servicer.model_files import prepare_model_files
@@ -41,7 +45,7 @@ class EngineDriver:
 
         # The sizes bench.py gives its workers (and RawEngine's defaults).
         sizes = ["--completion-batch-size", "32", "--prefill-batch-size", "8"]
-        config = config_from_args(parse_args(["--model", str(model_dir), *sizes]))
+        config = config_from_args(parse_args(["--model", str(model_dir), *sizes, *(flags or [])]))
         self._engine_config = config.engine
         self._window_s = config.handlers.stream_window_ms / 1000
         self._per_handoff = config.handlers.stream_interval
@@ -50,6 +54,7 @@ class EngineDriver:
         self._engine = Engine(config.engine, self._outbox)
         self._engine.start(prepare_model_files(config.model).info)
         self._engine.wait_ready(600)
+        self._thread_clock = time.pthread_getcpuclockid(_engine_thread(self._engine).ident)
         self._records: dict[int, RequestRecord] = {}
         self._done: list[RequestRecord] = []
         self._queue: list[list[int]] = []
@@ -58,6 +63,10 @@ class EngineDriver:
 
     def close(self) -> None:
         self._engine.shutdown(30)
+
+    def thread_seconds(self) -> float:
+        """CPU time of the engine thread so far: its host work, not its waits for the device."""
+        return time.clock_gettime(self._thread_clock)
 
     def run(self, concurrency: int, prompts: list[list[int]], max_tokens: int) -> LevelStats:
         with self._cond:
@@ -119,11 +128,22 @@ class EngineDriver:
             self._cond.notify_all()
 
 
+def _engine_thread(engine: Any) -> threading.Thread:
+    thread = engine._thread  # the one thread that builds and launches every step
+    assert thread.ident is not None
+    return thread
+
+
 def measure(
-    model_dir: Path, levels: list[int], rounds: int, requests: int, shape: Shape
+    model_dir: Path,
+    levels: list[int],
+    rounds: int,
+    requests: int,
+    shape: Shape,
+    flags: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     raw = RawEngine(model_dir)
-    engine = EngineDriver(model_dir)
+    engine = EngineDriver(model_dir, flags)
     vocab = model_vocab_size(model_dir)
     cells = []
     try:
@@ -139,9 +159,15 @@ def measure(
                 got: dict[str, LevelStats] = {}
                 for who in order:
                     if who == "raw":
+                        began = time.thread_time()  # the raw loop runs on this thread
                         got[who] = raw.run(level, shape, prompts=prompts, requests=count)
+                        host = time.thread_time() - began
                     else:
+                        began = engine.thread_seconds()
                         got[who] = engine.run(level, [list(p) for p in prompts], shape.max_tokens)
+                        host = engine.thread_seconds() - began
+                    tokens = max(got[who].output_tokens, 1)
+                    got[who].extra["host_us_per_token"] = 1e6 * host / tokens
                 pairs.append(got)
                 ratio = got["engine"].tokens_per_s / got["raw"].tokens_per_s
                 print(
@@ -176,6 +202,10 @@ def _cell(level: int, pairs: list[dict[str, LevelStats]]) -> dict[str, Any]:
         "ttft_p50_ms": {who: median_of(who, "ttft_p50_ms") for who in ("raw", "engine")},
         "itl_p50_ms": {who: median_of(who, "itl_p50_ms") for who in ("raw", "engine")},
         "errors": {who: sum(p[who].errors for p in pairs) for who in ("raw", "engine")},
+        "host_us_per_token": {
+            who: statistics.median(p[who].extra["host_us_per_token"] for p in pairs)
+            for who in ("raw", "engine")
+        },
     }
 
 
@@ -188,10 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument(
+        "--worker-flags", default="", help='the engine\'s own flags, e.g. "--speculate off"'
+    )
     args = parser.parse_args(argv)
     model_dir = model_or_demo(resolve_model(args.model))
     shape = Shape(args.prompt_tokens, args.max_tokens)
-    cells = measure(model_dir, args.levels, args.rounds, args.requests, shape)
+    flags = shlex.split(args.worker_flags)
+    cells = measure(model_dir, args.levels, args.rounds, args.requests, shape, flags)
     rows = [
         [
             cell["c"],
@@ -201,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{cell['best_ratio']:.3f}",
             " / ".join(f"{r:.2f}" for r in cell["ratios"]),
             "{raw:.1f} / {engine:.1f}".format(**cell["ttft_p50_ms"]),
+            "{raw:.1f} / {engine:.1f}".format(**cell["host_us_per_token"]),
         ]
         for cell in cells
     ]
@@ -212,13 +247,19 @@ def main(argv: list[str] | None = None) -> int:
         "÷ raw (best runs)",
         "each pair",
         "TTFT p50 ms raw / engine",
+        "loop thread CPU us a token raw / engine",
     ]
     print(f"model: {model_dir}; {shape.prompt_tokens} + {shape.max_tokens} tokens, greedy")
     print(report.markdown_table(headers, rows))
-    settings = {"model": str(model_dir), "rounds": args.rounds, "requests": args.requests}
+    settings = {
+        "model": str(model_dir),
+        "rounds": args.rounds,
+        "requests": args.requests,
+        "worker_flags": flags,
+    }
     report.save_json(args.out, "engine-loop", {"settings": settings, "cells": cells})
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    report.exit_now(main())

@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -662,3 +663,12 @@ def update_results_md(markdown: str, path: Path = RESULTS_MD) -> None:
         path.write_text(text.rstrip() + "\n\n" + block + "\n")
         return
     path.write_text(f"# Benchmark results\n\n{block}\n")
+
+
+def exit_now(code: int) -> None:
+    """End a bench that ran MLX in its own process (as the worker's processes end): the
+    interpreter's teardown races MLX's stream threads, which may still release arrays, and
+    aborts the process now and then (`terminate called without an active exception`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
