@@ -172,7 +172,9 @@ def measure(
                 ratio = got["engine"].tokens_per_s / got["raw"].tokens_per_s
                 print(
                     f"c = {level} round {round_ + 1}: raw {got['raw'].tokens_per_s:.0f}, "
-                    f"engine {got['engine'].tokens_per_s:.0f} tok/s ({ratio:.3f})",
+                    f"engine {got['engine'].tokens_per_s:.0f} tok/s ({ratio:.3f}); loop thread "
+                    f"CPU us a token raw {got['raw'].extra['host_us_per_token']:.1f}, "
+                    f"engine {got['engine'].extra['host_us_per_token']:.1f}",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -35,6 +35,7 @@ from .metrics import WorkerMetrics
 from .model_files import ModelFiles, ModelLoadError, ModelSpec, prepare_model_files
 from .outbox import Outbox
 from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
+from .sysinfo import freeze_startup_heap
 from .vllm_face import VllmEngineFace
 
 if TYPE_CHECKING:
@@ -245,6 +246,7 @@ class WorkerServer:
             capabilities.block_size,
             capabilities.embedding_size,
         )
+        freeze_startup_heap()  # the handlers' side of the same (the engine froze its own)
         self.lifecycle.advance(Phase.SERVING)
         await self._set_health(SERVING)
         return info

@@ -1,8 +1,9 @@
-"""Small process helpers shared by the tests, the benchmarks and the scripts: a free port to
-bind, and the CPU time a process has used."""
+"""Small process helpers shared by the worker, the tests, the benchmarks and the scripts: a
+free port to bind, the CPU time a process has used, and a heap the collector leaves alone."""
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import socket
@@ -40,3 +41,12 @@ def _stat(pid: int) -> tuple[float, int] | None:
         return None
     # After the command name: state, ppid (field 4 of stat(5)), ..., utime and stime (14, 15).
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[1])
+
+
+def freeze_startup_heap() -> None:
+    """Everything alive once a process is ready to serve (the model's modules and arrays, the
+    libraries) lives as long as the process: out of the collector's generations, a full
+    collection scans only what serving made since. Without it, one scanned ~90,000 startup
+    objects on the demo engine and stopped its thread for ~55 ms (a gap in every stream)."""
+    gc.collect()
+    gc.freeze()

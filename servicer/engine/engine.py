@@ -34,6 +34,7 @@ from ..messages import (
     SpeculationFigures,
     StepOutput,
 )
+from ..sysinfo import freeze_startup_heap
 from .arch_fixes import prefill_rows
 from .batch import Batch, check_same_prefix
 from .embedding import Embedder
@@ -168,6 +169,7 @@ class Engine:
             if self._lockstep is not None:
                 self._lockstep.watch(self._on_stall)
             self._watch.watch(lambda: self._thread.is_alive(), self._on_step_stall)
+            freeze_startup_heap()  # the model is loaded and warm
             self._ready.set()
             try:
                 loop.run()
