@@ -35,7 +35,7 @@ from .metrics import WorkerMetrics
 from .model_files import ModelFiles, ModelLoadError, ModelSpec, prepare_model_files
 from .outbox import Outbox
 from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc, vllm_engine_pb2, vllm_engine_pb2_grpc
-from .sysinfo import freeze_startup_heap
+from .sysinfo import freeze_startup_heap, thaw_startup_heap
 from .vllm_face import VllmEngineFace
 
 if TYPE_CHECKING:
@@ -276,6 +276,7 @@ class WorkerServer:
         if self._preparing is not None and not self._preparing.done():
             self._preparing.cancel()
         await asyncio.to_thread(self.engine.shutdown, 30.0)
+        thaw_startup_heap()
         self.lifecycle.advance(Phase.STOPPED)
         self.metrics.close()
 

@@ -50,3 +50,9 @@ def freeze_startup_heap() -> None:
     objects on the demo engine and stopped its thread for ~55 ms (a gap in every stream)."""
     gc.collect()
     gc.freeze()
+
+
+def thaw_startup_heap() -> None:
+    """The collector's generations get every object back (a stopped engine or server in a
+    process that goes on, as in the tests: its cycles are garbage now)."""
+    gc.unfreeze()

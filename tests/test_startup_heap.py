@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 from conftest import demo_config
 from support import ServerThread
@@ -40,3 +41,19 @@ def test_a_ready_worker_leaves_its_handlers_out_of_the_collectors_generations(de
         assert id(server.server.servicer) not in scanned
     finally:
         server.stop()
+
+
+def test_a_stopped_engine_can_be_collected(demo_dir) -> None:
+    """Its loop holds itself in a cycle (its scheduler calls back into it): frozen, a stopped
+    engine's model would stay in a process that goes on."""
+    outbox = Outbox(lambda: None)
+    engine = Engine(EngineConfig(prompt_cache_size=0), outbox)
+    engine.start(prepare_model_files(ModelSpec(str(demo_dir))).info)
+    engine.wait_ready(120)
+    assert engine._loop is not None
+    loop = weakref.ref(engine._loop)
+    engine.shutdown(30)
+    engine._loop = None
+    del engine
+    gc.collect()
+    assert loop() is None

@@ -34,7 +34,7 @@ from ..messages import (
     SpeculationFigures,
     StepOutput,
 )
-from ..sysinfo import freeze_startup_heap
+from ..sysinfo import freeze_startup_heap, thaw_startup_heap
 from .arch_fixes import prefill_rows
 from .batch import Batch, check_same_prefix
 from .embedding import Embedder
@@ -179,6 +179,7 @@ class Engine:
                 _send_fatal(self._sink, self.failure)
             finally:
                 loop.close()
+                thaw_startup_heap()
 
     def _on_stall(self, reason: str) -> None:
         """The watchdog's last words (from its thread): tell the handlers, and wait until
