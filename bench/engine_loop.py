@@ -19,6 +19,7 @@ step. Prints a table, writes bench/results/engine-loop-STAMP.json.
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import statistics
 import sys
@@ -54,7 +55,9 @@ class EngineDriver:
         self._engine = Engine(config.engine, self._outbox)
         self._engine.start(prepare_model_files(config.model).info)
         self._engine.wait_ready(600)
-        self._thread_clock = time.pthread_getcpuclockid(_engine_thread(self._engine).ident)
+        clock_of = getattr(time, "pthread_getcpuclockid", None)  # not on macOS
+        ident = _engine_thread(self._engine).ident
+        self._thread_clock = clock_of(ident) if clock_of is not None else None
         self._records: dict[int, RequestRecord] = {}
         self._done: list[RequestRecord] = []
         self._queue: list[list[int]] = []
@@ -65,7 +68,10 @@ class EngineDriver:
         self._engine.shutdown(30)
 
     def thread_seconds(self) -> float:
-        """CPU time of the engine thread so far: its host work, not its waits for the device."""
+        """CPU time of the engine thread so far: its host work, not its waits for the device
+        (NaN where the platform cannot read another thread's clock)."""
+        if self._thread_clock is None:
+            return math.nan
         return time.clock_gettime(self._thread_clock)
 
     def run(self, concurrency: int, prompts: list[list[int]], max_tokens: int) -> LevelStats:
