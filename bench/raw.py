@@ -59,7 +59,9 @@ class RawEngine:
             prefill_batch_size=prefill_batch_size,
             prefill_step_size=prefill_step_size,
         )
-        self.generator = new_generator(model, config, mx.new_stream(mx.default_device()))
+        self.generator = new_generator(
+            model, config, mx.new_stream(mx.default_device()), mlx_lm_batch=True
+        )
         self.completion_batch_size = completion_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.vocab = model_vocab_size(model_dir)

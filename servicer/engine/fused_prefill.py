@@ -27,6 +27,7 @@ from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
 from .row_groups import PartMasks, RowGroups
+from .step_logprobs import WholeLogprobsBatch
 
 # Attention classes whose forward is the standard one `_segment` reproduces, and the model
 # classes around them whose head is `lm_head`, or the tied embedding.
@@ -226,9 +227,10 @@ class _FusingModel:
         return getattr(self._model, name)
 
 
-class GroupedGenerationBatch(GenerationBatch):
-    """mlx-lm's GenerationBatch whose full-attention layers hold rows in groups (row_groups)
-    once `grouping` is set: what turns a joining batch's layers into `RowGroups`
+class GroupedGenerationBatch(WholeLogprobsBatch):
+    """The engine's generation batch: mlx-lm's, evaluating each step's logprobs as one array
+    (step_logprobs), whose full-attention layers hold rows in groups (row_groups) once
+    `grouping` is set: what turns a joining batch's layers into `RowGroups`
     (`cache_kinds.grouped`), for a model `enable_fused_prefill` covers."""
 
     grouping: Callable[[list[Any]], list[Any]] | None = None
@@ -248,15 +250,19 @@ class FusedPrefill(BatchGenerator):
     fuse_prefill = False
     fused_steps = 0
 
+    def use_engine_batch(self) -> GroupedGenerationBatch:
+        """The engine's generation batch in place of mlx-lm's, from an empty batch on."""
+        if not isinstance(self._generation_batch, GroupedGenerationBatch):
+            if len(self._generation_batch):
+                raise RuntimeError("the generation batch is replaced while it is empty only")
+            self._generation_batch = GroupedGenerationBatch.empty(self.model, self.sampler)
+        return self._generation_batch
+
     def group_rows(self, grouping: Callable[[list[Any]], list[Any]]) -> None:
         """Decoding rows of very different lengths attend in groups from now on, `grouping`
         making the groups of each joining batch (for a model `enable_fused_prefill` covers;
         row_groups)."""
-        if not isinstance(self._generation_batch, GroupedGenerationBatch):
-            if len(self._generation_batch):
-                raise RuntimeError("rows are grouped from an empty batch on")
-            self._generation_batch = GroupedGenerationBatch.empty(self.model, self.sampler)
-        self._generation_batch.grouping = grouping
+        self.use_engine_batch().grouping = grouping
 
     def _next(self) -> Any:
         if not self._fusable():

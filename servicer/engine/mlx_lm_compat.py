@@ -31,6 +31,7 @@ TOUCH_POINTS: tuple[tuple[type, str, str], ...] = (
     (BatchGenerator, "_currently_processing", "the prompt in prefill a fused step chunks"),
     (BatchGenerator, "_counters", "the prompt and generation counts a fused step keeps"),
     (GenerationBatch, "model", "what a fused step's decoding rows call for their forward"),
+    (GenerationBatch, "_step", "run with its logprobs evaluated as one array (step_logprobs)"),
     (mlx_cache.BatchKVCache, "_idx", "the write position a rolling-back cache takes over"),
     (mlx_cache.BatchRotatingKVCache, "_idx", "likewise for sliding windows"),
     (mlx_cache.ArraysCache, "lengths", "per-row lengths: recurrent layers that honour padding"),

@@ -359,12 +359,14 @@ def new_generator(
     counters: SpeculationCounters | None = None,
     fuse_prefill: bool = False,
     group_rows: bool = False,
+    mlx_lm_batch: bool = False,
 ) -> FusedPrefill:
-    """The engine's BatchGenerator (the raw-engine bench builds its reference with this too),
-    speculating when `speculation` says so (its `counters` go on across generators), putting
-    a prefill chunk into the decoding rows' forward with `fuse_prefill`, and decoding rows of
-    very different lengths in attention groups with `group_rows` (a model
-    `enable_fused_prefill` covers, both)."""
+    """The engine's BatchGenerator, speculating when `speculation` says so (its `counters` go
+    on across generators), putting a prefill chunk into the decoding rows' forward with
+    `fuse_prefill`, and decoding rows of very different lengths in attention groups with
+    `group_rows` (a model `enable_fused_prefill` covers, both). `mlx_lm_batch`: its
+    generation batch stays mlx-lm's own (the raw-engine bench's reference; neither
+    speculating nor grouping)."""
     kwargs = generator_settings(config, stream)
     if speculation is None:
         generator = FusedPrefill(model, **kwargs)
@@ -379,6 +381,8 @@ def new_generator(
     generator.fuse_prefill = fuse_prefill
     if group_rows:
         generator.group_rows(grouped)
+    elif not mlx_lm_batch:
+        generator.use_engine_batch()
     return generator
 
 
