@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 EXTRAS := $(if $(filter Darwin,$(shell uname -s)),dev,cpu,dev)
 ARGS ?=
 
-.PHONY: install serve test lint format proto demo bench nightly fuzz-cache families clean
+.PHONY: install serve test lint format proto demo bench nightly fuzz-cache fuzz-requests families clean
 
 install: $(STAMP)
 
@@ -54,6 +54,11 @@ nightly: $(STAMP)
 SEEDS ?= 50
 fuzz-cache: $(STAMP)
 	$(BIN)/python tests/cache_fuzz.py --seeds $(SEEDS) $(ARGS)
+
+# Request fuzz of both faces (--protocols mlx,vllm): SEEDS seeds of 300 mostly malformed
+# requests on one demo llama (ARGS="--kinds llama,gemma3,hybrid", "--trace calls.jsonl").
+fuzz-requests: $(STAMP)
+	$(BIN)/python tests/request_fuzz.py --seeds $(SEEDS) $(ARGS)
 
 # Every mlx-lm text architecture (tiny random weights) served by the worker in six cells and
 # compared with mlx-lm's greedy output: bench/families-table.md and the README's summary

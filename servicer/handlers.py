@@ -244,7 +244,8 @@ async def sample_rows(
 ) -> AsyncIterator[Any]:
     """n rows from one prompt, their messages merged as they come, each with its `index`.
     The other rows go to the engine once the first has its first token: its prompt's blocks
-    are in the prefix store by then, so they prefill only what is past them."""
+    are in the prefix store by then, so they prefill only what is past them. An Abort that
+    ends the first row sooner ends them as they arrive (the engine had no ticket to drop)."""
     jobs = [first, *(fork(first, next(self._tickets), i) for i in range(1, n))]
     streams = [first_stream, *(self._streams.open(job) for job in jobs[1:])]
     merged: asyncio.Queue[Any] = asyncio.Queue()
@@ -255,6 +256,8 @@ async def sample_rows(
             started.set()
             for other in jobs[1:]:
                 self._engine.submit(other)
+        if first_stream.finish_reason == FINISH_ABORT:
+            self._engine.abort([job.ticket for job in jobs[1:]])
 
     tasks = [
         asyncio.ensure_future(

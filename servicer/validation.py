@@ -23,6 +23,7 @@ from .messages import Constraint, GenerationRequest, ModelInfo, PenaltySpec, Sam
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+LOGIT_BIAS_BOUND = 100.0  # |logit_bias| the engine applies (OpenAI's range)
 # Below this a temperature is greedy: 1 / temperature would overflow float32 near 1e-39 and
 # turn "almost greedy" into uniform noise.
 GREEDY_TEMPERATURE = 1e-6
@@ -175,7 +176,10 @@ def penalty_spec(params: Params, vocab_size: int) -> PenaltySpec:
             raise _invalid(
                 f"logit_bias token {token} is outside the vocabulary (size {vocab_size})"
             )
-        bias.append((token, _finite(f"logit_bias[{token}]", value)))
+        # Clamped to the OpenAI range, as vLLM's server does: a bias of 1e38 swamps every
+        # logit's digits, and several tokens would each read logprob 0.
+        value = _finite(f"logit_bias[{token}]", value)
+        bias.append((token, min(LOGIT_BIAS_BOUND, max(-LOGIT_BIAS_BOUND, value))))
     return PenaltySpec(repetition, frequency, presence, tuple(bias))
 
 
@@ -251,8 +255,8 @@ def _grammar(kind: str, source: Any) -> str:
 
 def constraint(params: Params, check: GrammarCheck | None = None) -> Constraint | None:
     kind = params.WhichOneof("constraint")
-    if kind is None:
-        return None
+    if kind is None or (kind == "json_object" and not params.json_object):
+        return None  # json_object false asks for no constraint
     import llguidance
 
     try:

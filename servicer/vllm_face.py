@@ -3,7 +3,8 @@
 Generate, Abort and GetTokenizer are the handlers' own (Generate built for this face's
 messages); the metadata calls map the handlers' answers field by field; Embed, GetLoads,
 SubscribeKvEvents and FlushCache exist on this face only, because only the router's vLLM path
-calls them. Profiling is not offered (UNIMPLEMENTED, the generated default).
+calls them. Profiling is not offered: UNIMPLEMENTED, said in words (the generated default
+says "Method not implemented!" and logs a traceback at ERROR for every call).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from .handlers import SERVER_TYPE, MlxEngineServicer
 from .kv_events import SubscriberLagged
 from .proto import common_pb2, mlx_engine_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from .validation import RequestError
+
+NO_PROFILING = "profiling is not offered by this worker (StartProfile and StopProfile)"
 
 
 class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -117,6 +120,18 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> common_pb2.FlushCacheResponse:
         success, message = await self._handlers.flush_cache()
         return common_pb2.FlushCacheResponse(success=success, message=message)
+
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_PROFILING)
+        return common_pb2.ProfileResponse()  # not reached: abort raises
+
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_PROFILING)
+        return common_pb2.ProfileResponse()
 
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext

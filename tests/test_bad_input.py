@@ -115,6 +115,44 @@ def test_a_vanishing_temperature_is_greedy_not_noise(channel, reference, prompts
     assert outcome.tokens == reference.greedy(prompts[4], 6)
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"repetition_penalty": 1e-38},
+        {"repetition_penalty": 0.5, "logit_bias": {511: 3.4e38}},
+        {"frequency_penalty": -3.4e38},
+    ],
+    ids=["tiny-repetition", "huge-bias", "huge-negative-frequency"],
+)
+def test_penalties_at_the_extremes_never_give_nan_logprobs(channel, prompts, params):
+    """Accepted but extreme penalties overflowed the logits to inf, and every logprob of the
+    request read NaN. Found by request_fuzz.py."""
+    outcome = generate(
+        channel, [5, 6, 7], temperature=0, max_tokens=6, ignore_eos=True, logprobs=1,
+        **params,
+    )  # fmt: skip
+    assert outcome.error is None and len(outcome.tokens) == 6
+    values = [v for c in outcome.chunks for v in c.output_logprobs.token_logprobs]
+    values += [
+        v for c in outcome.chunks for top in c.output_logprobs.top_logprobs for v in top.values
+    ]
+    assert values and not any(math.isnan(v) for v in values)
+
+
+def test_a_bias_past_the_openai_range_is_clamped_to_it(channel, reference, prompts):
+    """A bias is clamped to [-100, 100], as vLLM's server does: 1e30 and 100 agree."""
+    clamped = {"logit_bias": {7: 100.0, 9: -100.0}}
+    huge = {"logit_bias": {7: 1e30, 9: -1e30}}
+    runs = [
+        generate(channel, prompts[2], temperature=0, max_tokens=4, logprobs=2, **bias)
+        for bias in (clamped, huge)
+    ]
+    assert runs[0].tokens == runs[1].tokens
+    assert [c.output_logprobs for c in runs[0].chunks] == [
+        c.output_logprobs for c in runs[1].chunks
+    ]
+
+
 def test_max_tokens_past_the_context_is_clamped_and_ends_with_length(channel, prompts):
     prompt = (prompts[4] * 1000)[:4090]
     outcome = generate(channel, prompt, temperature=0, max_tokens=500, ignore_eos=True)

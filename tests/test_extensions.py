@@ -233,5 +233,6 @@ def test_a_grammar_that_fails_while_generating_ends_with_an_error(channel, promp
     assert outcome.complete is None
     assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "grammar failed while generating" in outcome.error.details()
+    assert "\n" not in outcome.error.details()  # the reason, not llguidance's parser state
     after = generate(channel, prompts[1], temperature=0.0, max_tokens=4)
     assert after.complete.finish_reason == "length"

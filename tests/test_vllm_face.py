@@ -4,6 +4,7 @@ refused by name, n rows come from one prefill, and load, KV events and flushes a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -97,6 +98,24 @@ def test_abort_ends_all_n_rows(face, prompts):
     assert wait_until(lambda: running.server.servicer.active_requests == 0, timeout=10)
 
 
+def test_an_abort_before_the_first_token_ends_all_n_rows(face):
+    """Abort while the first row still prefills: the other rows, not in the engine yet, end
+    with it (they used to start afterwards and run to max_tokens). Found by request_fuzz.py."""
+    running, stub = face
+    prompt = [5 + (i * 7) % 500 for i in range(4000)]  # a prefill of seconds on a CPU
+    message = request(prompt, temperature=1.0, n=3, max_tokens=2000, ignore_eos=True)
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(collect(stub, message)))
+    thread.start()
+    assert wait_until(lambda: running.server.servicer.active_requests == 3, timeout=30)
+    stub.Abort(vpb.AbortRequest(request_ids=[message.request_id]))
+    thread.join(60)
+    _, completes = result[0]
+    assert sorted(completes) == [0, 1, 2]
+    assert {c.finish_reason for c in completes.values()} == {"abort"}
+    assert wait_until(lambda: running.server.servicer.active_requests == 0, timeout=10)
+
+
 def test_stop_token_ids_min_tokens_and_ignore_eos(face, reference, prompts):
     _, stub = face
     greedy = reference.greedy(prompts[3], 12)
@@ -153,6 +172,46 @@ def test_constraints_of_the_vllm_kinds(face, prompts, reference):
         assert decode(tokens[0], skip_special_tokens=True) in allowed
     tokens, _ = collect(stub, request(prompts[0], temperature=0, max_tokens=8, json_object=True))
     assert decode(tokens[0], skip_special_tokens=True).startswith("{")
+
+
+def test_a_complete_grammar_ends_the_row_whatever_min_tokens_asks(face, reference):
+    """Once the grammar is complete only EOS may follow, and min_tokens masked EOS: no token
+    was left, and the row drew forbidden tokens with NaN logprobs. The grammar wins: the
+    constrained text, then EOS. Found by request_fuzz.py."""
+    _, stub = face
+    choice = vpb.ChoiceConstraint(choices=["yes"])
+    for temperature in (0.0, 1.0):
+        message = request(
+            [0, 5, 6, 7, 8], temperature=temperature, max_tokens=8, min_tokens=5, logprobs=1,
+            choice=choice, seed=3,
+        )  # fmt: skip
+        tokens, completes = collect(stub, message)
+        text = reference.tokenizer.decode(tokens[0], skip_special_tokens=True)
+        assert text == "yes" and completes[0].finish_reason == "stop", (tokens, text)
+
+
+def test_json_object_false_asks_for_no_constraint(face, reference, prompts):
+    _, stub = face
+    tokens, _ = collect(
+        stub, request(prompts[1], temperature=0, max_tokens=8, ignore_eos=True, json_object=False)
+    )
+    assert tokens[0] == reference.greedy(prompts[1], 8)
+
+
+def test_profiling_is_unimplemented_in_words_without_an_error_logged(face, caplog):
+    """The generated default answered "Method not implemented!" and logged a traceback at
+    ERROR for every call. Found by request_fuzz.py."""
+    _, stub = face
+    calls = (
+        (stub.StartProfile, common_pb2.StartProfileRequest()),
+        (stub.StopProfile, common_pb2.StopProfileRequest()),
+    )
+    for call, message in calls:
+        with pytest.raises(grpc.RpcError) as caught:
+            call(message, timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "profiling is not offered" in caught.value.details()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_get_loads_answers_at_once_with_the_requests_in_flight(face, prompts):

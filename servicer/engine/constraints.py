@@ -18,6 +18,7 @@ from ..grammar import GrammarChecker
 from ..messages import Constraint
 
 log = logging.getLogger(__name__)
+MAX_ERROR_CHARS = 300
 
 
 class GrammarProcessor:
@@ -51,19 +52,30 @@ class GrammarProcessor:
                 self._matcher.consume_tokens(new)
             self._consumed = generated
         if self._matcher.is_error() and self.error is None:
-            self.error = self._matcher.get_error() or "the grammar matcher failed"
-        if self._matcher.is_stopped() or self.error is not None:
-            allowed = np.zeros(self._vocab_size, dtype=bool)
-            allowed[self._eos] = True
-        else:
-            llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
-            bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-            allowed = bits[: self._vocab_size].astype(bool)
-        mask = mx.array(allowed)
+            # llguidance appends its parser's state, many lines long: the log keeps it, the
+            # client gets the reason.
+            full = self._matcher.get_error().strip() or "the grammar matcher failed"
+            log.info("grammar failed while generating: %s", full)
+            self.error = full.splitlines()[0][:MAX_ERROR_CHARS]
         width = logits.shape[-1]
+        if self._matcher.is_stopped() or self.error is not None:
+            return self._only_eos(logits)
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+        allowed = bits[: self._vocab_size].astype(bool)
+        if allowed[self._eos] and np.count_nonzero(allowed) == 1:
+            return self._only_eos(logits)
+        mask = mx.array(allowed)
         if width != self._vocab_size:  # embeddings padded past the tokenizer, or the reverse
             mask = mx.pad(mask, (0, max(0, width - self._vocab_size)))[:width]
         return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _only_eos(self, logits: mx.array) -> mx.array:
+        """EOS, certain: the grammar allows nothing else, whatever came before in the chain
+        (`min_tokens` masks EOS, and masking the rest too left no token at all: a NaN draw)."""
+        eos = mx.arange(logits.shape[-1]) == self._eos
+        certain = mx.where(eos, mx.array(0.0, logits.dtype), mx.array(-mx.inf, logits.dtype))
+        return mx.broadcast_to(certain, logits.shape)
 
 
 class GrammarFactory:

@@ -197,6 +197,14 @@ class ThinkingBudget:
         return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
+def finite_logits(tokens: mx.array, logits: mx.array) -> mx.array:
+    """The logits kept finite, with room to add to them: a penalty at an extreme a request may
+    ask (a repetition penalty of 1e-38 divides a logit by it) overflows to inf, and the
+    logprobs' inf - inf is a NaN for every token."""
+    bound = mx.finfo(logits.dtype).max / 4
+    return mx.clip(logits, -bound, bound)
+
+
 class MinTokens:
     """Masks the stop tokens (EOS included) until the row has generated `min_tokens`."""
 
@@ -255,12 +263,13 @@ class SamplingFactory:
     def _penalties(spec: PenaltySpec) -> list[LogitsProcessor]:
         if not spec.active:
             return []
-        return make_logits_processors(
+        chain = make_logits_processors(
             logit_bias=dict(spec.logit_bias) or None,
             repetition_penalty=spec.repetition_penalty if spec.repetition_penalty != 1.0 else None,
             frequency_penalty=spec.frequency_penalty or None,
             presence_penalty=spec.presence_penalty or None,
         )
+        return [*chain, finite_logits]
 
     def stop_sequences(self, stop_token_ids: frozenset[int]) -> StopSequences:
         return self._stops.get_or_build(

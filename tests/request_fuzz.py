@@ -1,0 +1,1001 @@
+"""Request fuzz: bad input gets a clear error with the right gRPC status, never a crash, a hang
+or a lost request, on both faces (MlxEngine and VllmEngine) of one worker.
+
+One worker (`--protocols mlx,vllm` on a demo model) gets, for each seed, a few hundred random
+requests in batches, CONCURRENCY at a time: every RPC of both services, mostly malformed or
+extreme (NaN, infinite, negative and huge sampling values; empty, huge and out-of-vocabulary
+prompts; odd unicode; n > 1 with seeds; stop strings and stop ids; logprobs; malformed JSON
+schemas, regexes and grammars; truncation; duplicate request ids; aborts of unknown and
+in-flight ids; streams the client cancels). Each call must end within DEADLINE_S with OK or a
+status of ALLOWED and a non-empty message; a request whose every value is valid must be served
+and one with an invalid value refused; an accepted Generate call ends each of its n rows with
+one GenerateComplete. After every batch the worker must be alive and SERVING with nothing left
+in flight, and a fixed greedy request must return the tokens it returned at the start, on both
+faces.
+
+`python tests/request_fuzz.py --seeds 20` (or `make fuzz-requests SEEDS=20`) prints what each
+RPC answered and every finding (seed, batch and request: `--first-seed S --seeds 1` draws the
+same requests again; `--trace PATH` writes every call as a JSON line); `--kinds gemma3,hybrid`
+fuzzes the other demo kinds. tests/test_request_fuzz.py runs one small seed in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+from google.protobuf import text_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import WorkerProcess, wait_until
+
+from servicer.proto import (
+    common_pb2,
+    mlx_engine_pb2,
+    mlx_engine_pb2_grpc,
+    vllm_engine_pb2,
+    vllm_engine_pb2_grpc,
+)
+
+DEADLINE_S = 60.0  # a call still running after this long is a hang
+SETTLE_S = 30.0  # after a batch, nothing may stay in flight longer than this
+ABORT_GRACE_S = 15.0  # a call its client aborted ends within this long
+CONCURRENCY = 6
+BATCH = 25
+REQUESTS = 300  # per seed
+ALLOWED = frozenset(
+    {
+        "OK",
+        "INVALID_ARGUMENT",
+        "OUT_OF_RANGE",
+        "FAILED_PRECONDITION",
+        "RESOURCE_EXHAUSTED",
+        "UNIMPLEMENTED",
+        "ALREADY_EXISTS",
+        "NOT_FOUND",
+        "CANCELLED",  # only where the client cancelled
+    }
+)
+STREAMS = frozenset({"Generate", "GetTokenizer", "SubscribeKvEvents"})
+OK, REFUSED, ANY = "ok", "refused", "any"  # what a request must get
+LOG_ERRORS = ("Traceback", " ERROR ", " CRITICAL ")
+FACES: dict[str, tuple[Any, Any]] = {
+    "mlx": (mlx_engine_pb2, mlx_engine_pb2_grpc.MlxEngineStub),
+    "vllm": (vllm_engine_pb2, vllm_engine_pb2_grpc.VllmEngineStub),
+}
+KNOWN_GOOD_TOKENS = 16
+KNOWN_GOOD_PROMPT = [8 + (i * 37) % 400 for i in range(300)]  # past a prefix block (256)
+NAN, INF = math.nan, math.inf
+F32_MAX = 3.4028234e38
+UNICODE = (
+    "a", "the ", " ", "\n", "\r\n", "\t", "é", "e\u0301", "ß", "İ", "中文", "ﷺ", "🙂",
+    "👩\u200d👩\u200d👧", "\u202e", "\ufeff", "\uffff", "\U0010ffff", "\x00", "\u0085",
+    "<|begin|>", "<|end|>", "<|user|>", "<think>",
+)  # fmt: skip
+WORDS = ("the", "sea", "river", "runs", "over", "stones", "wind", "light", "and", "a", "hill")
+
+
+class Unset:
+    def __repr__(self) -> str:
+        return "unset"
+
+
+UNSET = Unset()  # leave the field out
+
+
+def short(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else f"{text[:width]}...({len(text)} chars)"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The model as GetModelInfo describes it: what the worker accepts."""
+
+    vocab: int
+    context: int
+    prompt_limit: int
+    bos: int | None  # put before prompts that do not start with it (None: never)
+
+    def final_prompt(
+        self, ids: list[int], truncate: Any = UNSET, limit: int | None = None
+    ) -> tuple[list[int], str | None]:
+        """The prompt the worker runs, and why it must refuse it (None: it must accept it)."""
+        if not ids:
+            return ids, "empty prompt"
+        if self.bos is not None and ids[0] != self.bos:
+            ids = [self.bos, *ids]
+        if truncate is not UNSET:
+            if truncate < 1 and truncate != -1:
+                return ids, f"truncate_prompt_tokens={truncate}"
+            ids = ids[-(self.prompt_limit if truncate == -1 else truncate) :]
+        if any(t >= self.vocab for t in ids):
+            return ids, "an out-of-vocabulary token"
+        if len(ids) > (limit or self.prompt_limit):
+            return ids, f"a prompt of {len(ids)} tokens"
+        return ids, None
+
+
+Option = Any  # a value, or a function of the Draw that makes one
+
+
+class Draw:
+    """The random values of one request, and which of them make it bad (the worker must refuse
+    it) or odd (any allowed answer will do)."""
+
+    def __init__(self, rng: random.Random, limits: Limits) -> None:
+        self.rng = rng
+        self.limits = limits
+        self.p_bad = rng.choice((0.0, 0.0, 0.0, 0.03, 0.1, 0.3))
+        self.p_odd = rng.choice((0.0, 0.05, 0.15))
+        self.bad: list[str] = []
+        self.odd: list[str] = []
+
+    def one(self, options: Sequence[Option]) -> Any:
+        value = self.rng.choice(options)
+        return value(self) if callable(value) else value
+
+    def pick(
+        self, name: str, good: Sequence[Option], bad: Sequence[Option] = (), odd: Sequence = ()
+    ) -> Any:
+        roll = self.rng.random()
+        if bad and roll < self.p_bad:
+            value = self.one(bad)
+            self.bad.append(f"{name}={short(value)}")
+        elif odd and roll < self.p_bad + self.p_odd:
+            value = self.one(odd)
+            self.odd.append(f"{name}={short(value)}")
+        else:
+            value = self.one(good)
+        return value
+
+    def mark(self, name: str, options: Sequence[Option], odd: bool = False) -> Any:
+        """A value that always makes the request bad (or odd)."""
+        value = self.one(options)
+        (self.odd if odd else self.bad).append(f"{name}={short(value)}")
+        return value
+
+    def chance(self, p: float) -> bool:
+        return self.rng.random() < p
+
+    def token(self) -> int:
+        return self.rng.randrange(self.limits.vocab)
+
+    def tokens(self, low: int, high: int) -> list[int]:
+        return [self.token() for _ in range(self.rng.randint(low, high))]
+
+    def text(self, low: int, high: int, pieces: Sequence[str] = UNICODE) -> str:
+        return "".join(self.rng.choice(pieces) for _ in range(self.rng.randint(low, high)))
+
+    def words(self, low: int, high: int) -> str:
+        return " ".join(self.text(1, 1, WORDS) for _ in range(self.rng.randint(low, high)))
+
+    @property
+    def expect(self) -> str:
+        return REFUSED if self.bad else ANY if self.odd else OK
+
+    @property
+    def why(self) -> tuple[str, ...]:
+        return (*self.bad, *self.odd)
+
+
+@dataclass
+class Batch:
+    """Requests sent together: the ids they share and the ids an Abort names."""
+
+    tag: str
+    ids: list[str] = field(default_factory=list)
+    shared: set[str] = field(default_factory=set)  # carried by two requests at once
+    aborted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Case:
+    """One call and how the client behaves during it."""
+
+    face: str
+    method: str
+    request: Any
+    expect: str = OK
+    why: tuple[str, ...] = ()
+    rows: int = 1  # Generate: n
+    max_tokens: int | None = None
+    cancel_after: int | None = None  # the client cancels after this many messages
+    abort_after: int | None = None  # ... or sends Abort for its own id
+    cancel_at_s: float | None = None  # ... or cancels after this long
+    abort_at_s: float | None = None  # ... or sends Abort after this long
+
+    @property
+    def rpc(self) -> str:
+        return f"{self.face}.{self.method}"
+
+    @property
+    def client(self) -> str:
+        """What the client does during the call, if anything."""
+        acts = (
+            ("cancels after {} messages", self.cancel_after),
+            ("aborts after {} messages", self.abort_after),
+            ("cancels after {} s", self.cancel_at_s),
+            ("aborts after {} s", self.abort_at_s),
+        )
+        return "; ".join(text.format(value) for text, value in acts if value is not None)
+
+
+# ----- the values of each field: (good, bad[, odd]) -----
+
+SAMPLING: dict[str, tuple[tuple, tuple]] = {
+    "temperature": (
+        (UNSET, UNSET, 0.0, 1e-39, 0.3, 0.7, 1.0, 1.5, 1e30, F32_MAX),
+        (-0.5, -1e-30, NAN, INF, -INF, 1e39),
+    ),
+    "top_p": ((UNSET, 0.0, 1e-7, 0.5, 0.95, 1.0), (-0.1, 1.0001, 2.0, NAN, INF, -INF)),
+    "top_k": ((UNSET, 0, 1, 5, 40, 511, 512, 513, 2**32 - 1), ()),
+    "min_p": ((UNSET, 0.0, 0.05, 0.5, 1.0), (-0.01, 1.5, NAN, INF)),
+    "repetition_penalty": (
+        (UNSET, 0.0, 1e-6, 0.5, 1.0, 1.3, 100.0, 1e30),
+        (-1.0, -1e-9, NAN, INF, -INF),
+    ),
+    "frequency_penalty": ((UNSET, 0.0, -2.0, 0.5, 2.0, 1e30, -1e30, F32_MAX), (NAN, INF, -INF)),
+    "presence_penalty": ((UNSET, 0.0, -2.0, 0.5, 2.0, 1e30, -1e30, -F32_MAX), (NAN, INF, -INF)),
+    "seed": ((UNSET, 0, 1, 42, -1, 2**31 - 1, -(2**31)), ()),
+    "logprobs": ((UNSET, UNSET, 0, 1, 5, 20), (-1, 21, 2**31 - 1, -(2**31))),
+    "ignore_eos": ((False, True), ()),
+}
+JSON_SCHEMAS = (
+    (
+        '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}',
+        '{"type": "string", "maxLength": 5}',
+        '{"enum": ["yes", "no"]}',
+        '{"type": "array", "items": {"type": "boolean"}, "maxItems": 3}',
+        '{"type": "object"}',
+    ),
+    (
+        "", "{", "[]", "null", '"string"', "\x00", '{"type": "nonsense"}', '{"properties": 5}',
+        '{"type": "string", "pattern": "("}', '{"$ref": "#/definitions/missing"}',
+        '{"type": "object", "required": 7}',
+    ),
+    (
+        "{}", '{"type": "integer", "minimum": 5, "maximum": 1}', '{"not": {}}',
+        '{"type": "array", "items": ' * 200 + "{}" + "}" * 200,
+        '{"type": "string", "pattern": "\\\\p{Emoji}+"}', '{"x-guidance": {"bad": 1}}',
+    ),
+)  # fmt: skip
+REGEXES = (
+    ("[a-z]{1,8}", "yes|no", "[0-9]+", ".{0,5}", "(the|sea)( (the|sea)){0,3}"),
+    ("(", "[a-", "(?P<x", "\\", "a{5,2}", "*a", "a**"),
+    ("", "a{99999}", "(a|b)*c{200}", "\\p{L}+", "(?i)abc", "(?=a)b", "🙂+", "\\x00", "[^\\s\\S]"),
+)
+GRAMMARS = (
+    ('root ::= "yes" | "no"', "root ::= [a-z]+", 'start: "a"+', 'root ::= "x" root | "y"'),
+    ("root ::= undefined_rule", "::= ::=", "", "%import foo", "root ::= (", "\x00"),
+    (
+        "root ::= ",
+        "root ::= root",
+        'root ::= "a" root',
+        "start: /[a-z]+/",
+        "root ::= [^\\x00-\\x7f]",
+    ),
+)
+LARK = (
+    ('start: "x" | "y"', "start: /[0-9]+/", 'start: "a" b\nb: "b"'),
+    ("start: undefined", "%%%", "", "start: (", "start: /(/"),
+    ("start: ", 'start: "🙂"', "start: start", 'start: %json {"type": "object"}'),
+)
+CHOICES = (
+    (["red", "green"], ["yes"], ["the sea", "the river", "a hill"]),
+    ([],),
+    ([""], ["🙂", "\x00"], ["a" * 2000], [f"c{i}" for i in range(300)], ["same", "same"]),
+)
+
+
+# ----- one request of each kind -----
+
+
+def request_id(d: Draw, batch: Batch) -> str:
+    roll = d.rng.random()
+    if roll < 0.03:
+        d.bad.append("request_id=''")
+        return ""
+    if roll < 0.08 and batch.ids:  # two requests with one id, sent at once
+        rid = d.rng.choice(batch.ids)
+        batch.shared.add(rid)
+        return rid
+    rid = f"{batch.tag}-{len(batch.ids)}"
+    if roll < 0.15:
+        rid += d.text(1, 6)
+    elif roll < 0.17:
+        rid += "x" * 5000
+    batch.ids.append(rid)
+    return rid
+
+
+def prompt_tokens(d: Draw) -> list[int]:
+    """A prompt's ids, valid or not: the worker's rules judge them (Limits.final_prompt)."""
+    limits = d.limits
+    if d.chance(0.02):  # near the limit: a long prefill
+        return d.tokens(limits.prompt_limit - 2, limits.prompt_limit + 1)
+    if d.chance(0.002):  # past gRPC's message limit (16 MiB)
+        return [2**32 - 1] * 4_000_000
+    return d.one(
+        (
+            lambda d: d.tokens(1, 12),
+            lambda d: d.tokens(1, 12),
+            lambda d: d.tokens(1, 12),
+            lambda d: d.tokens(12, 120),
+            lambda d: d.tokens(12, 120),
+            lambda d: [limits.bos or 0, *d.tokens(1, 30)],
+            lambda d: KNOWN_GOOD_PROMPT[: d.one((1, 255, 256, 257, 300))] + d.tokens(0, 40),
+            lambda d: [d.rng.randrange(8)] * d.rng.randint(1, 40),  # special tokens only
+            lambda d: d.one(
+                (
+                    [],
+                    lambda d: [*d.tokens(0, 8), limits.vocab + d.rng.randrange(1000)],
+                    lambda d: [2**32 - 1, *d.tokens(0, 8)],
+                    lambda d: [*d.tokens(1, 8), limits.vocab, *d.tokens(1, 8)],
+                )
+            ),
+        )
+    )
+
+
+def prompt_input(d: Draw, request: Any, truncate: Any) -> list[int] | None:
+    """Fill the request's input; returns the prompt the worker runs (None: text, whose length
+    only the worker knows)."""
+    if d.chance(0.12):
+        text = d.pick(
+            "text",
+            (lambda d: d.words(1, 30),),
+            (lambda d: "",),
+            (lambda d: d.text(1, 60), lambda d: d.words(6000, 6000), lambda d: "\x00" * 9),
+        )
+        request.text = text
+        if truncate is not UNSET and (truncate < 1 and truncate != -1):
+            d.bad.append(f"truncate_prompt_tokens={truncate}")
+        return None
+    ids = prompt_tokens(d)
+    request.tokenized.input_ids.extend(ids)
+    if d.chance(0.2):
+        request.tokenized.original_text = d.text(0, 20)
+    final, problem = d.limits.final_prompt(ids, truncate)
+    if problem is not None:
+        d.bad.append(problem)
+    return final
+
+
+def sampling_numbers(d: Draw, params: Any) -> None:
+    for name, (good, bad) in SAMPLING.items():
+        value = d.pick(name, good, bad)
+        if value is not UNSET:
+            setattr(params, name, value)
+    if d.chance(0.2):
+        for _ in range(d.rng.randint(1, 4)):
+            vocab = d.limits.vocab
+            token = d.pick(
+                "logit_bias token", (lambda d: d.token(), 0, vocab - 1), (vocab, -1, 2**31 - 1)
+            )
+            if token not in params.logit_bias:
+                values = (0.0, 5.0, -5.0, 100.0, -100.0, 1e30, -1e30, F32_MAX)
+                params.logit_bias[token] = d.pick("logit_bias value", values, (NAN, INF, -INF))
+
+
+def lengths(d: Draw, params: Any, prompt: list[int] | None, rows: int) -> int | None:
+    """max_tokens and min_tokens; returns the most tokens a row may generate (None: unknown).
+    Many rows get few tokens: should their client's abort or cancel come too early to find
+    them, they still end well within the deadline."""
+    small = (1, 2, 5, 8, 16, 24, 64)
+    good = small if rows > 4 else (UNSET, *small, 4096, 2**32 - 1)
+    max_tokens = d.pick("max_tokens", good, (0,))
+    if max_tokens is not UNSET:
+        params.max_tokens = max_tokens
+    room = None if prompt is None else d.limits.context - len(prompt)
+    most = max_tokens if max_tokens is not UNSET else room
+    if room is not None and most is not None:
+        most = min(most, room)
+    min_tokens = d.one((1, 3, 8, 100, 5000, 2**32 - 1)) if d.chance(0.15) else 0
+    if min_tokens:
+        params.min_tokens = min_tokens
+        if most is not None and min_tokens > most and max_tokens != 0:
+            d.bad.append(f"min_tokens={min_tokens} above max_tokens={most}")
+        elif room is None:
+            d.odd.append(f"min_tokens={min_tokens} after a text prompt")
+    return most
+
+
+def stops(d: Draw, params: Any) -> None:
+    if d.chance(0.35):
+        strings = d.pick(
+            "stop",
+            (lambda d: [d.text(1, 3) for _ in range(d.rng.randint(1, 4))], lambda d: ["\n"]),
+            (lambda d: [""], lambda d: ["x" * 257], lambda d: ["a"] * 17, lambda d: ["b", ""]),
+            (lambda d: ["🙂" * 256], lambda d: [" "] * 16),
+        )
+        params.stop.extend(strings)
+        params.include_stop_str_in_output = d.chance(0.5)
+    if d.chance(0.3):
+        vocab = d.limits.vocab
+        params.stop_token_ids.extend(
+            d.one(
+                (
+                    lambda d: d.tokens(1, 4),
+                    [1],
+                    [vocab, 2**32 - 1],
+                    lambda d: [d.rng.randrange(2**32) for _ in range(2000)],
+                )
+            )
+        )
+
+
+def constraint(d: Draw, params: Any, face: str) -> None:
+    if not d.chance(0.3):
+        return
+    extra = ("lark_grammar",) if face == "mlx" else ("json_object", "choice", "structural_tag")
+    kind = d.rng.choice(("json_schema", "regex", "grammar", *extra))
+    if kind == "json_object":
+        params.json_object = d.pick("json_object", (True,), (), (False,))
+    elif kind == "choice":
+        params.choice.choices.extend(d.pick("choice", *CHOICES))
+        params.choice.SetInParent()
+    elif kind == "structural_tag":
+        params.structural_tag = d.mark("structural_tag", ("", "{}", lambda d: d.text(0, 10)))
+    else:
+        pools = {"json_schema": JSON_SCHEMAS, "regex": REGEXES, "grammar": GRAMMARS}
+        setattr(params, kind, d.pick(kind, *pools.get(kind, LARK)))
+
+
+def face_extras(d: Draw, request: Any, face: str) -> None:
+    """The fields only one face carries."""
+    params = request.sampling_params
+    if face == "mlx":
+        params.return_text = d.chance(0.3)
+        if d.chance(0.05):
+            params.thinking_budget = d.mark("thinking_budget", (0, 5, 2**32 - 1), odd=True)
+        return
+    for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+        setattr(params, name, d.chance(0.5))
+    if d.chance(0.1):
+        params.prompt_logprobs = d.mark("prompt_logprobs", (0, 1, 5, -1))
+    if d.chance(0.1):
+        params.grammar_from_first_token = True
+    if d.chance(0.08):
+        d.odd.append("vLLM-only request fields")
+        request.data_parallel_rank = d.rng.choice((0, 1, -1))
+        request.kv_transfer_params.remote_host = d.text(0, 5)
+        request.kv_transfer_params_json = d.rng.choice(("", "{", '{"a": 1}'))
+        request.mm_inputs.im_token_id = d.token()
+        request.media_refs.items.add(url=d.text(0, 10))
+
+
+def bound_work(d: Draw, case: Case, stream: bool) -> None:
+    """A request that may generate for long gets a client that ends it early; so do a few
+    others (cancels and aborts mid-stream)."""
+    most = case.max_tokens if case.max_tokens is not None else 4096
+    if case.expect == REFUSED or (most * case.rows <= 256 and not d.chance(0.15)):
+        return
+    roll = d.rng.random()
+    if stream and roll < 0.3:
+        case.cancel_after = d.rng.randint(1, 4)
+    elif stream and roll < 0.6:
+        case.abort_after = d.rng.randint(1, 4)
+    elif roll < 0.8:
+        case.abort_at_s = d.rng.choice((0.05, 0.2, 0.5, 1.5))
+    else:
+        case.cancel_at_s = d.rng.choice((0.0, 0.01, 0.05, 0.2, 0.5, 1.5))
+
+
+def generate_case(d: Draw, batch: Batch, face: str) -> Case:
+    pb = FACES[face][0]
+    request = pb.GenerateRequest(request_id=request_id(d, batch), stream=d.chance(0.6))
+    params = request.sampling_params
+    truncate = d.pick(
+        "truncate_prompt_tokens", (UNSET,) * 6 + (-1, 1, 3, 50, 2**31 - 1), (0, -2, -(2**31))
+    )
+    prompt = prompt_input(d, request, truncate)
+    if truncate is not UNSET:
+        params.truncate_prompt_tokens = truncate
+    sampling_numbers(d, params)
+    n = d.pick("n", (UNSET, UNSET, 0, 1, 2, 3, 4, 16), (17, 1000, 2**32 - 1))
+    if n is not UNSET:
+        params.n = n
+    rows = 1 if n is UNSET else max(n, 1)
+    most = lengths(d, params, prompt, rows)
+    stops(d, params)
+    constraint(d, params, face)
+    face_extras(d, request, face)
+    case = Case(face, "Generate", request, d.expect, d.why, rows, most)
+    bound_work(d, case, request.stream)
+    return case
+
+
+def embed_case(d: Draw, batch: Batch) -> Case:
+    rid = d.pick(
+        "request_id",
+        (lambda d: f"{batch.tag}-embed-{d.token()}", lambda d: d.text(1, 5)),
+        ("",),
+    )
+    ids = prompt_tokens(d)
+    _, problem = d.limits.final_prompt(ids, limit=d.limits.context)
+    if problem is not None:
+        d.bad.append(problem)
+    request = vllm_engine_pb2.EmbedRequest(request_id=rid)
+    request.tokenized.input_ids.extend(ids)
+    return Case("vllm", "Embed", request, d.expect, d.why)
+
+
+def abort_case(d: Draw, batch: Batch, face: str) -> Case:
+    ids = d.one(
+        (
+            lambda d: [f"unknown-{d.token()}"],
+            lambda d: d.rng.sample(batch.ids, min(len(batch.ids), d.rng.randint(1, 3))),
+            lambda d: d.rng.sample(batch.ids, min(len(batch.ids), 1)) * 3,
+            [""],
+            [],
+            lambda d: [d.text(1, 8)],
+            lambda d: [f"unknown-{i}" for i in range(1000)],
+        )
+    )
+    batch.aborted.update(ids)
+    return Case(face, "Abort", FACES[face][0].AbortRequest(request_ids=ids))
+
+
+def metadata_case(d: Draw, batch: Batch, face: str) -> Case:
+    method = d.rng.choice(("HealthCheck", "GetModelInfo", "GetServerInfo", "GetTokenizer"))
+    if method == "GetTokenizer":
+        return Case(face, method, common_pb2.GetTokenizerRequest())
+    return Case(face, method, getattr(FACES[face][0], f"{method}Request")())
+
+
+def loads_case(d: Draw, batch: Batch) -> Case:
+    request = vllm_engine_pb2.GetLoadsRequest()
+    rank = d.pick("dp_rank", (UNSET, 0), (), (1, -1, 2**31 - 1))
+    if rank is not UNSET:
+        request.dp_rank = rank
+    request.include.extend(d.one((["core"], [], ["all", "memory"], lambda d: [d.text(0, 5)])))
+    return Case("vllm", "GetLoads", request, d.expect, d.why)
+
+
+def kv_events_case(d: Draw, batch: Batch) -> Case:
+    """A subscription the client ends after a moment (it never ends by itself)."""
+    request = common_pb2.SubscribeKvEventsRequest(
+        start_sequence_number=d.one((0, 0, 1, 2, 10, 1000, 2**63, 2**64 - 1)),
+        load_records_before_first_batch=d.chance(0.5),
+    )
+    return Case("vllm", "SubscribeKvEvents", request, cancel_at_s=d.rng.uniform(0.1, 1.5))
+
+
+def flush_case(d: Draw, batch: Batch) -> Case:
+    timeout = d.one((0.0, 1.0, -1.0, NAN, INF, 1e30))
+    return Case("vllm", "FlushCache", common_pb2.FlushCacheRequest(timeout_s=timeout))
+
+
+def profile_case(d: Draw, batch: Batch) -> Case:
+    """Profiling is not offered: UNIMPLEMENTED."""
+    if d.chance(0.5):
+        start = common_pb2.StartProfileRequest(output_dir=d.text(0, 10), num_steps=-1)
+        return Case("vllm", "StartProfile", start, REFUSED)
+    return Case("vllm", "StopProfile", common_pb2.StopProfileRequest(), REFUSED)
+
+
+Builder = Callable[[Draw, Batch], Case]
+BUILDERS: tuple[tuple[Builder, int], ...] = (
+    (partial(generate_case, face="mlx"), 40),
+    (partial(generate_case, face="vllm"), 40),
+    (embed_case, 8),
+    (partial(abort_case, face="mlx"), 4),
+    (partial(abort_case, face="vllm"), 4),
+    (partial(metadata_case, face="mlx"), 4),
+    (partial(metadata_case, face="vllm"), 4),
+    (loads_case, 3),
+    (kv_events_case, 3),
+    (flush_case, 1),
+    (profile_case, 1),
+)
+
+
+def build_batch(
+    rng: random.Random, limits: Limits, batch: Batch, size: int, every_kind: bool
+) -> list[Case]:
+    """Random kinds of requests, shuffled; with `every_kind`, one of each first (so that a
+    short run calls every RPC)."""
+    builders = [builder for builder, _ in BUILDERS]
+    weights = [weight for _, weight in BUILDERS]
+    chosen = builders[:size] if every_kind else []
+    chosen += rng.choices(builders, weights, k=size - len(chosen))
+    cases = [builder(Draw(rng, limits), batch) for builder in chosen]
+    rng.shuffle(cases)
+    return cases
+
+
+# ----- running and judging -----
+
+
+@dataclass
+class Result:
+    code: str = "OK"
+    message: str = ""
+    seconds: float = 0.0
+    responses: list[Any] = field(default_factory=list)
+    cancelled: bool = False  # by the client
+    aborted_at: float | None = None  # when the client sent Abort for it
+    seen_before_abort: int = 0  # messages it had then
+    after_abort_s: float = 0.0  # how long it went on after that
+    notes: list[str] = field(default_factory=list)
+
+
+class Client:
+    """Both faces of one worker, over one channel."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stubs = {face: stub(self.channel) for face, (_, stub) in FACES.items()}
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self._ids = itertools.count()
+
+    def run(self, case: Case) -> Result:
+        result = Result()
+        method = getattr(self.stubs[case.face], case.method)
+        started = time.monotonic()
+        try:
+            if case.method in STREAMS:
+                self._stream(method, case, result)
+            else:
+                result.responses.append(method(case.request, timeout=DEADLINE_S))
+        except grpc.RpcError as error:
+            result.code, result.message = error.code().name, error.details() or ""
+        ended = time.monotonic()
+        result.seconds = ended - started
+        if result.aborted_at is not None:
+            result.after_abort_s = ended - result.aborted_at
+        return result
+
+    def _stream(self, method: Any, case: Case, result: Result) -> None:
+        call = method(case.request, timeout=DEADLINE_S)
+
+        def cancel() -> None:
+            result.cancelled = True
+            call.cancel()
+
+        def abort() -> None:
+            self.abort(case.face, [case.request.request_id], result)
+
+        timers = [
+            threading.Timer(delay, action)
+            for delay, action in ((case.cancel_at_s, cancel), (case.abort_at_s, abort))
+            if delay is not None
+        ]
+        for timer in timers:
+            timer.start()
+        try:
+            for response in call:
+                result.responses.append(response)
+                if len(result.responses) == case.cancel_after:
+                    cancel()
+                if len(result.responses) == case.abort_after:
+                    abort()
+        finally:
+            for timer in timers:
+                timer.cancel()
+
+    def abort(self, face: str, ids: list[str], result: Result) -> None:
+        result.aborted_at = time.monotonic()
+        result.seen_before_abort = len(result.responses)
+        try:
+            self.stubs[face].Abort(FACES[face][0].AbortRequest(request_ids=ids), timeout=10)
+        except grpc.RpcError as error:
+            result.notes.append(f"its Abort failed: {error.code().name} {error.details()}")
+
+    def greedy(self, face: str, prompt: list[int]) -> list[int]:
+        pb = FACES[face][0]
+        request = pb.GenerateRequest(
+            request_id=f"known-good-{next(self._ids)}",
+            tokenized=pb.TokenizedInput(input_ids=prompt),
+            sampling_params=pb.SamplingParams(
+                temperature=0, max_tokens=KNOWN_GOOD_TOKENS, ignore_eos=True
+            ),
+        )
+        responses = list(self.stubs[face].Generate(request, timeout=DEADLINE_S))
+        return list(responses[-1].complete.output_ids)
+
+    def limits(self) -> Limits:
+        info = self.stubs["mlx"].GetModelInfo(mlx_engine_pb2.GetModelInfoRequest(), timeout=30)
+        request = mlx_engine_pb2.GenerateRequest(
+            request_id="probe", tokenized=mlx_engine_pb2.TokenizedInput(input_ids=[5, 6])
+        )
+        request.sampling_params.max_tokens = 1
+        probe = list(self.stubs["mlx"].Generate(request, timeout=DEADLINE_S))[-1].complete
+        bos = info.bos_token_id if probe.prompt_tokens == 3 else None
+        return Limits(info.vocab_size, info.max_context_length, info.max_req_input_len, bos)
+
+    def in_flight(self) -> int:
+        server = self.stubs["mlx"].GetServerInfo(mlx_engine_pb2.GetServerInfoRequest(), timeout=10)
+        loads = self.stubs["vllm"].GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=10)
+        return max(server.active_requests, loads.loads[0].num_total_reqs)
+
+
+def judge(case: Case, result: Result, batch: Batch, vocab: int) -> list[str]:
+    """What is wrong with one call's answer."""
+    code, problems = result.code, list(result.notes)
+    if code == "DEADLINE_EXCEEDED":
+        return [*problems, f"a hang: no answer within {DEADLINE_S:.0f} s"]
+    if code not in ALLOWED:
+        problems.append(f"status {code} ({result.message!r})")
+    if code == "CANCELLED" and not result.cancelled:
+        problems.append(f"CANCELLED though the client did not cancel ({result.message!r})")
+    if code != "OK" and not result.message.strip():
+        problems.append(f"status {code} with an empty message")
+    rid = getattr(case.request, "request_id", None)
+    neutral = (code == "CANCELLED" and result.cancelled) or (
+        code == "ALREADY_EXISTS" and rid in batch.shared
+    )
+    if not neutral and case.expect == OK and code != "OK":
+        problems.append(f"a valid request refused: {code} {result.message!r}")
+    if case.expect == REFUSED and code == "OK":
+        problems.append(f"an invalid request accepted ({', '.join(case.why)})")
+    if case.method == "Generate" and code == "OK":
+        abortable = result.aborted_at is not None or rid in batch.aborted or rid in batch.shared
+        problems += judge_generate(case, result, abortable, vocab)
+    if result.after_abort_s > ABORT_GRACE_S and abort_landed(result):
+        problems.append(f"it went on {result.after_abort_s:.1f} s after its Abort")
+    if case.method == "SubscribeKvEvents":
+        numbers = [r.sequence_number for r in result.responses]
+        if any(b != a + 1 for a, b in itertools.pairwise(numbers)):
+            problems.append(f"KV event batches out of sequence: {numbers[:10]}")
+    return problems
+
+
+def finishes(result: Result) -> list[str]:
+    return [
+        r.complete.finish_reason for r in result.responses if r.WhichOneof("response") == "complete"
+    ]
+
+
+def abort_landed(result: Result) -> bool:
+    """Whether the client's Abort surely came after the worker had the request (one sent at
+    once may overtake it, and an Abort of an id not in flight does nothing)."""
+    return result.seen_before_abort > 0 or "abort" in finishes(result)
+
+
+def judge_generate(case: Case, result: Result, abortable: bool, vocab: int) -> list[str]:
+    """An accepted Generate call: one GenerateComplete per row, sane tokens and counts."""
+    found: dict[str, set[int]] = {}  # what is wrong -> the rows it is wrong with
+    completes: Counter[int] = Counter()
+    streamed: Counter[int] = Counter()
+    finishes = {"stop", "length", "abort"} if abortable else {"stop", "length"}
+
+    def note(what: str, index: int) -> None:
+        found.setdefault(what, set()).add(index)
+
+    for response in result.responses:
+        kind = response.WhichOneof("response")
+        part = getattr(response, kind)
+        ids = part.token_ids if kind == "chunk" else part.output_ids
+        streamed[part.index] += len(ids)
+        if any(t >= vocab for t in ids):
+            note(f"a token id past the vocabulary ({max(ids)})", part.index)
+        values = [*part.output_logprobs.token_logprobs]
+        values += [v for top in part.output_logprobs.top_logprobs for v in top.values]
+        if any(math.isnan(v) for v in values):
+            note("NaN logprobs", part.index)
+        if kind == "complete":
+            completes[part.index] += 1
+            sent, counted = streamed[part.index], part.completion_tokens
+            if part.finish_reason not in finishes:
+                note(f"finish_reason {part.finish_reason!r}", part.index)
+            if counted != sent:
+                note(f"completion_tokens {counted} but {sent} tokens sent", part.index)
+            if case.max_tokens is not None and counted > case.max_tokens:
+                note(f"{counted} tokens, past max_tokens", part.index)
+    problems = [f"rows {sorted(rows)}: {what}" for what, rows in found.items()]
+    if sorted(completes.elements()) != list(range(case.rows)):
+        problems.append(f"rows lost: completes {sorted(completes.elements())} of n={case.rows}")
+    return problems
+
+
+def describe(case: Case) -> str:
+    """The request in one line, a long prompt cut short, and what the client did."""
+    shown = type(case.request)()
+    shown.CopyFrom(case.request)
+    note = ""
+    if "tokenized" in shown.DESCRIPTOR.fields_by_name and len(shown.tokenized.input_ids) > 40:
+        note = f" [input_ids: {len(shown.tokenized.input_ids)} tokens, the first 20 shown]"
+        del shown.tokenized.input_ids[20:]
+    if "text" in shown.DESCRIPTOR.fields_by_name and len(shown.text) > 100:
+        note += f" [text: {len(shown.text)} characters, the first 100 shown]"
+        shown.text = shown.text[:100]
+    if len(getattr(shown, "request_id", "")) > 100:
+        note += f" [request_id: {len(shown.request_id)} characters, the first 100 shown]"
+        shown.request_id = shown.request_id[:100]
+    text = text_format.MessageToString(shown, as_one_line=True, as_utf8=True)
+    client = f" [the client {case.client}]" if case.client else ""
+    return (text if len(text) <= 1500 else text[:1500] + "...") + note + client
+
+
+# ----- the worker -----
+
+
+@dataclass
+class Coverage:
+    """What one kind's seeds sent, what came back, and what went wrong."""
+
+    seeds: int = 0
+    requests: int = 0
+    batches: int = 0
+    expected: dict[str, int] = field(default_factory=dict)  # ok / refused / any
+    statuses: dict[str, dict[str, int]] = field(default_factory=dict)  # rpc -> code -> calls
+    client_cancels: int = 0
+    slowest_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    def add(self, case: Case, result: Result) -> None:
+        self.requests += 1
+        self.expected[case.expect] = self.expected.get(case.expect, 0) + 1
+        codes = self.statuses.setdefault(case.rpc, {})
+        codes[result.code] = codes.get(result.code, 0) + 1
+        self.client_cancels += result.cancelled and result.code == "CANCELLED"
+        self.slowest_s = max(self.slowest_s, result.seconds)
+
+
+class Watch:
+    """The worker between batches: alive, SERVING, idle, and still the same engine."""
+
+    def __init__(self, worker: WorkerProcess, client: Client) -> None:
+        self.worker = worker
+        self.client = client
+        self.prompt = KNOWN_GOOD_PROMPT  # its blocks are in the prefix store: requests share them
+        self.baseline = client.greedy("mlx", self.prompt)
+        self._log_seen = 0
+
+    def problems(self) -> list[str]:
+        worker, client = self.worker, self.client
+        assert worker.proc is not None
+        if worker.proc.poll() is not None:
+            return [f"the worker exited ({worker.proc.returncode}): {worker.output[-2000:]}"]
+        problems = []
+        try:
+            health = client.health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                problems.append(f"grpc.health says {health.status}")
+            for face, (pb, _) in FACES.items():
+                answer = client.stubs[face].HealthCheck(pb.HealthCheckRequest(), timeout=10)
+                if not answer.healthy:
+                    problems.append(f"{face}.HealthCheck: {answer.message}")
+            if not wait_until(lambda: client.in_flight() == 0, SETTLE_S, 0.1):
+                problems.append(f"{client.in_flight()} requests in flight {SETTLE_S:.0f} s later")
+            for face in FACES:
+                tokens = client.greedy(face, self.prompt)
+                if tokens != self.baseline:
+                    problems.append(f"{face}: known-good greedy {tokens} != {self.baseline}")
+        except grpc.RpcError as error:
+            problems.append(f"the worker failed a check: {error.code().name} {error.details()}")
+        return problems + self.logged_errors()
+
+    def logged_errors(self) -> list[str]:
+        lines = self.worker.lines[self._log_seen :]
+        self._log_seen += len(lines)
+        return [f"the worker logged: {line.strip()[:300]}" for line in lines if _error(line)]
+
+
+def _error(line: str) -> bool:
+    return any(marker in line for marker in LOG_ERRORS)
+
+
+def fuzz_seed(
+    kind: str,
+    seed: int,
+    requests: int,
+    client: Client,
+    watch: Watch,
+    cover: Coverage,
+    trace: TextIO | None = None,
+) -> bool:
+    """One seed's batches; False when the worker is gone."""
+    rng = random.Random(f"{kind}/{seed}")
+    limits = client.limits()
+    for number, start in enumerate(range(0, requests, BATCH)):
+        batch = Batch(f"s{seed}b{number}")
+        cases = build_batch(rng, limits, batch, min(BATCH, requests - start), number == 0)
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            results = list(pool.map(client.run, cases))
+        where = f"{kind} seed {seed} batch {number}"
+        for i, (case, result) in enumerate(zip(cases, results, strict=True)):
+            cover.add(case, result)
+            if trace is not None:
+                trace.write(json.dumps(_traced(where, i, case, result)) + "\n")
+            for problem in judge(case, result, batch, limits.vocab):
+                cover.failures.append(f"{where} #{i} {case.rpc}: {problem} | {describe(case)}")
+        cover.batches += 1
+        for problem in watch.problems():
+            cover.failures.append(f"{where}, after it: {problem}")
+        if watch.worker.proc is not None and watch.worker.proc.poll() is not None:
+            return False
+    cover.seeds += 1
+    return True
+
+
+def _traced(where: str, i: int, case: Case, result: Result) -> dict[str, Any]:
+    return {
+        "where": f"{where} #{i}",
+        "rpc": case.rpc,
+        "expect": case.expect,
+        "why": case.why,
+        "code": result.code,
+        "message": result.message[:300],
+        "seconds": round(result.seconds, 3),
+        "finishes": finishes(result) if case.method == "Generate" else [],
+        "request": describe(case),
+    }
+
+
+def fuzz(
+    kinds: list[str], seeds: list[int], requests: int = REQUESTS, trace: TextIO | None = None
+) -> dict[str, Coverage]:
+    report = {}
+    for kind in kinds:
+        cover = report[kind] = Coverage()
+        args = ("--model", f"demo:{kind}", "--protocols", "mlx,vllm")
+        with WorkerProcess(*args) as worker:
+            worker.wait_ready()
+            client = Client(worker.address)
+            watch = Watch(worker, client)
+            if (tokens := client.greedy("vllm", watch.prompt)) != watch.baseline:
+                cover.failures.append(f"{kind}: the faces differ: {tokens} != {watch.baseline}")
+            for seed in seeds:
+                if not fuzz_seed(kind, seed, requests, client, watch, cover, trace):
+                    break
+            client.channel.close()
+    return report
+
+
+def print_report(report: dict[str, Coverage], seconds: float) -> None:
+    for kind, cover in report.items():
+        expected = ", ".join(f"{n} {what}" for what, n in sorted(cover.expected.items()))
+        print(
+            f"{kind}: {cover.seeds} seeds, {cover.requests} requests ({expected}), "
+            f"{cover.client_cancels} cancelled by the client, slowest {cover.slowest_s:.1f} s, "
+            f"{len(cover.failures)} failures"
+        )
+        codes = sorted({code for counts in cover.statuses.values() for code in counts})
+        print(" | ".join(("rpc", *codes)))
+        for rpc, counts in sorted(cover.statuses.items()):
+            print(" | ".join((rpc, *(str(counts.get(code, 0)) for code in codes))))
+        for line in cover.failures[:20]:
+            print("   ", line)
+    print(f"{seconds:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=10, help="seeds per kind (default 10)")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=REQUESTS, help="per seed (default 300)")
+    parser.add_argument("--kinds", default="llama", help="demo kinds: llama, gemma3, hybrid")
+    parser.add_argument("--json", type=Path, help="write the report here too")
+    parser.add_argument("--trace", type=Path, help="write every call here, a JSON line each")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    with contextlib.ExitStack() as stack:
+        trace = stack.enter_context(args.trace.open("w")) if args.trace else None
+        report = fuzz(args.kinds.split(","), seeds, args.requests, trace)
+    print_report(report, time.monotonic() - started)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({k: asdict(v) for k, v in report.items()}, indent=1))
+    return 1 if any(cover.failures for cover in report.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
