@@ -4,13 +4,17 @@ cache at all, so the BatchGenerator's caches are never touched.
 
 Prompts of one step go through together, right-padded: in a causal model a real position
 never sees the padding after it, so its hidden state is exact. A long prompt goes through in
-chunks with a cache of its own (as a prefill does), so its attention never spans it whole.
+chunks with a cache of its own (as a prefill does), so its attention never spans it whole;
+beside decoding rows, one chunk a step, sized by the prefill budget, so that an embed of a
+whole context does not stall the streams for seconds.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -26,6 +30,7 @@ POOLINGS = ("last", "mean")
 BATCH_TOKENS = 8192  # padded tokens in one forward at most (a longer prompt goes alone)
 PAD = 0  # any id will do: a causal model's real positions never see it
 CHUNK = 2048  # tokens a row goes through in one forward at most
+MIN_CHUNK = 16  # beside decoding rows, a forward's width however small the prefill budget
 
 Inner = Callable[..., mx.array]  # (ids (B, T), cache=...) -> hidden (B, T, H)
 
@@ -74,6 +79,7 @@ class Embedder:
         self._new_cache = new_cache
         self._chunk = max(1, chunk)
         self._errors = RateLimitedLog(log, 30.0)
+        self._jobs: deque[_Job] = deque()
 
     @classmethod
     def of(cls, model: nn.Module, distributed: bool, chunk: int = CHUNK) -> Embedder:
@@ -89,71 +95,139 @@ class Embedder:
     def refuse(self, requests: list[EmbedRequest], why: str) -> list[EmbedResult]:
         return [EmbedResult(r.ticket, error=why) for r in requests]
 
+    @property
+    def busy(self) -> bool:
+        """Whether forwards of taken requests are still to run (`advance`)."""
+        return bool(self._jobs)
+
     def run(self, requests: list[EmbedRequest]) -> list[EmbedResult]:
         """Every request's result, in order; a failure fails its own request only."""
+        done = {r.ticket: r for r in [*self.start(requests), *self.advance(None)]}
+        return [done[r.ticket] for r in requests]
+
+    def take(self, requests: list[EmbedRequest], tokens: int | None) -> list[EmbedResult]:
+        """`start`, then `advance`; a fault that escapes them (a last guard: each answers its
+        own) fails every request held, never the engine."""
+        try:
+            refused = self.start(requests)
+        except Exception as exc:
+            log.exception("embedding failed")
+            return self.refuse(requests, f"embedding failed: {exc}")
+        try:
+            return [*refused, *self.advance(tokens)]
+        except Exception as exc:
+            log.exception("embedding failed")
+            return [*refused, *self.cancel(f"embedding failed: {exc}")]
+
+    def start(self, requests: list[EmbedRequest]) -> list[EmbedResult]:
+        """The requests queued for `advance`, in forwards of similar lengths; the results of
+        those refused at once."""
         if self._inner is None:
             return self.refuse(requests, f"this model cannot embed: {self._why}")
-        results: dict[int, EmbedResult] = {}
-        valid = []
+        refused, valid = [], []
         for request in requests:
             error = _invalid(request)
             if error is not None:
-                results[request.ticket] = EmbedResult(request.ticket, error=error)
+                refused.append(EmbedResult(request.ticket, error=error))
             else:
                 valid.append(request)
-        for group in _groups(valid):
-            for result in self._group(group):
-                results[result.ticket] = result
-        return [results[r.ticket] for r in requests]
+        jobs = [self._job(group) for group in _groups(valid)]  # all queued, or none
+        self._jobs.extend(jobs)
+        return refused
 
-    def _group(self, group: list[EmbedRequest]) -> list[EmbedResult]:
-        """One forward for the group; should it fail, each request alone, so that the
-        failure lands on the request that caused it."""
-        try:
-            return self._forward(group)
-        except Exception as exc:
-            if len(group) > 1:
-                return [result for request in group for result in self._group([request])]
-            self._errors.warning("embed", "an embedding failed: %s", exc, exc_info=exc)
-            return [EmbedResult(group[0].ticket, error=f"{type(exc).__name__}: {exc}")]
+    def advance(self, tokens: int | None) -> list[EmbedResult]:
+        """Queued forwards: one chunk of about `tokens` padded tokens (summed over the rows of
+        a forward; beside decoding rows, what the prefill budget allows a step), or every one
+        (None); the results of the requests this finished."""
+        results: list[EmbedResult] = []
+        while self._jobs and (tokens is None or not results):
+            job = self._jobs[0]
+            width = self._chunk if tokens is None else tokens // len(job.group)
+            try:
+                finished = self._step(job, min(self._chunk, max(MIN_CHUNK, width)))
+            except Exception as exc:
+                self._jobs.popleft()
+                results.extend(self._failed(job.group, exc))
+                continue
+            if finished:
+                self._jobs.popleft()
+                results.extend(self._pooled(job))
+            if tokens is not None:
+                break  # one chunk a step
+        return results
 
-    def _forward(self, group: list[EmbedRequest]) -> list[EmbedResult]:
+    def cancel(self, why: str) -> list[EmbedResult]:
+        """Every queued request, refused (the engine stops)."""
+        jobs, self._jobs = self._jobs, deque()
+        return self.refuse([r for job in jobs for r in job.group], why)
+
+    def _failed(self, group: list[EmbedRequest], exc: Exception) -> list[EmbedResult]:
+        """A forward of `group` failed: each request again alone, so that the failure lands
+        on the request that caused it."""
+        if len(group) > 1:
+            self._jobs.extendleft(self._job([r]) for r in reversed(group))
+            return []
+        self._errors.warning("embed", "an embedding failed: %s", exc, exc_info=exc)
+        return [EmbedResult(group[0].ticket, error=f"{type(exc).__name__}: {exc}")]
+
+    def _job(self, group: list[EmbedRequest]) -> _Job:
         width = max(len(r.prompt) for r in group)
-        ids = mx.array([r.prompt + [PAD] * (width - len(r.prompt)) for r in group])
-        lengths = mx.array([len(r.prompt) for r in group])
-        total, last = self._pool(ids, lengths)
-        mean = total / lengths[:, None].astype(mx.float32)
-        by_mean = mx.array([r.pooling == "mean" for r in group])[:, None]
-        pooled = mx.where(by_mean, mean, last)
+        zeros = mx.zeros((len(group), self.size), dtype=mx.float32)
+        return _Job(
+            group,
+            mx.array([r.prompt + [PAD] * (width - len(r.prompt)) for r in group]),
+            mx.array([len(r.prompt) for r in group]),
+            zeros,
+            zeros,
+        )
+
+    def _step(self, job: _Job, chunk: int) -> bool:
+        """`job`'s next `chunk` positions through the model (a forward that takes the prompts
+        whole needs no cache); whether that was the last."""
+        assert self._inner is not None
+        width = job.ids.shape[1]
+        if job.start == 0 and job.cache is None and width > chunk:
+            job.cache = self._new_cache() if self._new_cache is not None else None
+            chunk = chunk if job.cache is not None else width
+        end = min(width, job.start + chunk)
+        hidden = self._inner(job.ids[:, job.start : end], cache=job.cache).astype(mx.float32)
+        positions = mx.arange(job.start, end)[None, :, None]
+        real = positions < job.lengths[:, None, None]
+        ends = positions == (job.lengths - 1)[:, None, None]
+        job.total = job.total + mx.where(real, hidden, 0.0).sum(axis=1)
+        job.last = job.last + mx.where(ends, hidden, 0.0).sum(axis=1)
+        mx.eval(job.total, job.last)  # one chunk's graph at a time
+        job.start = end
+        return end >= width
+
+    def _pooled(self, job: _Job) -> list[EmbedResult]:
+        mean = job.total / job.lengths[:, None].astype(mx.float32)
+        by_mean = mx.array([r.pooling == "mean" for r in job.group])[:, None]
+        pooled = mx.where(by_mean, mean, job.last)
         norm = mx.linalg.norm(pooled, axis=-1, keepdims=True)
         normed = pooled / mx.maximum(norm, 1e-12)
         finite = mx.isfinite(normed).all(axis=-1)
         mx.eval(normed, finite)
         results = []
-        for request, row, ok in zip(group, normed.tolist(), finite.tolist(), strict=True):
+        for request, row, ok in zip(job.group, normed.tolist(), finite.tolist(), strict=True):
             if ok:
                 results.append(EmbedResult(request.ticket, row))
             else:
                 results.append(EmbedResult(request.ticket, error="the hidden state is not finite"))
         return results
 
-    def _pool(self, ids: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
-        """Each row's sum of hidden states over its real positions, and its last one, with
-        `ids` through the model a chunk at a time (one chunk: no cache at all)."""
-        assert self._inner is not None
-        width = ids.shape[1]
-        chunk = self._chunk if self._new_cache is not None else width
-        cache = self._new_cache() if self._new_cache is not None and width > chunk else None
-        total = last = mx.zeros((ids.shape[0], self.size), dtype=mx.float32)
-        for start in range(0, width, chunk):
-            hidden = self._inner(ids[:, start : start + chunk], cache=cache).astype(mx.float32)
-            positions = mx.arange(start, start + hidden.shape[1])[None, :, None]
-            real = positions < lengths[:, None, None]
-            ends = positions == (lengths - 1)[:, None, None]
-            total = total + mx.where(real, hidden, 0.0).sum(axis=1)
-            last = last + mx.where(ends, hidden, 0.0).sum(axis=1)
-            mx.eval(total, last)  # one chunk's graph at a time
-        return total, last
+
+@dataclass(slots=True)
+class _Job:
+    """One forward's requests, right-padded, and their pooled sums so far."""
+
+    group: list[EmbedRequest]
+    ids: mx.array
+    lengths: mx.array
+    total: mx.array
+    last: mx.array
+    cache: list[Any] | None = None
+    start: int = 0  # positions [0, start) went through
 
 
 def _invalid(request: EmbedRequest) -> str | None:

@@ -281,13 +281,14 @@ class EngineLoop:
             plan, hits = self._shared_plan(out)
             if plan.stop:
                 self._end_all(out)
+                out.embeddings.extend(self.embedder.cancel("the engine is stopping"))
                 out.kv_events.extend(self.store.take_events())
                 self._sink.put(out, due=True)
                 return
             self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
             due = self._apply_and_step(plan, hits, out)
-            if self._embeds:
-                self._embed(out)
+            if self._embeds or self.embedder.busy:
+                self._embed(out, plan.budget_s)
             if self._lockstep is not None:
                 self._lockstep.progress()
             out.kv_events.extend(self.store.take_events())
@@ -349,7 +350,7 @@ class EngineLoop:
         # load wakes it (or a timeout, should the wake be lost).
         loading = self.store.loading and not batch.rows
         take = self._inbox.take(
-            idle=not batch.rows and (not scheduler.waiting or loading),
+            idle=not batch.rows and (not scheduler.waiting or loading) and not self.embedder.busy,
             quiet_s=self.config.coalesce_quiet_s,
             max_s=self.config.coalesce_max_s,
             burst_size=scheduler.burst,
@@ -450,15 +451,13 @@ class EngineLoop:
             out.widened_steps += plan.widened
         return report.due
 
-    def _embed(self, out: StepOutput) -> None:
-        """The embeds taken this step, in forwards of their own beside the batch (no cache of
-        the generator's is touched); a failure fails its own request only."""
+    def _embed(self, out: StepOutput, budget_s: float) -> None:
+        """Embeds run in forwards of their own after the step (no cache of the generator's is
+        touched): while rows decode, one chunk a step within the prefill budget."""
         embeds, self._embeds = self._embeds, []
-        try:
-            out.embeddings.extend(self.embedder.run(embeds))
-        except Exception as exc:  # the embedder answers its own faults; this is a last guard
-            log.exception("embedding failed")
-            out.embeddings.extend(self.embedder.refuse(embeds, f"embedding failed: {exc}"))
+        budgeted = self.batch.rows and self.config.max_prefill_stall_ms > 0
+        tokens = self.scheduler.cost.tokens_within(budget_s, 0) if budgeted else None
+        out.embeddings.extend(self.embedder.take(embeds, tokens))
 
     def _publish(self, out: StepOutput, budget_s: float) -> None:
         """The figures go out with this output when they changed (`budget_s`: the prefill
