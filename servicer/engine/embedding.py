@@ -102,7 +102,7 @@ class Embedder:
 
     def run(self, requests: list[EmbedRequest]) -> list[EmbedResult]:
         """Every request's result, in order; a failure fails its own request only."""
-        done = {r.ticket: r for r in [*self.start(requests), *self.advance(None)]}
+        done = {r.ticket: r for r in self.take(requests, None)}
         return [done[r.ticket] for r in requests]
 
     def take(self, requests: list[EmbedRequest], tokens: int | None) -> list[EmbedResult]:

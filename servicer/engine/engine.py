@@ -455,8 +455,7 @@ class EngineLoop:
         """Embeds run in forwards of their own after the step (no cache of the generator's is
         touched): while rows decode, one chunk a step within the prefill budget."""
         embeds, self._embeds = self._embeds, []
-        budgeted = self.batch.rows and self.config.max_prefill_stall_ms > 0
-        tokens = self.scheduler.cost.tokens_within(budget_s, 0) if budgeted else None
+        tokens = self.scheduler.beside_decoding(bool(self.batch.rows), budget_s)
         out.embeddings.extend(self.embedder.take(embeds, tokens))
 
     def _publish(self, out: StepOutput, budget_s: float) -> None:

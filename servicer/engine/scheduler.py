@@ -273,6 +273,14 @@ class Scheduler:
         need = self._admission.estimate(self._waiting[0].cache_tokens)
         return batch.reserved + need > self._admission.limit_bytes
 
+    def beside_decoding(self, decoding: bool, budget_s: float) -> int | None:
+        """Tokens a forward of its own (an embed's chunk) may take in a step whose rows
+        decode: what the prefill budget allows; None (no bound) with none decoding or no
+        budget."""
+        if not (decoding and self._policy.budgeted):
+            return None
+        return self.cost.tokens_within(budget_s, 0)
+
     def over_budget(self, sample: PrefillSample, plan: Plan | StepChoice) -> bool:
         """Whether a step's prefill took longer than the budget it was planned with."""
         return self._policy.budgeted and not plan.bulk and sample.seconds > plan.budget_s
