@@ -38,4 +38,23 @@ class GrammarChecker:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self.tokenizer
         )
-        return (messages[0] if messages else "invalid grammar") if is_error else None
+        if is_error:
+            return messages[0] if messages else "invalid grammar"
+        return self._first_token_error(grammar)
+
+    def _first_token_error(self, grammar: str) -> str | None:
+        """Why no token can begin the grammar's text, or None: a grammar that matches nothing
+        (`root ::= root`) validates, and would otherwise fail at the request's first token,
+        after its stream began."""
+        import llguidance.numpy
+
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if not matcher.is_error():
+            mask = llguidance.numpy.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask)
+        if not matcher.is_error():
+            return None
+        reason = matcher.get_error().strip().splitlines()
+        return "no token of this model's vocabulary can begin it" + (
+            f" ({reason[0]})" if reason else ""
+        )

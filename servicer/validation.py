@@ -146,6 +146,16 @@ def prompt_ids(
     return ids, added
 
 
+def refuse_media(request: Any) -> None:
+    """The vLLM face carries images and other media beside the prompt's placeholder tokens.
+    This worker serves text models: the placeholders without their media would be answered
+    as text, wrongly, so such a request is refused (empty media fields are no media)."""
+    if "mm_inputs" not in request.DESCRIPTOR.fields_by_name:
+        return
+    if request.mm_inputs.ByteSize() or request.extra_mm_inputs or request.media_refs.items:
+        raise _invalid("multimodal inputs are not supported: this worker serves text models")
+
+
 def sampling_spec(params: Params, vocab_size: int) -> SamplingSpec:
     temperature = params.temperature if params.HasField("temperature") else 1.0
     if _finite("temperature", temperature) < 0:
@@ -337,6 +347,7 @@ def build_request(
     prefix reuse (0: the worker keeps no prefixes)."""
     if not request.request_id:
         raise _invalid("request_id is empty")
+    refuse_media(request)
     prompt, bos_added = prompt_ids(request, limits, text_ids)
     params = request.sampling_params
     room = limits.context_length - len(prompt)

@@ -281,10 +281,17 @@ REGEXES = (
 )
 GRAMMARS = (
     ('root ::= "yes" | "no"', "root ::= [a-z]+", 'start: "a"+', 'root ::= "x" root | "y"'),
-    ("root ::= undefined_rule", "::= ::=", "", "%import foo", "root ::= (", "\x00"),
+    (
+        "root ::= undefined_rule",
+        "::= ::=",
+        "",
+        "%import foo",
+        "root ::= (",
+        "\x00",
+        "root ::= root",
+    ),
     (
         "root ::= ",
-        "root ::= root",
         'root ::= "a" root',
         "start: /[a-z]+/",
         "root ::= [^\\x00-\\x7f]",
@@ -292,8 +299,8 @@ GRAMMARS = (
 )
 LARK = (
     ('start: "x" | "y"', "start: /[0-9]+/", 'start: "a" b\nb: "b"'),
-    ("start: undefined", "%%%", "", "start: (", "start: /(/"),
-    ("start: ", 'start: "🙂"', "start: start", 'start: %json {"type": "object"}'),
+    ("start: undefined", "%%%", "", "start: (", "start: /(/", "start: start"),
+    ("start: ", 'start: "🙂"', 'start: %json {"type": "object"}'),
 )
 CHOICES = (
     (["red", "green"], ["yes"], ["the sea", "the river", "a hill"]),
@@ -475,8 +482,17 @@ def face_extras(d: Draw, request: Any, face: str) -> None:
         request.data_parallel_rank = d.rng.choice((0, 1, -1))
         request.kv_transfer_params.remote_host = d.text(0, 5)
         request.kv_transfer_params_json = d.rng.choice(("", "{", '{"a": 1}'))
-        request.mm_inputs.im_token_id = d.token()
-        request.media_refs.items.add(url=d.text(0, 10))
+        request.mm_inputs.SetInParent()
+        request.media_refs.SetInParent()
+    if d.chance(0.04):
+        d.bad.append("media beside the prompt")  # a text model answers its placeholders wrongly
+        media = d.rng.choice(("mm_inputs", "extra_mm_inputs", "media_refs"))
+        if media == "mm_inputs":
+            request.mm_inputs.im_token_id = d.token()
+        elif media == "extra_mm_inputs":
+            request.extra_mm_inputs.add().mm_hashes.append(d.text(1, 8))
+        else:
+            request.media_refs.items.add(url=d.text(0, 10))
 
 
 def bound_work(d: Draw, case: Case, stream: bool) -> None:

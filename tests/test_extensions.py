@@ -215,6 +215,8 @@ def test_regex_and_lark_outputs_match(channel, reference, prompts, seed):
         # Valid syntax that only the model's vocabulary can refute:
         ("lark_grammar", "start: <|no-such-special-token|>"),
         ("lark_grammar", 'start: "x" <[99999]>'),
+        # Valid, but matching no text: no first token can be drawn.
+        ("lark_grammar", "start: start"),
     ],
 )
 def test_invalid_constraints_are_refused_before_generation(channel, prompts, field, source):

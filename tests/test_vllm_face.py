@@ -162,6 +162,34 @@ def test_what_the_worker_cannot_honour_is_refused_by_name(face, prompts, params,
     assert named in error.details()
 
 
+def test_media_beside_the_prompt_is_refused_and_empty_media_fields_are_served(
+    face, reference, prompts
+):
+    """A text model given an image's placeholder tokens without the image answers wrongly:
+    media is refused by name. Empty media messages, a transfer address and a rank (the
+    router may fill them on text requests) change nothing."""
+    _, stub = face
+    image = vpb.MultimodalInputs(im_token_id=5, mm_placeholders=[vpb.PlaceholderRange(length=2)])
+    media = [
+        {"mm_inputs": image},
+        {"extra_mm_inputs": [image]},
+        {"media_refs": vpb.MediaRefs(items=[vpb.MediaRef(url="https://example.com/a.png")])},
+    ]
+    for fields in media:
+        message = request(prompts[0], temperature=0, max_tokens=4)
+        message.MergeFrom(vpb.GenerateRequest(**fields))
+        error = refused(stub, message)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "multimodal inputs are not supported" in error.details()
+    message = request(prompts[0], temperature=0, max_tokens=6, ignore_eos=True)
+    message.mm_inputs.SetInParent()
+    message.media_refs.SetInParent()
+    message.kv_transfer_params.remote_host = "10.0.0.1"
+    message.data_parallel_rank = 0
+    tokens, _ = collect(stub, message)
+    assert tokens[0] == reference.greedy(prompts[0], 6)
+
+
 def test_constraints_of_the_vllm_kinds(face, prompts, reference):
     _, stub = face
     decode = reference.tokenizer.decode
