@@ -16,7 +16,8 @@ faces.
 `python tests/request_fuzz.py --seeds 20` (or `make fuzz-requests SEEDS=20`) prints what each
 RPC answered and every finding (seed, batch and request: `--first-seed S --seeds 1` draws the
 same requests again; `--trace PATH` writes every call as a JSON line); `--kinds gemma3,hybrid`
-fuzzes the other demo kinds. tests/test_request_fuzz.py runs one small seed in CI.
+fuzzes the other demo kinds, `--kinds PATH` a model directory (a real tokenizer and vocabulary).
+tests/test_request_fuzz.py runs one small seed in CI.
 """
 
 from __future__ import annotations
@@ -961,7 +962,8 @@ def fuzz(
     report = {}
     for kind in kinds:
         cover = report[kind] = Coverage()
-        args = ("--model", f"demo:{kind}", "--protocols", "mlx,vllm")
+        model = kind if "/" in kind else f"demo:{kind}"  # a model directory, or a demo kind
+        args = ("--model", model, "--protocols", "mlx,vllm")
         with WorkerProcess(*args) as worker:
             worker.wait_ready()
             client = Client(worker.address)
@@ -997,7 +999,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=10, help="seeds per kind (default 10)")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--requests", type=int, default=REQUESTS, help="per seed (default 300)")
-    parser.add_argument("--kinds", default="llama", help="demo kinds: llama, gemma3, hybrid")
+    parser.add_argument(
+        "--kinds", default="llama", help="demo kinds (llama, gemma3, hybrid) or model directories"
+    )
     parser.add_argument("--json", type=Path, help="write the report here too")
     parser.add_argument("--trace", type=Path, help="write every call here, a JSON line each")
     args = parser.parse_args(argv)
