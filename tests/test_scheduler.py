@@ -6,6 +6,7 @@ import pytest
 
 from servicer.admission import Admission, MemoryModel
 from servicer.engine.prefill import (
+    BULK_DECODE_STEPS,
     STALL_DECODE_STEPS,
     DecodeCost,
     PrefillCost,
@@ -351,6 +352,30 @@ def test_on_a_memory_bound_model_a_burst_as_large_as_the_batch_is_prefilled_whol
     assert [a.request.ticket for a in choice.admits] == list(range(1, 9))
     assert choice.chunk == 128 and choice.bulk  # every one of them finishes in the call
     assert not scheduler.over_budget(PrefillSample(8, 128, 0, 3.0), choice)
+
+
+def test_a_bulk_step_of_long_prompts_stays_within_its_decode_steps():
+    """Long prompts queueing on a slow model: bulk took a whole chunk of one (a 2,048-token
+    chunk beside 80 ms decode steps ran 48 s, every stream and abort waiting). Found by the
+    request fuzz on a real model."""
+    cost = _memory_bound_cost()
+    for n, c in [(64, 2000), (256, 4000), (32, 6000), (128, 1000)] * 4:
+        cost.observe(PrefillSample(1, n, c, 0.1 + 0.003 * n + 1e-6 * n * (c + n / 2)))
+    scheduler = _budgeted(cost)
+    scheduler.enqueue([_prompt(t, 8000) for t in range(10, 13)])
+    under_way = (PrefillRow(6000, 2000, progressed=True),)
+    view = BatchView(rows=3, first_tokens_due=False, prefilling=under_way, decode_step_s=0.23)
+    choice = scheduler.schedule(view)
+    assert choice.bulk
+    bound = BULK_DECODE_STEPS * 0.23
+    assert choice.budget_s == pytest.approx(bound)
+    assert 32 <= choice.chunk and cost.seconds(1, choice.chunk, 2000) <= bound
+    fresh = _budgeted(cost)
+    fresh.enqueue([_prompt(t, 8000) for t in range(1, 4)])
+    choice = fresh.schedule(BatchView(rows=1, first_tokens_due=False, decode_step_s=0.23))
+    assert choice.bulk and choice.admits
+    rows = len(choice.admits)
+    assert cost.seconds(rows, choice.chunk, 0) <= bound + 3 * 0.23  # with the finish allowance
 
 
 def test_a_lone_arrival_or_a_fast_model_keeps_the_budget():

@@ -26,6 +26,7 @@ from .prefill import (
     PrefillRow,
     PrefillSample,
     Widening,
+    bulk_budget,
     can_join,
     chunk_for,
     finish_budget,
@@ -89,7 +90,7 @@ class StepChoice:
     # fail alone, with the reason.
     failed: list[tuple[GenerationRequest, str]] = field(default_factory=list)
     budget_s: float = 0.0  # the prefill budget the step is planned with
-    bulk: bool = False  # it prefills as if nothing decoded (`Scheduler._bulk`)
+    bulk: bool = False  # it prefills in bulk (`Scheduler._bulk`)
 
 
 class Scheduler:
@@ -168,8 +169,10 @@ class Scheduler:
         if not self._waiting and not batch.prefilling and not batch.starting:
             return self._decode_only(batch, widen, budget_s)
         context = max((row.context for row in batch.prefilling), default=0)
-        decoding = batch.decoding and not self._bulk(batch)
-        bulk = batch.decoding and not decoding
+        decoding = batch.decoding
+        bulk = decoding and self._bulk(batch)
+        if bulk:
+            budget_s = bulk_budget(budget_s, batch.decode_step_s)
         capacity = step_capacity(policy, self.cost, decoding, context, budget_s, batch.starting)
         finish_s, finish = self._finishing(batch, decoding, context, budget_s, capacity)
         min_chunk, rows = policy.min_chunk, [row.remaining for row in batch.prefilling]
@@ -206,7 +209,7 @@ class Scheduler:
             rows.append(remaining)
         if not policy.budgeted:
             return StepChoice(admits, policy.step_tokens, False, failed, budget_s)
-        widened = widen > 1.0 and decoding
+        widened = widen > 1.0 and decoding and not bulk
         left = [r for r in rows if r > 0]
         if left and finishes_within(left, finish):
             # Planned past the base budget on purpose, where rows decode.
@@ -233,12 +236,13 @@ class Scheduler:
         )
 
     def _bulk(self, batch: BatchView) -> bool:
-        """Whether this step prefills as if nothing decoded: on a model whose decode step
-        outlasts the budget (memory-bound: a step takes about as long for 1 row as for 32,
-        so the budget bounds no stall there anyway) while at least as many prompts wait as
-        rows decode. Every split then costs another read of the weights, and every step a
-        prompt waits costs it a token the step would have made for nothing; the stall the
-        decoding rows take is the same prefill work either way."""
+        """Whether this step prefills in bulk, up to `BULK_DECODE_STEPS` decode steps rather
+        than the budget: on a model whose decode step outlasts the budget (memory-bound: a
+        step takes about as long for 1 row as for 32, so the budget bounds no stall there
+        anyway) while at least as many prompts wait as rows decode. Every split then costs
+        another read of the weights, and every step a prompt waits costs it a token the step
+        would have made for nothing; the stall the decoding rows take is the same prefill
+        work either way, only in fewer, longer gaps."""
         policy = self._policy
         decoding_rows = batch.rows - len(batch.prefilling)
         slow = batch.decode_step_s >= policy.max_stall_s
