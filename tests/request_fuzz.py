@@ -16,7 +16,8 @@ faces.
 `python tests/request_fuzz.py --seeds 20` (or `make fuzz-requests SEEDS=20`) prints what each
 RPC answered and every finding (seed, batch and request: `--first-seed S --seeds 1` draws the
 same requests again; `--trace PATH` writes every call as a JSON line); `--kinds gemma3,hybrid`
-fuzzes the other demo kinds, `--kinds PATH` a model directory (a real tokenizer and vocabulary).
+fuzzes the other demo kinds, `--kinds PATH` a model directory (a real tokenizer and vocabulary;
+`--worker-args "--max-prompt-tokens 1024"` keeps a CPU's prefills within the deadline).
 tests/test_request_fuzz.py runs one small seed in CI.
 """
 
@@ -28,6 +29,7 @@ import itertools
 import json
 import math
 import random
+import shlex
 import sys
 import threading
 import time
@@ -957,13 +959,20 @@ def _traced(where: str, i: int, case: Case, result: Result) -> dict[str, Any]:
 
 
 def fuzz(
-    kinds: list[str], seeds: list[int], requests: int = REQUESTS, trace: TextIO | None = None
+    kinds: list[str],
+    seeds: list[int],
+    requests: int = REQUESTS,
+    trace: TextIO | None = None,
+    worker_args: Sequence[str] = (),
 ) -> dict[str, Coverage]:
+    """`worker_args`: more flags for each worker (a real model on a CPU prefills a prompt of
+    its whole context in minutes: `--max-prompt-tokens 1024` keeps the calls within
+    DEADLINE_S)."""
     report = {}
     for kind in kinds:
         cover = report[kind] = Coverage()
         model = kind if "/" in kind else f"demo:{kind}"  # a model directory, or a demo kind
-        args = ("--model", model, "--protocols", "mlx,vllm")
+        args = ("--model", model, "--protocols", "mlx,vllm", *worker_args)
         with WorkerProcess(*args) as worker:
             worker.wait_ready()
             client = Client(worker.address)
@@ -1002,6 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kinds", default="llama", help="demo kinds (llama, gemma3, hybrid) or model directories"
     )
+    parser.add_argument("--worker-args", default="", help="more worker flags, one string")
     parser.add_argument("--json", type=Path, help="write the report here too")
     parser.add_argument("--trace", type=Path, help="write every call here, a JSON line each")
     args = parser.parse_args(argv)
@@ -1009,7 +1019,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     with contextlib.ExitStack() as stack:
         trace = stack.enter_context(args.trace.open("w")) if args.trace else None
-        report = fuzz(args.kinds.split(","), seeds, args.requests, trace)
+        worker_args = shlex.split(args.worker_args)
+        report = fuzz(args.kinds.split(","), seeds, args.requests, trace, worker_args)
     print_report(report, time.monotonic() - started)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
