@@ -54,7 +54,7 @@ class GrammarChecker:
             llguidance.numpy.fill_next_token_bitmask(matcher, mask)
         if not matcher.is_error():
             return None
-        reason = matcher.get_error().strip().splitlines()
+        reason = (matcher.get_error() or "").strip().splitlines()
         return "no token of this model's vocabulary can begin it" + (
             f" ({reason[0]})" if reason else ""
         )
