@@ -369,7 +369,7 @@ def test_a_bulk_step_of_long_prompts_stays_within_its_decode_steps():
     assert choice.bulk
     bound = BULK_DECODE_STEPS * 0.23
     assert choice.budget_s == pytest.approx(bound)
-    assert 32 <= choice.chunk and cost.seconds(1, choice.chunk, 2000) <= bound
+    assert choice.chunk >= 32 and cost.seconds(1, choice.chunk, 2000) <= bound
     fresh = _budgeted(cost)
     fresh.enqueue([_prompt(t, 8000) for t in range(1, 4)])
     choice = fresh.schedule(BatchView(rows=1, first_tokens_due=False, decode_step_s=0.23))
