@@ -7,6 +7,7 @@ import pytest
 from servicer.admission import Admission, MemoryModel
 from servicer.engine.prefill import (
     BULK_DECODE_STEPS,
+    IDLE_STEP_FLOOR_S,
     STALL_DECODE_STEPS,
     DecodeCost,
     PrefillCost,
@@ -376,6 +377,24 @@ def test_a_bulk_step_of_long_prompts_stays_within_its_decode_steps():
     assert choice.bulk and choice.admits
     rows = len(choice.admits)
     assert cost.seconds(rows, choice.chunk, 0) <= bound + 3 * 0.23  # with the finish allowance
+
+
+def test_with_no_row_decoding_a_long_prompt_goes_in_bounded_steps():
+    """Prompts only: a whole 2,048-token chunk of a long prompt held every request arriving
+    or aborted meanwhile (20-40 s on a 2-core CPU). Once a decode step was timed, such a step
+    is bounded like a bulk one, never below a second; before that, a full chunk."""
+    cost = _memory_bound_cost()
+    for n, c in [(64, 2000), (256, 4000), (32, 6000), (128, 1000)] * 4:
+        cost.observe(PrefillSample(1, n, c, 0.1 + 0.003 * n + 1e-6 * n * (c + n / 2)))
+    alone = (PrefillRow(6000, 2000, progressed=True),)
+    for step_s in (0.08, 0.23):
+        choice = _budgeted(cost).schedule(BatchView(1, False, alone, decode_step_s=step_s))
+        bound = max(IDLE_STEP_FLOOR_S, BULK_DECODE_STEPS * step_s)
+        assert choice.budget_s == pytest.approx(bound) and not choice.bulk
+        assert choice.chunk >= 32 and cost.seconds(1, choice.chunk, 2000) <= bound
+    assert _budgeted(cost).schedule(BatchView(1, False, alone)).chunk == 2048  # not yet timed
+    fast = _budgeted(_linear_cost(5e-5)).schedule(BatchView(1, False, alone, decode_step_s=0.002))
+    assert fast.chunk == 2048  # a fast machine's chunk stays whole
 
 
 def test_a_lone_arrival_or_a_fast_model_keeps_the_budget():

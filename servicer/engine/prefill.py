@@ -202,6 +202,18 @@ def bulk_budget(budget_s: float, decode_step_s: float) -> float:
     return max(budget_s, BULK_DECODE_STEPS * decode_step_s)
 
 
+# A step in which no row decodes (prompts only) may take as long as a bulk step, and never less
+# than this. Nothing streams then, but a request that arrives or is aborted meanwhile waits for
+# the step: a whole 2,048-token chunk of a long prompt held them 20-40 s on a 2-core CPU (seconds
+# on a laptop); a fast machine's chunk stays whole.
+IDLE_STEP_FLOOR_S = 1.0
+
+
+def idle_budget(decode_step_s: float) -> float:
+    """The seconds a step's prefill may take while no row decodes."""
+    return max(IDLE_STEP_FLOOR_S, BULK_DECODE_STEPS * decode_step_s)
+
+
 def step_budget(policy: PrefillPolicy, widen: float, decode_step_s: float) -> float:
     """The seconds a step's prefill may add while rows decode: the budget in force (widened
     by `widen`), and never less than `STALL_DECODE_STEPS` decode steps. Planning and the
@@ -212,15 +224,15 @@ def step_budget(policy: PrefillPolicy, widen: float, decode_step_s: float) -> fl
 def step_capacity(
     policy: PrefillPolicy,
     cost: PrefillCost,
-    decoding: bool,
+    bounded: bool,
     context: int,
     budget_s: float,
     starting: int = 0,
 ) -> int:
     """Prompt tokens (summed over rows, padding included) the next step may prefill: what
-    fits `budget_s` beside the first tokens of `starting` rows while rows decode, otherwise
-    a full chunk."""
-    if not decoding or not policy.budgeted:
+    fits `budget_s` beside the first tokens of `starting` rows in a `bounded` step (rows
+    decode, or the idle bound), otherwise a full chunk."""
+    if not bounded or not policy.budgeted:
         return policy.step_tokens
     tokens = cost.tokens_within(budget_s, context, starting)
     return max(policy.min_chunk, min(policy.step_tokens, tokens))

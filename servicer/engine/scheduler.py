@@ -6,7 +6,8 @@ Order: the oldest waiting prompt starts its prefill as soon as no other prompt i
 every prompt that can finish within its share of the step (a short one, or a prefix hit)
 starts beside it, in the same prefill call, as long as a long one keeps at least half of the
 step. While rows decode, a step prefills only what its learned cost says fits the budget in
-force: `max_stall_s`, widened while prompts queue up (see `prefill.Widening`).
+force: `max_stall_s`, widened while prompts queue up (see `prefill.Widening`); in bulk, or with
+no row decoding, up to `prefill.BULK_DECODE_STEPS` decode steps (at least a second when idle).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .prefill import (
     chunk_for,
     finish_budget,
     finishes_within,
+    idle_budget,
     step_budget,
     step_capacity,
 )
@@ -169,12 +171,9 @@ class Scheduler:
         if not self._waiting and not batch.prefilling and not batch.starting:
             return self._decode_only(batch, widen, budget_s)
         context = max((row.context for row in batch.prefilling), default=0)
-        decoding = batch.decoding
-        bulk = decoding and self._bulk(batch)
-        if bulk:
-            budget_s = bulk_budget(budget_s, batch.decode_step_s)
-        capacity = step_capacity(policy, self.cost, decoding, context, budget_s, batch.starting)
-        finish_s, finish = self._finishing(batch, decoding, context, budget_s, capacity)
+        budget_s, bulk, bounded = self._bound(batch, budget_s)
+        capacity = step_capacity(policy, self.cost, bounded, context, budget_s, batch.starting)
+        finish_s, finish = self._finishing(batch, bounded, context, budget_s, capacity)
         min_chunk, rows = policy.min_chunk, [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
         failed: list[tuple[GenerationRequest, str]] = []
@@ -209,14 +208,27 @@ class Scheduler:
             rows.append(remaining)
         if not policy.budgeted:
             return StepChoice(admits, policy.step_tokens, False, failed, budget_s)
-        widened = widen > 1.0 and decoding and not bulk
+        widened = widen > 1.0 and batch.decoding and not bulk
         left = [r for r in rows if r > 0]
         if left and finishes_within(left, finish):
             # Planned past the base budget on purpose, where rows decode.
-            planned = finish_s if decoding else budget_s
+            planned = finish_s if bounded else budget_s
             return StepChoice(admits, max(left), widened, failed, planned, bulk)
         chunk = chunk_for(left, capacity, min_chunk)
         return StepChoice(admits, chunk, widened, failed, budget_s, bulk)
+
+    def _bound(self, batch: BatchView, budget_s: float) -> tuple[float, bool, bool]:
+        """The step's prefill budget, whether it prefills in bulk, and whether its prefill is
+        bounded in time at all: while rows decode (the budget, or in bulk up to
+        `BULK_DECODE_STEPS` decode steps), and with none decoding once a decode step was timed
+        (`idle_budget`); before that there is nothing to size by, and chunks are full."""
+        if batch.decoding:
+            if self._bulk(batch):
+                return bulk_budget(budget_s, batch.decode_step_s), True, True
+            return budget_s, False, True
+        if self._policy.budgeted and batch.decode_step_s > 0:
+            return idle_budget(batch.decode_step_s), False, True
+        return budget_s, False, False
 
     def _decode_only(self, batch: BatchView, widen: float, budget_s: float) -> StepChoice:
         """A step with nothing to admit or prefill (most decode steps): no chunk to size."""
@@ -224,7 +236,7 @@ class Scheduler:
         return StepChoice([], self._policy.step_tokens, widened, [], budget_s)
 
     def _finishing(
-        self, batch: BatchView, decoding: bool, context: int, budget_s: float, capacity: int
+        self, batch: BatchView, bounded: bool, context: int, budget_s: float, capacity: int
     ) -> tuple[float, int]:
         """(seconds, tokens) a step may take to finish every prompt in one call: more than
         the budget (prefill.FINISH_DECODE_STEPS), unless one is a long prompt under way."""
@@ -232,7 +244,7 @@ class Scheduler:
             return budget_s, capacity
         finish_s = finish_budget(budget_s, batch.decode_step_s)
         return finish_s, step_capacity(
-            self._policy, self.cost, decoding, context, finish_s, batch.starting
+            self._policy, self.cost, bounded, context, finish_s, batch.starting
         )
 
     def _bulk(self, batch: BatchView) -> bool:
