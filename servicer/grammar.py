@@ -20,6 +20,12 @@ def llg_tokenizer(hf_tokenizer: Any, vocab_size: int, eos: int) -> llguidance.LL
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
 
 
+def matcher_error(matcher: llguidance.LLMatcher) -> str:
+    """A failed matcher's error, whole: its reason on the first line, then llguidance's parser
+    state, many lines long ("" when it gives none)."""
+    return (matcher.get_error() or "").strip()
+
+
 class GrammarChecker:
     """Why a grammar cannot run on this model's vocabulary, or None when it can."""
 
@@ -54,7 +60,7 @@ class GrammarChecker:
             llguidance.numpy.fill_next_token_bitmask(matcher, mask)
         if not matcher.is_error():
             return None
-        reason = (matcher.get_error() or "").strip().splitlines()
+        reason = matcher_error(matcher).splitlines()
         return "no token of this model's vocabulary can begin it" + (
             f" ({reason[0]})" if reason else ""
         )

@@ -238,3 +238,18 @@ def test_a_grammar_that_fails_while_generating_ends_with_an_error(channel, promp
     assert "\n" not in outcome.error.details()  # the reason, not llguidance's parser state
     after = generate(channel, prompts[1], temperature=0.0, max_tokens=4)
     assert after.complete.finish_reason == "length"
+
+
+def test_a_matcher_error_without_a_message_reads_as_empty():
+    from servicer.grammar import matcher_error
+
+    class Silent:  # llguidance types get_error as Optional[str]
+        def get_error(self):
+            return None
+
+    class Loud:
+        def get_error(self):
+            return "  NoExtensionBias\n<state>\n"
+
+    assert matcher_error(Silent()) == ""
+    assert matcher_error(Loud()).splitlines()[0] == "NoExtensionBias"

@@ -14,7 +14,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
-from ..grammar import GrammarChecker
+from ..grammar import GrammarChecker, matcher_error
 from ..messages import Constraint
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,8 @@ class GrammarProcessor:
                 self._matcher.consume_tokens(new)
             self._consumed = generated
         if self._matcher.is_error() and self.error is None:
-            # llguidance appends its parser's state, many lines long: the log keeps it, the
-            # client gets the reason.
-            full = self._matcher.get_error().strip() or "the grammar matcher failed"
+            # The log keeps llguidance's parser state; the client gets the reason.
+            full = matcher_error(self._matcher) or "the grammar matcher failed"
             log.info("grammar failed while generating: %s", full)
             self.error = full.splitlines()[0][:MAX_ERROR_CHARS]
         width = logits.shape[-1]
