@@ -5,15 +5,40 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import resource
 import socket
+from pathlib import Path
+
+LOWEST_CHOSEN_PORT = 10_000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (another process may still take it first)."""
+    """A port nothing is bound to right now, chosen below the kernel's ephemeral range: a port
+    the kernel hands out itself can be taken between choosing it and binding it, by another
+    bind to port 0 or as an outgoing connection's source port (a router retrying this very
+    port can connect to itself there)."""
+    chooser = random.SystemRandom()
+    ceiling = _ephemeral_floor()
+    for _ in range(200 if ceiling > LOWEST_CHOSEN_PORT else 0):
+        port = chooser.randrange(LOWEST_CHOSEN_PORT, ceiling)
+        try:
+            with socket.socket() as sock:
+                sock.bind((host, port))
+        except OSError:
+            continue
+        return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out by itself (Linux's default where unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 def cpu_seconds(pid: int | None = None) -> float:

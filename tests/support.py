@@ -228,8 +228,17 @@ class WorkerProcess:
                 self._ready.set()
 
     def wait_ready(self, timeout: float = 180) -> WorkerProcess:
-        if not self._ready.wait(timeout):
-            raise AssertionError("worker did not become ready:\n" + self.output)
+        """Until the worker says it serves; a worker that exits first fails at once."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.2):
+            exited = self.proc is not None and self.proc.poll() is not None
+            if exited and self._reader is not None:
+                self._reader.join(5)  # the last lines, a ready line among them perhaps
+            if self._ready.is_set():
+                break
+            if exited or time.monotonic() > deadline:
+                state = "exited" if exited else "did not become ready"
+                raise AssertionError(f"worker {state}:\n" + self.output)
         return self
 
     def wait(self, timeout: float = 60) -> int:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import grpc
 import pytest
 from support import BackgroundGenerate, WorkerProcess, generate, server_info, wait_until
 
+from servicer.sysinfo import LOWEST_CHOSEN_PORT, free_port
+
 DEFAULT_PORT = 50051
+PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 MODES = pytest.mark.parametrize("mode", ["process", "thread"])
 
 
@@ -32,6 +36,23 @@ def test_port_in_use_exits_non_zero(demo_dir):
         with WorkerProcess("--model", str(demo_dir), "--port", str(first.port)) as second:
             assert second.wait(120) != 0
         assert "cannot listen" in second.output
+
+
+def test_waiting_for_a_worker_that_exits_fails_at_once(demo_dir):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        worker = WorkerProcess("--model", str(demo_dir), "--port", str(held.getsockname()[1]))
+        with worker, pytest.raises(AssertionError, match=r"(?s)worker exited:.*cannot listen"):
+            worker.wait_ready(timeout=170)
+
+
+@pytest.mark.skipif(not PORT_RANGE.exists(), reason="no Linux ephemeral port range to read")
+def test_a_chosen_port_lies_below_the_ports_the_kernel_hands_out_itself():
+    """A port the kernel hands out (to a bind to port 0, or as an outgoing connection's source
+    port) can be taken between a test choosing it and a worker binding it."""
+    floor = int(PORT_RANGE.read_text().split()[0])
+    assert all(LOWEST_CHOSEN_PORT <= free_port() < floor for _ in range(50))
 
 
 @MODES
