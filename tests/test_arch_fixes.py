@@ -4,8 +4,9 @@ it gets alone. Without the fixes gemma2 (grouped heads) applies one row's mask t
 (or raises, by batch size), gpt_bigcode (learned positions) raises on per-row offsets, afm7's
 KV-reuse layers place a padded row's queries at the wrong position, minimax_m3_vl's indexer
 cuts a padded row's key blocks at other boundaries, nemotron-nas's linear layers leave empty
-caches that a batch cannot give back, and plamo3's sliding-window cache holds one token less
-than its mask lets a token see."""
+caches that a batch cannot give back, plamo3's sliding-window cache holds one token less
+than its mask lets a token see, and phi3small's block-sparse layers are not causal inside a
+block (alone too) and cut blocks at cache slots."""
 
 from __future__ import annotations
 
@@ -119,18 +120,72 @@ def test_llama4_chunked_attention_batches_exactly() -> None:
         assert mx.allclose(logits, want[1][step], atol=1e-4).item(), step
 
 
-def test_phi3small_is_refused_with_the_reason() -> None:
-    """mlx-lm's phi3small lets a prompt's tokens see later tokens of their block (its boolean
-    mask is added as numbers): wrong alone, so no batching fix helps; the worker refuses it."""
-    from servicer.engine.arch_fixes import UnservableModel
+def _finite_match(got: mx.array, want: mx.array) -> bool:
+    """Equal logits, where phi3small's placeholder tokens are -inf in both."""
+    finite = mx.isfinite(want)
+    same = mx.allclose(mx.where(finite, got, 0), mx.where(finite, want, 0), atol=1e-4)
+    return bool(same.item() and mx.array_equal(mx.isfinite(got), finite).item())
 
+
+def test_phi3small_is_causal_and_block_sparse_by_position_in_chunks_and_in_a_batch() -> None:
+    """mlx-lm's phi3small lets a prompt's tokens see later tokens of their block (its boolean
+    mask is added as numbers), so it is wrong alone too. Fixed (blocks of 32, 2 local blocks,
+    a vertical stride of 3: both act past 64 tokens): a token's logits do not change with the
+    tokens after it, 37-token chunks (crossing block edges) give the whole prompt's logits, and
+    a left-padded batch row gives its logits alone, through decode steps too."""
     model = build("phi3small")
-    prompt = list(range(5, 40))
+    prompt = [(i * 37) % 5000 + 5 for i in range(150)]
     full = model(mx.array([prompt]))[0, 3]
     cut = model(mx.array([prompt[:4]]))[0, 3]  # position 3 without the tokens after it
     assert not mx.allclose(full, cut, atol=1e-3).item(), "mlx-lm's phi3small is causal now"
-    with pytest.raises(UnservableModel, match="block-sparse"):
-        fix_for_batching(model)
+    fix_for_batching(model)
+    full = model(mx.array([prompt]))[0]
+    assert _finite_match(model(mx.array([prompt[:4]]))[0, 3], full[3])
+    cache = make_prompt_cache(model)
+    chunks = [model(mx.array([prompt[i : i + 37]]), cache=cache)[0] for i in range(0, 150, 37)]
+    assert _finite_match(mx.concatenate(chunks), full)
+
+    short, follow = prompt[:90], [[11, 12, 13], [21, 22, 23]]
+    want = []
+    for tokens, steps in zip((prompt, short), follow, strict=True):
+        cache = make_prompt_cache(model)
+        rows = [model(mx.array([tokens]), cache=cache)[0, -1]]
+        want.append(rows + [model(mx.array([[t]]), cache=cache)[0, -1] for t in steps])
+    cache = [BatchKVCache([0, 60]) for _ in make_prompt_cache(model)]
+    got = [model(mx.array([prompt, [0] * 60 + short]), cache=cache)[:, -1]]
+    got += [model(mx.array([[f[step]] for f in follow]), cache=cache)[:, -1] for step in range(3)]
+    for row in range(2):
+        for step, logits in enumerate(got):
+            assert _finite_match(logits[row], want[row][step]), (row, step)
+
+
+def test_phi3small_keeps_a_key_by_the_block_sparse_rule() -> None:
+    """The rule, key by key, against its plain statement: a key at or before the query, in
+    one of the query's 2 latest blocks or in a block on the head's stride ((block + head + 1)
+    % 3 == 0); positions count from each row's first slot."""
+    model = build("phi3small")
+    fix_for_batching(model)
+    layer = model.model.layers[0].self_attn
+    assert layer.block_sparse
+
+    def rule(query: int, key: int, head: int) -> bool:
+        local = query // 32 - key // 32 < 2
+        return 0 <= key <= query and (local or (key // 32 + head + 1) % 3 == 0)
+
+    def follows_the_rule(keep: mx.array, first: int, offset: int) -> bool:
+        return all(
+            keep[head, query, slot].item() == rule(offset + query, slot - first, head)
+            for head in range(layer.n_heads)
+            for query in range(0, 40, 7)
+            for slot in range(140)
+        )
+
+    assert follows_the_rule(layer._keep(None, 100, 40, 140)[0], 0, 100)
+    batch = BatchKVCache([0, 25])
+    batch.offset = mx.array([100, 75])
+    together = layer._keep(batch, batch.offset, 40, 140)
+    assert follows_the_rule(together[0], 0, 100)
+    assert follows_the_rule(together[1], 25, 75)
 
 
 def batch_caches(model, padding: list[int]) -> list:

@@ -1,17 +1,18 @@
 """mlx-lm architectures whose code breaks in a batch, and what the engine does about each.
 
-Two kinds of answer:
+Three kinds of answer:
 - a fix in place after loading: the affected modules' class is swapped for a subclass that
   turns what a batch gives them (a per-row mask, per-row offsets) into what the original code
   expects. With one sequence (an integer offset, a shared mask) each fix runs the original
-  code unchanged, so mlx-lm's single-sequence output is the reference. One exception:
+  code unchanged, so mlx-lm's single-sequence output is the reference. Two exceptions:
   plamo3's cache (`WindowPlusOneCaches`) holds one token more than mlx-lm 0.32 gives it, so
   that decode sees the window its mask (and HF's model) gives prompt tokens; its reference
-  is mlx-lm's forward with no cache, which any chunking now equals;
+  is mlx-lm's forward with no cache, which any chunking now equals; phi3small's
+  block-sparse layers (`RowBlockSparse`) are wrong alone in mlx-lm 0.32 (not causal inside
+  a block); its reference is mlx-lm's model with the fix;
 - prompts prefilled one at a time, for layers that read the batch's left padding as input
   (`PADDING_BLIND`): merged into the decoding batch afterwards, they are exact;
-- a refusal at start with the reason (`UNSERVABLE`), where mlx-lm's code is wrong alone or
-  its caches have no batched form.
+- a refusal at start with the reason (`UNSERVABLE`), where its caches have no batched form.
 """
 
 from __future__ import annotations
@@ -50,20 +51,13 @@ PADDING_BLIND = frozenset(
 )
 
 
-# Architectures refused at start with the reason: mlx-lm's code is wrong for one sequence as
-# well (no batching fix can make it right), or its caches have no batched form and giving them
-# one is a large piece of work. Each entry: (still applies to this model?, the reason).
 # Architectures whose fix changes one sequence's output too (the fix is the right one; the
 # reference for such a model is mlx-lm's generation with the fix applied).
-CHANGES_ONE_SEQUENCE = frozenset({"plamo3"})
+CHANGES_ONE_SEQUENCE = frozenset({"phi3small", "plamo3"})
 
+# Architectures refused at start with the reason: their caches have no batched form and giving
+# them one is a large piece of work. Each entry: (still applies to this model?, the reason).
 UNSERVABLE: dict[str, tuple[Callable[[nn.Module], bool], str]] = {
-    "phi3small": (
-        lambda model: True,
-        "mlx-lm 0.32's phi3small block-sparse attention adds its boolean causal mask to the "
-        "scores as numbers (+1 / +0, not -inf), so a prompt's tokens attend to later tokens of "
-        "their 64-token block; the worker refuses it rather than serve that output",
-    ),
     # A batched deepseek_v41 needs per-row positions through the window indices, the
     # compressor's open groups (a different number of pending rows per row), the compressed
     # KV and index keys (a different count per row) and the indexer's visible groups, plus
@@ -402,6 +396,68 @@ class RowBlocks:
         return mx.repeat(keep, self.num_attention_heads // heads, axis=1)
 
 
+class RowBlockSparse:
+    """phi3small's block-sparse layers, from each row's own positions: a query sees a key at or
+    before it whose block is one of its `blocksparse_num_local_blocks` latest, or on the
+    head's vertical stride (every `blocksparse_vert_stride`-th block). mlx-lm 0.32 adds its
+    boolean causal mask to the scores as numbers (+1 / +0: a prompt's tokens see later tokens
+    of their block, alone too), cuts blocks at cache slots (a left-padded row gets other
+    blocks) and places a chunk's queries at whole blocks from the end (a chunk that starts
+    inside a block gets other blocks). This runs for one sequence too."""
+
+    block_sparse: bool
+    n_heads: int
+    n_q_per_kv: int
+    head_dim: int
+    scale: float
+    blocksparse_block_size: int
+    blocksparse_num_local_blocks: int
+    blocksparse_vert_stride: int
+    query_key_value: nn.Module
+    dense: nn.Module
+    rope: nn.Module
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if not self.block_sparse:
+            return super().__call__(x, mask, cache)  # type: ignore[misc]
+        batch, length, _ = x.shape
+        qkv = self.query_key_value(x).reshape(batch, length, -1, self.n_q_per_kv + 2, self.head_dim)
+        queries = qkv[..., :-2, :].flatten(-3, -2).transpose(0, 2, 1, 3)
+        keys = qkv[..., -2, :].transpose(0, 2, 1, 3)
+        values = qkv[..., -1, :].transpose(0, 2, 1, 3)
+        offset = 0 if cache is None else cache.offset
+        queries = self.rope(queries, offset=offset)
+        keys = self.rope(keys, offset=offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        width = (keys[0] if isinstance(keys, tuple) else keys).shape[-2]
+        keep = self._keep(cache, offset, length, width)
+        if isinstance(mask, mx.array):  # a batch's padding
+            keep = keep & mask
+        output = scaled_dot_product_attention(
+            queries, keys, values, cache=cache, scale=self.scale, mask=keep
+        )
+        return self.dense(output.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    def _keep(self, cache: Any, offset: Any, length: int, width: int) -> mx.array:
+        """(B or 1, heads, L, S): which key slot each query of each head sees."""
+        if isinstance(offset, mx.array):  # a batch: per-row positions
+            queries = offset[:, None] + mx.arange(length)  # (B, L)
+            keys = mx.arange(width)[None] - _first_slots(cache)[:, None]  # (B, S)
+        else:
+            queries = mx.arange(offset, offset + length)[None]
+            keys = mx.arange(width)[None]
+        block = self.blocksparse_block_size
+        query_blocks, key_blocks = queries // block, keys // block
+        heads = mx.arange(1, self.n_heads + 1)[None, :, None]
+        on_stride = ((key_blocks[:, None, :] + heads) % self.blocksparse_vert_stride) == 0
+        local = (
+            query_blocks[:, :, None] - key_blocks[:, None, :] < self.blocksparse_num_local_blocks
+        )
+        seen = (keys[:, None, :] <= queries[:, :, None]) & (keys[:, None, :] >= 0)
+        return (seen & local)[:, None] | (seen[:, None] & on_stride[:, :, None, :])
+
+
 def _swap_class(module: nn.Module, fix: type) -> None:
     original = type(module)
     if issubclass(original, fix):
@@ -446,6 +502,13 @@ def _nemotron_nas(model: nn.Module) -> int:
     return 2
 
 
+def _phi3small(model: nn.Module) -> int:
+    attentions = [layer.self_attn for layer in model.model.layers]
+    for attention in attentions:
+        _swap_class(attention, RowBlockSparse)
+    return sum(attention.block_sparse for attention in attentions)
+
+
 def _minimax_m3_vl(model: nn.Module) -> int:
     attentions = [layer.self_attn for layer in model.layers if layer.self_attn.is_sparse_attn]
     for attention in attentions:
@@ -460,6 +523,7 @@ FIXES: dict[str, Callable[[nn.Module], int]] = {
     "llama4": _llama4,
     "minimax_m3_vl": _minimax_m3_vl,
     "nemotron-nas": _nemotron_nas,
+    "phi3small": _phi3small,
     "plamo3": _plamo3,
 }
 
