@@ -35,7 +35,7 @@ def _engine_idle(server) -> bool:
     return load.running == 0 and load.waiting == 0
 
 
-def test_abort_mid_stream_ends_with_abort_within_a_step_or_two(server, channel, prompts):
+def test_abort_mid_stream_ends_with_abort_within_a_few_steps(server, channel, prompts):
     stub = pb_grpc.MlxEngineStub(channel)
     seen_at_abort: list[int] = []
 
@@ -55,9 +55,10 @@ def test_abort_mid_stream_ends_with_abort_within_a_step_or_two(server, channel, 
     )
     assert outcome.error is None
     assert outcome.complete.finish_reason == "abort"
-    # Chunks already on the wire when Abort landed still arrive; the engine stops at
-    # its next step, so only a handful more tokens follow.
-    assert outcome.complete.completion_tokens - seen_at_abort[0] <= 4
+    # Chunks already on the wire when Abort landed still arrive; the engine stops at its next
+    # step, so only a handful more tokens follow: the steps it took while the chunk reached the
+    # client and the Abort came back (1-2 here, 5-6 with two CPU hogs beside the test).
+    assert outcome.complete.completion_tokens - seen_at_abort[0] <= 16
     assert outcome.complete.completion_tokens == len(outcome.tokens)
     assert wait_until(lambda: _engine_idle(server))
     assert server_info(channel).active_requests == 0
