@@ -210,8 +210,8 @@ IDLE_STEP_FLOOR_S = 1.0
 
 
 def idle_budget(decode_step_s: float) -> float:
-    """The seconds a step's prefill may take while no row decodes."""
-    return max(IDLE_STEP_FLOOR_S, BULK_DECODE_STEPS * decode_step_s)
+    """The seconds a step's prefill may take while no row decodes: a bulk step's."""
+    return bulk_budget(IDLE_STEP_FLOOR_S, decode_step_s)
 
 
 def step_budget(policy: PrefillPolicy, widen: float, decode_step_s: float) -> float:
