@@ -20,6 +20,7 @@ from mlx_lm.models.cache import (
     BatchKVCache,
     BatchRotatingKVCache,
     CacheList,
+    KVCache,
     RotatingKVCache,
     make_prompt_cache,
 )
@@ -165,8 +166,7 @@ def test_phi3small_keeps_a_key_by_the_block_sparse_rule() -> None:
     % 3 == 0); positions count from each row's first slot."""
     model = build("phi3small")
     fix_for_batching(model)
-    layer = model.model.layers[0].self_attn
-    assert layer.block_sparse
+    heads = model.args.num_attention_heads
 
     def rule(query: int, key: int, head: int) -> bool:
         local = query // 32 - key // 32 < 2
@@ -175,15 +175,17 @@ def test_phi3small_keeps_a_key_by_the_block_sparse_rule() -> None:
     def follows_the_rule(keep: mx.array, first: int, offset: int) -> bool:
         return all(
             keep[head, query, slot].item() == rule(offset + query, slot - first, head)
-            for head in range(layer.n_heads)
+            for head in range(heads)
             for query in range(0, 40, 7)
             for slot in range(140)
         )
 
-    assert follows_the_rule(layer._keep(None, 100, 40, 140)[0], 0, 100)
+    alone = KVCache()
+    alone.offset = 100
+    assert follows_the_rule(model.model._block_sparse_mask(alone, 40)[0], 0, 100)
     batch = BatchKVCache([0, 25])
     batch.offset = mx.array([100, 75])
-    together = layer._keep(batch, batch.offset, 40, 140)
+    together = model.model._block_sparse_mask(batch, 40)
     assert follows_the_rule(together[0], 0, 100)
     assert follows_the_rule(together[1], 25, 75)
 

@@ -8,7 +8,7 @@ Three kinds of answer:
   plamo3's cache (`WindowPlusOneCaches`) holds one token more than mlx-lm 0.32 gives it, so
   that decode sees the window its mask (and HF's model) gives prompt tokens; its reference
   is mlx-lm's forward with no cache, which any chunking now equals; phi3small's
-  block-sparse layers (`RowBlockSparse`) are wrong alone in mlx-lm 0.32 (not causal inside
+  block-sparse layers (`BlockSparseRowMasks`) are wrong alone in mlx-lm 0.32 (not causal inside
   a block); its reference is mlx-lm's model with the fix;
 - prompts prefilled one at a time, for layers that read the batch's left padding as input
   (`PADDING_BLIND`): merged into the decoding batch afterwards, they are exact;
@@ -198,16 +198,22 @@ class ChunkedRowMasks:
 def _same_chunk(cache: Any, length: int, chunk: int) -> mx.array:
     """True where a key slot is at or before the query and in the query's chunk: (L, S) for
     one sequence, (B, 1, L, S) for a batch."""
-    offset = cache.offset
+    queries, keys = _positions(cache, length)
+    queries, keys = queries[:, :, None], keys[:, None, :]
+    same = (keys <= queries) & (keys // chunk == queries // chunk)  # (B or 1, L, S)
+    return same[:, None] if isinstance(cache.offset, mx.array) else same[0]
+
+
+def _positions(cache: Any, length: int) -> tuple[mx.array, mx.array]:
+    """The positions of this step's `length` queries and of every key slot once they are
+    stored: (B, L) and (B, S) for a batch (negative over a row's padding), (1, L) and (1, S)
+    for one sequence or no cache. Read before the step stores its keys."""
+    offset = 0 if cache is None else cache.offset
     if not isinstance(offset, mx.array):
-        queries = mx.arange(offset, offset + length)[:, None]
-        keys = mx.arange(offset + length)[None]
-        return (keys <= queries) & (keys // chunk == queries // chunk)
+        return mx.arange(offset, offset + length)[None], mx.arange(offset + length)[None]
     first = _first_slots(cache)
     width = int(mx.max(first + offset).item()) + length
-    queries = (offset[:, None] + mx.arange(length))[:, None, :, None]
-    keys = mx.arange(width)[None, None, None, :] - first[:, None, None, None]
-    return (keys <= queries) & (keys // chunk == queries // chunk)
+    return offset[:, None] + mx.arange(length), mx.arange(width)[None] - first[:, None]
 
 
 def _first_slots(cache: Any) -> mx.array:
@@ -396,63 +402,47 @@ class RowBlocks:
         return mx.repeat(keep, self.num_attention_heads // heads, axis=1)
 
 
-class RowBlockSparse:
-    """phi3small's block-sparse layers, from each row's own positions: a query sees a key at or
-    before it whose block is one of its `blocksparse_num_local_blocks` latest, or on the
-    head's vertical stride (every `blocksparse_vert_stride`-th block). mlx-lm 0.32 adds its
-    boolean causal mask to the scores as numbers (+1 / +0: a prompt's tokens see later tokens
-    of their block, alone too), cuts blocks at cache slots (a left-padded row gets other
-    blocks) and places a chunk's queries at whole blocks from the end (a chunk that starts
-    inside a block gets other blocks). This runs for one sequence too."""
+class BlockSparseRowMasks:
+    """phi3small's model: one mask per forward for its block-sparse layers, from each row's own
+    positions, which those layers then use in mlx-lm's dense attention (`_phi3small` turns
+    their `block_sparse` off). A query sees a key at or before it whose block is one of its
+    `blocksparse_num_local_blocks` latest, or on the head's vertical stride (every
+    `blocksparse_vert_stride`-th block). mlx-lm 0.32's block-sparse attention adds its boolean
+    causal mask to the scores as numbers (+1 / +0: a prompt's tokens see later tokens of their
+    block, alone too), cuts blocks at cache slots (a left-padded row gets other blocks) and
+    places a chunk's queries at whole blocks from the end (a chunk that starts inside a block
+    gets other blocks). This runs for one sequence too."""
 
-    block_sparse: bool
-    n_heads: int
-    n_q_per_kv: int
-    head_dim: int
-    scale: float
-    blocksparse_block_size: int
-    blocksparse_num_local_blocks: int
-    blocksparse_vert_stride: int
-    query_key_value: nn.Module
-    dense: nn.Module
-    rope: nn.Module
+    args: Any
+    embed_tokens: nn.Embedding
+    layers: list[nn.Module]
+    final_layernorm: nn.Module
+    mup_embedding_multiplier: float | None
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if not self.block_sparse:
-            return super().__call__(x, mask, cache)  # type: ignore[misc]
-        batch, length, _ = x.shape
-        qkv = self.query_key_value(x).reshape(batch, length, -1, self.n_q_per_kv + 2, self.head_dim)
-        queries = qkv[..., :-2, :].flatten(-3, -2).transpose(0, 2, 1, 3)
-        keys = qkv[..., -2, :].transpose(0, 2, 1, 3)
-        values = qkv[..., -1, :].transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        queries = self.rope(queries, offset=offset)
-        keys = self.rope(keys, offset=offset)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
-        width = (keys[0] if isinstance(keys, tuple) else keys).shape[-2]
-        keep = self._keep(cache, offset, length, width)
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        hidden = self.embed_tokens(inputs)
+        if self.mup_embedding_multiplier:
+            hidden = self.mup_embedding_multiplier * hidden
+        caches = cache if cache is not None else [None] * len(self.layers)
+        mask = create_attention_mask(hidden, caches[0], return_array=True)
+        sparse = self._block_sparse_mask(caches[0], inputs.shape[1])
         if isinstance(mask, mx.array):  # a batch's padding
-            keep = keep & mask
-        output = scaled_dot_product_attention(
-            queries, keys, values, cache=cache, scale=self.scale, mask=keep
-        )
-        return self.dense(output.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+            sparse = sparse & mask
+        every = self.args.dense_attention_every_n_layers
+        for index, (layer, layer_cache) in enumerate(zip(self.layers, caches, strict=True)):
+            hidden = layer(hidden, sparse if index % every == 0 else mask, layer_cache)
+        return self.final_layernorm(hidden)
 
-    def _keep(self, cache: Any, offset: Any, length: int, width: int) -> mx.array:
+    def _block_sparse_mask(self, cache: Any, length: int) -> mx.array:
         """(B or 1, heads, L, S): which key slot each query of each head sees."""
-        if isinstance(offset, mx.array):  # a batch: per-row positions
-            queries = offset[:, None] + mx.arange(length)  # (B, L)
-            keys = mx.arange(width)[None] - _first_slots(cache)[:, None]  # (B, S)
-        else:
-            queries = mx.arange(offset, offset + length)[None]
-            keys = mx.arange(width)[None]
-        block = self.blocksparse_block_size
-        query_blocks, key_blocks = queries // block, keys // block
-        heads = mx.arange(1, self.n_heads + 1)[None, :, None]
-        on_stride = ((key_blocks[:, None, :] + heads) % self.blocksparse_vert_stride) == 0
+        args = self.args
+        queries, keys = _positions(cache, length)
+        query_blocks = queries // args.blocksparse_block_size
+        key_blocks = keys // args.blocksparse_block_size
+        heads = mx.arange(1, args.num_attention_heads + 1)[None, :, None]
+        on_stride = ((key_blocks[:, None, :] + heads) % args.blocksparse_vert_stride) == 0
         local = (
-            query_blocks[:, :, None] - key_blocks[:, None, :] < self.blocksparse_num_local_blocks
+            query_blocks[:, :, None] - key_blocks[:, None, :] < args.blocksparse_num_local_blocks
         )
         seen = (keys[:, None, :] <= queries[:, :, None]) & (keys[:, None, :] >= 0)
         return (seen & local)[:, None] | (seen[:, None] & on_stride[:, :, None, :])
@@ -503,10 +493,10 @@ def _nemotron_nas(model: nn.Module) -> int:
 
 
 def _phi3small(model: nn.Module) -> int:
-    attentions = [layer.self_attn for layer in model.model.layers]
-    for attention in attentions:
-        _swap_class(attention, RowBlockSparse)
-    return sum(attention.block_sparse for attention in attentions)
+    _swap_class(model.model, BlockSparseRowMasks)
+    for layer in model.model.layers:
+        layer.self_attn.block_sparse = False  # the model's mask carries the sparsity
+    return 1
 
 
 def _minimax_m3_vl(model: nn.Module) -> int:
