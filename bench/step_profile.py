@@ -55,6 +55,7 @@ BUCKETS = (
 RATE = 250  # samples a second per thread
 LAUNCH = "mlx-lm launch"  # mlx-lm's step handing the next step's graph to MLX (async_eval)
 WAIT = "mlx-lm wait"  # mlx-lm's step waiting for the step in flight (eval)
+STEP_MLX = "_StepMlx."  # servicer/engine/step_logprobs.py: `mx` in the engine's step
 
 
 @functools.cache
@@ -73,8 +74,10 @@ def step_lines() -> dict[str, str]:
 
 
 def bucket(stack: str) -> str:
-    """The bucket of one collapsed stack ("frame;frame;...", outermost first)."""
-    frames = stack.split(";")
+    """The bucket of one collapsed stack ("frame;frame;...", outermost first). The engine's
+    step runs mlx-lm's `_step` with MLX's evaluations behind a stand-in (`_StepMlx`): its
+    frames are left out, so a sample inside one counts at the line of mlx-lm's that called it."""
+    frames = [f for f in stack.split(";") if not f.startswith(STEP_MLX)]
     innermost = next((f for f in reversed(frames) if ".py:" in f), "")  # past native frames
     for line, name in step_lines().items():
         if innermost.endswith(line):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -268,3 +269,21 @@ def test_the_step_profile_finds_mlx_lms_launch_and_wait_lines() -> None:
         assert step_profile.bucket(f"{thread};{line}") == name
         assert step_profile.bucket(f"{thread};{line};mlx::core::eval (libmlx.so)") == name
     assert step_profile.bucket("t;_step (mlx_lm/generate.py:1)") == "mlx-lm step"
+
+
+def test_the_step_profile_counts_the_engines_launch_and_wait_as_mlx_lms() -> None:
+    """The engine's step calls MLX through `_StepMlx` (step_logprobs): a sample there is
+    mlx-lm's launch or wait, as in the raw engine, not the engine loop's time."""
+    import step_profile
+
+    from servicer.engine.step_logprobs import _StepMlx
+
+    thread = "thread (1): mlx-engine;run (servicer/engine/engine.py:285)"
+    for (line, name), method in zip(
+        step_profile.step_lines().items(), (_StepMlx.async_eval, _StepMlx.eval), strict=True
+    ):
+        source = inspect.getsourcefile(method)
+        first = inspect.getsourcelines(method)[1]
+        stand_in = f"{method.__qualname__} ({source}:{first + 1})"
+        assert step_profile.bucket(f"{thread};{line};{stand_in}") == name
+        assert step_profile.bucket(f"{thread};{line};{stand_in};eval (libmlx.so)") == name
