@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -14,7 +15,6 @@ from types import MappingProxyType
 from typing import Any
 
 from .engine_config import (
-    DEFAULT_PREFILL_STEP,
     KV_BITS,
     KV_GROUP_SIZES,
     EngineConfig,
@@ -66,6 +66,30 @@ def _size(text: str) -> int:
     return value
 
 
+def _default(config: type, name: str) -> Any:
+    """The default of field `name` of the config dataclass `config`: a flag that sets that
+    field takes its default from there, never a copy of its own."""
+    for each in dataclasses.fields(config):
+        if each.name == name:
+            if each.default_factory is not dataclasses.MISSING:
+                return each.default_factory()
+            assert each.default is not dataclasses.MISSING, f"{config.__name__}.{name}"
+            return each.default
+    raise AssertionError(f"{config.__name__} has no field {name!r}")
+
+
+def _on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def _size_text(value: int) -> str:
+    """`value` bytes as `_size` reads them: 32G, 16M, 512."""
+    for unit, scale in sorted(_UNITS.items(), key=lambda item: -item[1]):
+        if value % scale == 0:
+            return f"{value // scale}{unit}"
+    raise AssertionError("a scale of 1 divides every value")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="mlx-grpc-worker",
@@ -78,13 +102,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "demo:llama",
     )
     parser.add_argument("--served-model-name", help="name reported to the router")
-    parser.add_argument("--adapter-path", help="LoRA adapter directory to apply")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=50051, help="port to bind (0: any free port)")
+    parser.add_argument(
+        "--adapter-path",
+        default=_default(EngineConfig, "adapter_path"),
+        help="LoRA adapter directory to apply",
+    )
+    host = _default(ServerConfig, "host")
+    parser.add_argument("--host", default=host, help=f"address to bind (default {host})")
+    port = _default(ServerConfig, "port")
+    parser.add_argument(
+        "--port", type=int, default=port, help=f"port to bind (default {port}; 0: any free port)"
+    )
     parser.add_argument(
         "--protocols",
         type=_protocols,
-        default=("mlx",),
+        default=_default(ServerConfig, "protocols"),
         help="router services to answer: mlx (default), vllm, or mlx,vllm. The smg router "
         "takes a port that answers vllm for a vLLM worker and then sends it n > 1, stop "
         "strings, structured output, embeddings, load polls and KV event subscriptions",
@@ -92,103 +124,111 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--embedding-pooling",
         choices=["last", "mean"],
-        default="last",
-        help="how Embed pools the model's hidden states (default last: the last token's)",
+        default=_default(HandlerOptions, "embedding_pooling"),
+        help="how Embed pools the model's hidden states: last (the last token's) or mean "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--completion-batch-size",
         type=_positive,
-        default=32,
-        help="most requests decoding at once (default 32)",
+        default=_default(EngineConfig, "completion_batch_size"),
+        help="most requests decoding at once (default %(default)s)",
     )
     parser.add_argument(
         "--prefill-batch-size",
         type=_positive,
-        default=8,
-        help="most prompts prefilled together (default 8)",
+        default=_default(EngineConfig, "prefill_batch_size"),
+        help="most prompts prefilled together (default %(default)s)",
     )
     parser.add_argument(
         "--prefill-step-size",
         type=_positive,
-        default=DEFAULT_PREFILL_STEP,
-        help=f"prompt tokens processed per prefill step (default {DEFAULT_PREFILL_STEP})",
+        default=_default(EngineConfig, "prefill_step_size"),
+        help="prompt tokens processed per prefill step (default %(default)s)",
     )
     parser.add_argument(
         "--max-prefill-stall-ms",
         type=_non_negative,
-        default=50.0,
+        default=(stall := _default(EngineConfig, "max_prefill_stall_ms")),
         help="while requests decode, a step prefills only as much prompt as fits this many "
-        "milliseconds, learned as the worker runs (default 50; 0: full --prefill-step-size "
+        f"milliseconds, learned as the worker runs (default {stall:g}; 0: full "
+        "--prefill-step-size "
         "chunks, as mlx-lm does)",
     )
     parser.add_argument(
         "--max-prefill-stall-widen",
         type=_at_least_one,
-        default=4.0,
+        default=(widen := _default(EngineConfig, "max_prefill_stall_widen")),
         help="while prompts queue up faster than the budget lets them in, the budget widens "
         "step by step up to this many times --max-prefill-stall-ms, and narrows back once "
-        "the line is empty (default 4; 1: never widen)",
+        f"the line is empty (default {widen:g}; 1: never widen)",
     )
     parser.add_argument(
         "--fuse-prefill",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=(fuse := _default(EngineConfig, "fuse_prefill")),
         help="put a prompt's prefill chunk through the same forward as the decoding rows' "
         "step, one read of the weights for both, on models with a standard attention "
-        "(Llama, Qwen2/3, Gemma 3 text; outputs bit-identical; default off: measure it on "
-        "your machine, bench/fused_step.py)",
+        f"(Llama, Qwen2/3, Gemma 3 text; outputs bit-identical; default {_on_off(fuse)}: "
+        "measure it on your machine, bench/fused_step.py)",
     )
     parser.add_argument(
         "--group-rows",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=(group := _default(EngineConfig, "group_rows")),
         help="decoding rows of very different lengths (a long prompt beside short streams) "
         "attend in groups instead of one batch padded to the longest row, on models with a "
-        "standard attention (Llama, Qwen2/3, Gemma 3 text; default on)",
+        f"standard attention (Llama, Qwen2/3, Gemma 3 text; default {_on_off(group)})",
     )
     parser.add_argument(
         "--max-prompt-tokens",
         type=_positive,
+        default=_default(HandlerOptions, "max_prompt_tokens"),
         help="refuse longer prompts (default: the model's context length - 1)",
     )
     parser.add_argument(
         "--prompt-cache-size",
         type=int,
-        default=65536,
-        help="prompt blocks kept in RAM for prefix reuse (default 65536; 0 turns prefix reuse off)",
+        default=_default(EngineConfig, "prompt_cache_size"),
+        help="prompt blocks kept in RAM for prefix reuse (default %(default)s; 0 turns prefix "
+        "reuse off)",
     )
     parser.add_argument(
         "--prompt-cache-bytes",
         type=_size,
+        default=_default(EngineConfig, "prompt_cache_bytes"),
         help="bytes the kept prompt blocks may hold in RAM, e.g. 4G (default: a quarter of "
         "--max-kv-memory, at most 1G)",
     )
     parser.add_argument(
         "--prompt-cache-block",
         type=_positive,
-        default=256,
-        help="tokens per prompt block (default 256)",
+        default=_default(EngineConfig, "prompt_cache_block"),
+        help="tokens per prompt block (default %(default)s)",
     )
     parser.add_argument(
         "--prompt-cache-snapshot-interval",
         type=_positive,
+        default=_default(EngineConfig, "prompt_cache_snapshot_interval"),
         help="tokens between snapshots of recurrent and sliding-window state during prefill "
         "(default: chosen from the model so they add at most a quarter to a prompt's KV bytes)",
     )
     parser.add_argument(
         "--prompt-cache-dir",
+        default=_default(EngineConfig, "prompt_cache_dir"),
         help="keep prompt blocks evicted from RAM in this directory, across restarts "
         "(default: no disk tier)",
     )
     parser.add_argument(
         "--prompt-cache-disk-bytes",
         type=_size,
-        default=32 << 30,
-        help="bytes the disk tier may hold (default 32G)",
+        default=(disk := _default(EngineConfig, "prompt_cache_disk_bytes")),
+        help=f"bytes the disk tier may hold (default {_size_text(disk)})",
     )
     parser.add_argument(
         "--max-kv-memory",
         type=_size,
+        default=_default(EngineConfig, "max_kv_memory"),
         help="KV and recurrent-state bytes running requests may reserve, e.g. 8G (default: "
         "half the device's memory less the weights); a request that cannot fit alone gets "
         "RESOURCE_EXHAUSTED",
@@ -196,46 +236,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-queued-requests",
         type=_positive,
-        default=256,
-        help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (default 256)",
+        default=_default(HandlerOptions, "max_queued_requests"),
+        help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (default "
+        "%(default)s)",
     )
     parser.add_argument(
         "--max-load-wait",
         type=_non_negative,
-        default=120.0,
+        default=(load_wait := _default(HandlerOptions, "max_load_wait_s")),
         help="seconds a request that arrives while the model loads waits for it, within the "
-        "call's own deadline, before it is refused with RESOURCE_EXHAUSTED (default 120; 0: "
-        "refuse at once)",
+        "call's own deadline, before it is refused with RESOURCE_EXHAUSTED (default "
+        f"{load_wait:g}; 0: refuse at once)",
     )
     parser.add_argument(
         "--stream-interval",
         type=_positive,
-        default=1,
-        help="tokens per streamed chunk after the first (default 1); more sends fewer messages "
+        default=_default(HandlerOptions, "stream_interval"),
+        help="tokens per streamed chunk after the first (default %(default)s); more sends fewer "
+        "messages "
         "and leaves more CPU to the engine",
     )
     parser.add_argument(
         "--stream-window-ms",
         type=_non_negative,
-        default=10.0,
+        default=(window := _default(HandlerOptions, "stream_window_ms")),
         metavar="MS",
         help="after the first token, a token waits at most this long for more tokens to share "
-        "its chunk (default 10; 0: every token as soon as it is sampled); a model slower than "
-        "this per token streams every token at once",
+        f"its chunk (default {window:g}; 0: every token as soon as it is sampled); a model "
+        "slower than this per token streams every token at once",
     )
     parser.add_argument(
         "--prepend-bos",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=(bos := _default(HandlerOptions, "prepend_bos")),
         help="put the model's BOS before a prompt whose ids do not start with it, when the "
         "model's tokenizer adds one to every encoding (Gemma, Llama; never for models with "
         "no BOS, such as Qwen); the smg router sends raw-text completions without it "
-        "(default on; --no-prepend-bos sends the ids as they come)",
+        f"(default {_on_off(bos)}; --no-prepend-bos sends the ids as they come)",
     )
     parser.add_argument(
         "--kv-bits",
         type=int,
         choices=KV_BITS,
+        default=_default(EngineConfig, "kv_bits"),
         help="keep the attention layers' KV cache quantized to this many bits, about 0.53x "
         "(8) or 0.28x (4) of float16's bytes, so --max-kv-memory admits about 1.9x or 3.5x "
         "the requests (default: the model's dtype; recurrent state stays as it is)",
@@ -244,6 +287,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-group-size",
         type=int,
         choices=KV_GROUP_SIZES,
+        default=_default(EngineConfig, "kv_group_size"),
         help="values that share one scale and bias in the quantized KV cache; must divide "
         "the model's attention head size (default: the largest of 64 and 32 that does)",
     )
@@ -257,20 +301,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--draft-model",
+        default=_default(EngineConfig, "draft_model"),
         help="a smaller model sharing the target's tokenizer that drafts for speculative "
         "decoding: a directory, hub id or demo:KIND (implies --speculate draft)",
     )
     parser.add_argument(
         "--speculate-k",
         type=_positive,
-        default=SpeculationConfig().k_max,
+        default=_default(SpeculationConfig, "k_max"),
         help="most draft tokens a request verifies in one step (default %(default)s; adapts per "
         "request to its acceptance)",
     )
     parser.add_argument(
         "--speculate-max-batch",
         type=_positive,
-        default=SpeculationConfig().max_rows,
+        default=_default(SpeculationConfig, "max_rows"),
         help="with more decoding requests than this in the batch (drafting or not) a step "
         "runs without drafts, since verifying then costs more than it saves (default %(default)s, "
         "measured on a CPU; GPUs pay to larger batches); at or below it each step drafts "
@@ -279,20 +324,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--step-timeout",
         type=_non_negative,
-        default=120.0,
+        default=(step_timeout := _default(EngineConfig, "step_timeout_s")),
         help="seconds one engine step may run (at least; 8x the longest step so far when "
         "that is more) before the worker takes it for a hang: every request fails with "
-        "UNAVAILABLE and the worker exits non-zero (default 120; 0: no watchdog)",
+        f"UNAVAILABLE and the worker exits non-zero (default {step_timeout:g}; 0: no watchdog)",
     )
     parser.add_argument(
         "--max-message-bytes",
         type=_positive,
-        default=16 * 1024 * 1024,
-        help="largest gRPC message accepted or sent (default 16 MiB)",
+        default=(message := _default(ServerConfig, "max_message_bytes")),
+        help=f"largest gRPC message accepted or sent (default {_size_text(message)})",
     )
     parser.add_argument(
         "--metrics-port",
         type=int,
+        default=_default(ServerConfig, "metrics_port"),
         help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)",
     )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve over TLS")
@@ -300,13 +346,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--shutdown-grace",
         type=float,
-        default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM (default 30)",
+        default=(grace := _default(ServerConfig, "shutdown_grace_s")),
+        help=f"seconds in-flight requests get to finish after SIGTERM (default {grace:g})",
     )
     parser.add_argument(
         "--engine-mode",
         choices=["process", "thread"],
-        default="process",
+        default=_default(ServerConfig, "engine_mode"),
         help="process: the engine runs in a child process, so serving and stepping do not "
         "share one GIL (default); thread: in the server's own process (embedding; a "
         "--distributed worker always does this)",
