@@ -50,8 +50,10 @@ class RawEngine:
         import mlx.core as mx
         from mlx_lm import load
 
+        from mlx_lm.generate import BatchGenerator
+
         from servicer.engine import EngineConfig
-        from servicer.engine.parts import new_generator
+        from servicer.engine.parts import generator_settings
 
         model, _ = load(str(model_dir))
         config = EngineConfig(
@@ -59,8 +61,9 @@ class RawEngine:
             prefill_batch_size=prefill_batch_size,
             prefill_step_size=prefill_step_size,
         )
-        self.generator = new_generator(
-            model, config, mx.new_stream(mx.default_device()), mlx_lm_batch=True
+        # mlx-lm's own, unmodified: the reference the served engine is measured against.
+        self.generator = BatchGenerator(
+            model, **generator_settings(config, mx.new_stream(mx.default_device()))
         )
         self.completion_batch_size = completion_batch_size
         self.prefill_batch_size = prefill_batch_size

@@ -1,6 +1,6 @@
-"""A plain decode step of the engine's generator (speculation, fused prefill and row groups, as
-the engine builds it) hands MLX the operations of mlx-lm's own BatchGenerator step less the
-split of its logprobs into a row each (step_logprobs), and nothing else: whatever the served
+"""A plain decode step of the engine's batch runner (speculation, fused prefill and row groups,
+as the engine builds it) hands MLX the operations of mlx-lm's own BatchGenerator step less the
+split of its logprobs into a row each (decode_batch.StepRows), and nothing else: whatever the served
 path costs beyond the raw engine is host work around the step, never more work on the device
 (issue 39, part 3)."""
 
@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from servicer.demo_model import demo_model_path
 from servicer.engine import EngineConfig
-from servicer.engine.parts import build_parts, new_generator
+from servicer.engine.parts import build_parts, generator_settings, new_generator
 from servicer.model_files import ModelSpec, prepare_model_files
 
 # What splitting a (rows, vocab) array into rows adds to a graph.
@@ -42,11 +42,14 @@ class StepGraphs:
         mx.async_eval(*args)
 
 
-def _step_graphs(generator: Any, rows: int, new_row: Any, monkeypatch: Any) -> list[Counter]:
+def _step_graphs(
+    generator: Any, rows: int, new_row: Any, monkeypatch: Any, module: str
+) -> list[Counter]:
+    """The graphs of three decode steps, seen at the `mx` of `module` (the step's)."""
     from mlx_lm.sample_utils import greedy_sampler
 
-    # The module, not the package's `generate` function of the same name.
-    generate_module = importlib.import_module("mlx_lm.generate")
+    # The module, not a package's function of the same name (mlx_lm.generate).
+    step_module = importlib.import_module(module)
 
     prompts = [[(7 * row + i) % 200 + 3 for i in range(40)] for row in range(rows)]
     caches = [new_row() for _ in range(rows)] if new_row is not None else None
@@ -58,7 +61,7 @@ def _step_graphs(generator: Any, rows: int, new_row: Any, monkeypatch: Any) -> l
     with tempfile.TemporaryDirectory() as workdir:
         spy = StepGraphs(Path(workdir))
         with monkeypatch.context() as patch:
-            patch.setattr(generate_module, "mx", spy)
+            patch.setattr(step_module, "mx", spy)
             for _ in range(3):
                 generator.next()
     generator.close()
@@ -72,6 +75,7 @@ def test_a_plain_decode_step_launches_the_raw_engines_operations(
     kind, rows, speculate, monkeypatch
 ):
     from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
 
     from servicer.engine.speculation.ngram import PromptLookup
 
@@ -83,8 +87,8 @@ def test_a_plain_decode_step_launches_the_raw_engines_operations(
     config = EngineConfig()
     stream = mx.new_stream(mx.default_device())
     raw_model, _ = load(str(path))
-    raw_generator = new_generator(raw_model, config, stream, mlx_lm_batch=True)
-    raw = _step_graphs(raw_generator, rows, None, monkeypatch)
+    raw_generator = BatchGenerator(raw_model, **generator_settings(config, stream))
+    raw = _step_graphs(raw_generator, rows, None, monkeypatch, "mlx_lm.generate")
 
     parts = build_parts(config, prepare_model_files(ModelSpec(str(path))).info)
     assert parts.speculation is not None  # speculation is on by default
@@ -97,7 +101,7 @@ def test_a_plain_decode_step_launches_the_raw_engines_operations(
         parts.fused_prefill,
         parts.group_rows,
     )
-    served = _step_graphs(ours, rows, parts.new_row, monkeypatch)
+    served = _step_graphs(ours, rows, parts.new_row, monkeypatch, "servicer.engine.decode_batch")
     assert len(raw) == len(served) == 3
     for raw_graph, served_graph in zip(raw, served, strict=True):
         assert not served_graph - raw_graph  # nothing mlx-lm's step does not launch

@@ -3,7 +3,7 @@ installed mlx-lm (servicer/engine/mlx_lm_compat.py): an upgrade that moves one f
 
 from __future__ import annotations
 
-from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import KVCache
 
 from servicer.engine import mlx_lm_compat
 from servicer.engine.mlx_lm_compat import TOUCH_POINTS, missing_touch_points
@@ -14,6 +14,6 @@ def test_every_touch_point_exists_in_the_installed_mlx_lm():
 
 
 def test_a_moved_touch_point_is_named(monkeypatch):
-    moved = (*TOUCH_POINTS, (GenerationBatch, "_gone_in_a_later_mlx_lm", "nothing"))
+    moved = (*TOUCH_POINTS, (KVCache, "_gone_in_a_later_mlx_lm", "nothing"))
     monkeypatch.setattr(mlx_lm_compat, "TOUCH_POINTS", moved)
-    assert missing_touch_points() == ["GenerationBatch._gone_in_a_later_mlx_lm"]
+    assert missing_touch_points() == ["KVCache._gone_in_a_later_mlx_lm"]

@@ -1,6 +1,7 @@
-"""The engine's generation batch evaluates each step's logprobs as one array (step_logprobs):
-every token and every logprob it hands out is mlx-lm's, with rows joining, leaving, sampling
-with seeds and running logits processors."""
+"""The engine's own batch runner (runner, prompt_batch, decode_batch) against mlx-lm's
+BatchGenerator: every token, finish and logprob it hands out is mlx-lm's, with rows joining,
+leaving, sampling with seeds and running logits processors; and its decode step evaluates
+each step's logprobs as one array."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from mlx_lm.sample_utils import make_sampler
 from spec_support import Job, drive, generator_kwargs
 
 from servicer.demo_model import demo_model_path
-from servicer.engine.fused_prefill import FusedPrefill
-from servicer.engine.step_logprobs import StepRows, WholeLogprobsBatch
+from servicer.engine.decode_batch import StepRows
+from servicer.engine.runner import BatchRunner
 
 
 def _schedule(seed: int) -> list[Job]:
@@ -42,10 +43,9 @@ def _schedule(seed: int) -> list[Job]:
     return jobs
 
 
-def _run(model, engine_batch: bool, seed: int):
-    generator = FusedPrefill(model, **generator_kwargs())
-    if engine_batch:
-        generator.use_engine_batch()
+def _run(model, ours: bool, seed: int, **settings):
+    kwargs = {**generator_kwargs(), **settings}
+    generator = BatchRunner(model, **kwargs) if ours else BatchGenerator(model, **kwargs)
     mx.random.seed(seed)  # the seeded rows' draws
     try:
         return drive(generator, _schedule(seed))
@@ -54,13 +54,13 @@ def _run(model, engine_batch: bool, seed: int):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3", "hybrid"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_tokens_and_logprobs_are_mlx_lms(kind, seed):
+@pytest.mark.parametrize(("seed", "step"), [(0, 2048), (1, 2048), (2, 8)])
+def test_tokens_and_logprobs_are_mlx_lms(kind, seed, step):
     from mlx_lm import load
 
     model, _ = load(str(demo_model_path(kind)))
-    want = _run(model, engine_batch=False, seed=seed)
-    got = _run(model, engine_batch=True, seed=seed)
+    want = _run(model, ours=False, seed=seed, prefill_step_size=step)
+    got = _run(model, ours=True, seed=seed, prefill_step_size=step)
     assert want.keys() == got.keys()
     for name in want:
         assert got[name].tokens == want[name].tokens, name
@@ -74,13 +74,11 @@ def test_a_step_evaluates_its_logprobs_as_one_array(monkeypatch):
     from mlx_lm import load
 
     model, _ = load(str(demo_model_path("llama")))
-    generator = FusedPrefill(model, **generator_kwargs())
-    batch = generator.use_engine_batch()
-    assert isinstance(batch, WholeLogprobsBatch)
+    generator = BatchRunner(model, **generator_kwargs())
     generator.insert([[5, 6, 7, 8]] * 3, max_tokens=[10] * 3)
     for _ in range(3):
         generator.next()
-    rows = generator._generation_batch._next_logprobs
+    rows = generator.decoding._next_logprobs
     assert isinstance(rows, StepRows)
     assert rows.whole.shape[0] == len(rows) == 3
     # The rows are the array's rows, read as mlx-lm hands them out.
@@ -89,14 +87,23 @@ def test_a_step_evaluates_its_logprobs_as_one_array(monkeypatch):
     generator.close()
 
 
-def test_mlx_lms_own_batch_is_untouched():
+def test_segments_stop_the_prefill_at_their_ends():
+    """Each segment's end is a step's end (the prefix store snapshots there), and the
+    progress reported counts the prompt's tokens through the model."""
     from mlx_lm import load
 
     model, _ = load(str(demo_model_path("llama")))
-    generator = BatchGenerator(model, **generator_kwargs())
-    generator.insert([[5, 6, 7, 8]] * 3, max_tokens=[10] * 3)
-    for _ in range(3):
-        generator.next()
-    rows = generator._generation_batch._next_logprobs
-    assert type(rows) is list
+    generator = BatchRunner(model, **{**generator_kwargs(), "prefill_step_size": 4})
+    (uid,) = generator.insert_segments([[[3] * 6, [4] * 3, [5] * 2]], max_tokens=[2])
+    seen = []
+    for _ in range(8):
+        progress, _ = generator.next()
+        seen.extend((p.progress, p.end_of_segment, p.end_of_prompt) for p in progress)
     generator.close()
+    assert seen == [
+        ((4, 11), False, False),
+        ((6, 11), True, False),
+        ((9, 11), True, False),
+        ((10, 11), True, False),
+        ((11, 11), True, True),
+    ]

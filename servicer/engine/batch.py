@@ -1,4 +1,4 @@
-"""The BatchGenerator and the requests in it: a plan's removals and inserts, one step, and the
+"""The batch runner and the requests in it: a plan's removals and inserts, one step, and the
 events each row produced (engine thread only)."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from ..messages import (
 from ..outbox import handoff_due
 from ..ratelimit import RateLimitedLog
 from .constraints import GrammarProcessor
-from .fused_prefill import FusedPrefill
 from .lockstep import LockstepBroken
 from .prefill import DecodeCost, PrefillRow, PrefillSample
 from .prefix.store import AnyPrefixStore, Hit, Pins
+from .runner import BatchRunner
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Row:
-    """A request admitted into the BatchGenerator."""
+    """A request admitted into the batch runner."""
 
     admit: Admit
     uid: int
@@ -90,7 +90,7 @@ class Batch:
 
     def __init__(
         self,
-        new_generator: Callable[[], FusedPrefill],
+        new_generator: Callable[[], BatchRunner],
         sampling: SamplingFactory,
         prefix: AnyPrefixStore,
         faults: FaultPlan | None = None,
@@ -114,12 +114,13 @@ class Batch:
         self._prefilling: dict[int, Row] = {}
         self._first_due: set[int] = set()
         self._reserved = 0
+        self._chunk: int | None = None  # prompt tokens a row the next step prefills
         self.decode_cost = DecodeCost()  # steps without prefill, by decoding rows
         self.steps = 0
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
 
     @property
-    def generator(self) -> FusedPrefill:
+    def generator(self) -> BatchRunner:
         return self._generator
 
     @property
@@ -141,8 +142,8 @@ class Batch:
         )
 
     def set_chunk(self, tokens: int) -> None:
-        """Prompt tokens per row the next step prefills (mlx-lm reads it at every step)."""
-        self._generator.prefill_step_size = tokens
+        """Prompt tokens per row the next step prefills."""
+        self._chunk = tokens
 
     def tickets(self) -> set[int]:
         return {row.ticket for row in self.rows.values()}
@@ -231,22 +232,23 @@ class Batch:
             self._faults.before_step(self.steps)
         decoding = len(self.rows) - len(self._prefilling)
         started = time.perf_counter()
+        generator = self._generator
         if not self._prefilling:
-            prompt_progress, responses = self._generator.next()
+            prompt_progress, responses = generator.next(self._chunk)
             self.decode_cost.observe(decoding, time.perf_counter() - started)
             self._track_prefill(prompt_progress)
             return StepReport(self._collect(responses, out), None)
         before = {uid: (row.context, row.prefill_left) for uid, row in self._prefilling.items()}
-        fused_before = self._generator.fused_steps
-        with self._generator.stats() as stats:
-            prompt_progress, responses = self._generator.next()
-        fused = self._generator.fused_steps > fused_before
+        fused_before, prompt_before = generator.fused_steps, generator.prompt_tokens
+        prompt_progress, responses = generator.next(self._chunk)
+        fused = generator.fused_steps > fused_before
+        prompt_tokens = generator.prompt_tokens - prompt_before
         # What the prefill added: the step less a decode step, or all of it with none.
         decode_s = self.decode_cost.seconds(decoding) if decoding else 0.0
         added = time.perf_counter() - started - decode_s
         self._track_prefill(prompt_progress)
         sample = self._prefill_sample(before, max(added, 0.0))
-        return StepReport(self._collect(responses, out), sample, stats.prompt_tokens, fused)
+        return StepReport(self._collect(responses, out), sample, prompt_tokens, fused)
 
     def _track_prefill(self, prompt_progress: list[Any]) -> None:
         for progress in prompt_progress:

@@ -10,24 +10,21 @@ Only the decoding rows go through the LM head.
 It applies where the attention is one of the known standard ones (projections, optional
 query/key norms, RoPE at the cache's offset, the cache's update, SDPA, the output
 projection): `enable_fused_prefill` swaps their class for a subclass that takes the packed
-path when its cache is a `Segments`, and behaves as before otherwise. A step it cannot fuse (several
-prompts in prefill, a model not covered) runs as mlx-lm runs it.
+path when its cache is a `Segments`, and behaves as before otherwise. The runner fuses a step
+where one prompt is in prefill beside decoding rows (runner.BatchRunner._fused_step); other
+steps run their forwards apart.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
 from .row_groups import PartMasks, RowGroups
-from .step_logprobs import WholeLogprobsBatch
 
 # Attention classes whose forward is the standard one `_segment` reproduces, and the model
 # classes around them whose head is `lm_head`, or the tied embedding.
@@ -207,7 +204,7 @@ def packed_forward(
     return _head(model, hidden[:, n:].reshape(rows, width, -1))
 
 
-class _FusingModel:
+class FusingModel:
     """What the generation batch calls as its model for one step: its first forward carries
     the staged chunk too; anything else goes to the model."""
 
@@ -225,90 +222,3 @@ class _FusingModel:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
-
-
-class GroupedGenerationBatch(WholeLogprobsBatch):
-    """The engine's generation batch: mlx-lm's, evaluating each step's logprobs as one array
-    (step_logprobs), whose full-attention layers hold rows in groups (row_groups) once
-    `grouping` is set: what turns a joining batch's layers into `RowGroups`
-    (`cache_kinds.grouped`), for a model `enable_fused_prefill` covers."""
-
-    grouping: Callable[[list[Any]], list[Any]] | None = None
-
-    def extend(self, batch: GenerationBatch) -> None:
-        if self.grouping is not None:
-            batch.prompt_cache = self.grouping(batch.prompt_cache)
-        super().extend(batch)
-
-
-class FusedPrefill(BatchGenerator):
-    """A BatchGenerator whose steps put one prompt's prefill chunk and the decoding rows
-    through one forward, where `fuse_prefill` was set for a model `enable_fused_prefill`
-    covers. Steps with nothing to fuse (or several prompts in prefill, or a prompt's first
-    token) are mlx-lm's."""
-
-    fuse_prefill = False
-    fused_steps = 0
-
-    def use_engine_batch(self) -> GroupedGenerationBatch:
-        """The engine's generation batch in place of mlx-lm's, from an empty batch on."""
-        if not isinstance(self._generation_batch, GroupedGenerationBatch):
-            if len(self._generation_batch):
-                raise RuntimeError("the generation batch is replaced while it is empty only")
-            self._generation_batch = GroupedGenerationBatch.empty(self.model, self.sampler)
-        return self._generation_batch
-
-    def group_rows(self, grouping: Callable[[list[Any]], list[Any]]) -> None:
-        """Decoding rows of very different lengths attend in groups from now on, `grouping`
-        making the groups of each joining batch (for a model `enable_fused_prefill` covers;
-        row_groups)."""
-        self.use_engine_batch().grouping = grouping
-
-    def _next(self) -> Any:
-        if not self._fusable():
-            return super()._next()
-        processing = self._currently_processing[0]
-        segments = processing[0]
-        take = min(len(segments[0]), self.prefill_step_size)
-        tokens = segments[0][:take]
-        segments[0] = segments[0][take:]
-        response = PromptProcessingBatch.Response(self._prompt_batch.uids[0], 0, False, False)
-        if not segments[0]:
-            segments.pop(0)
-            response.end_of_segment = True
-        processing[1] += take
-        response.progress = (processing[1], processing[2])
-
-        prompts = self._prompt_batch
-        generation = self._generation_batch
-        fusing = _FusingModel(self.model, mx.array([tokens]), prompts.prompt_cache)
-        generation.model = fusing
-        tic = time.perf_counter()
-        try:
-            generation_responses = generation.next()
-        finally:
-            generation.model = self.model
-        self._counters.generation_tokens += len(generation_responses)
-        self._counters.generation_steps += 1
-        if fusing.used:
-            self.fused_steps += 1
-            prompts.tokens[0] += tokens
-            mx.eval([c.state for c in prompts.prompt_cache])
-            mx.clear_cache()
-        else:  # the batch's step made no forward that could carry the chunk
-            prompts.prompt([tokens])
-        self._counters.prompt_tokens += take
-        self._counters.prompt_time += time.perf_counter() - tic
-        return [response], generation_responses
-
-    def _fusable(self) -> bool:
-        if not self.fuse_prefill or self._unprocessed_sequences:
-            return False
-        if len(self._generation_batch) == 0:
-            return False
-        if len(self._generation_batch) >= self.completion_batch_size:
-            return False
-        if len(self._currently_processing) != 1:
-            return False
-        segments = self._currently_processing[0][0]
-        return not (len(segments) == 1 and len(segments[0]) == 1)  # not its first token yet

@@ -1,5 +1,5 @@
 """Everything an engine builds from its model before it can step: the weights, sampling,
-the admission guard's limits, the prefix cache and the BatchGenerator (engine thread only)."""
+the admission guard's limits, the prefix cache and the batch runner (engine thread only)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..admission import Admission, MemoryModel
@@ -22,13 +21,14 @@ from ..messages import ModelInfo
 from ..model_files import ModelLoadError, ModelSpec, resolve_model_dir
 from .cache_kinds import check_quantization, grouped, kind_of, make_row_cache
 from .constraints import GrammarFactory
-from .fused_prefill import FusedPrefill, enable_fused_prefill
+from .fused_prefill import enable_fused_prefill
 from .lockstep import Lockstep
 from .memory import device_memory_bytes, measure, weights_bytes
 from .mlx_lm_compat import missing_touch_points
 from .model import LoadedModel, load_model, log_blas_hint
 from .prefix.disk_tier import DiskTier, model_identity
 from .prefix.store import AnyPrefixStore, CacheLayout, NoPrefixStore, PrefixStore
+from .runner import BatchRunner
 from .sampling import SamplingFactory
 from .speculation import (
     DraftModel,
@@ -342,7 +342,8 @@ def snapshot_interval(memory: MemoryModel, block: int) -> int:
 
 
 def generator_settings(config: EngineConfig, stream: mx.Stream) -> dict[str, Any]:
-    """The BatchGenerator arguments an engine setting gives."""
+    """The batch runner's arguments an engine setting gives (mlx-lm's BatchGenerator takes
+    the same, for the raw-engine reference)."""
     return {
         "completion_batch_size": config.completion_batch_size,
         "prefill_batch_size": config.prefill_batch_size,
@@ -359,17 +360,14 @@ def new_generator(
     counters: SpeculationCounters | None = None,
     fuse_prefill: bool = False,
     group_rows: bool = False,
-    mlx_lm_batch: bool = False,
-) -> FusedPrefill:
-    """The engine's BatchGenerator, speculating when `speculation` says so (its `counters` go
-    on across generators), putting a prefill chunk into the decoding rows' forward with
+) -> BatchRunner:
+    """The engine's batch runner, speculating when `speculation` says so (its `counters` go
+    on across runners), putting a prefill chunk into the decoding rows' forward with
     `fuse_prefill`, and decoding rows of very different lengths in attention groups with
-    `group_rows` (a model `enable_fused_prefill` covers, both). `mlx_lm_batch`: its
-    generation batch stays mlx-lm's own (the raw-engine bench's reference; neither
-    speculating nor grouping)."""
+    `group_rows` (a model `enable_fused_prefill` covers, both)."""
     kwargs = generator_settings(config, stream)
     if speculation is None:
-        generator = FusedPrefill(model, **kwargs)
+        generator = BatchRunner(model, **kwargs)
     else:
         generator = SpeculativeBatchGenerator(
             model,
@@ -381,13 +379,11 @@ def new_generator(
     generator.fuse_prefill = fuse_prefill
     if group_rows:
         generator.group_rows(grouped)
-    elif not mlx_lm_batch:
-        generator.use_engine_batch()
     return generator
 
 
 def warm_up(
-    generator: BatchGenerator, token: int, new_row: Callable[[], list[Any]] | None = None
+    generator: BatchRunner, token: int, new_row: Callable[[], list[Any]] | None = None
 ) -> None:
     """One short request through the whole path, so the first real one pays no JIT."""
     caches = [new_row()] if new_row is not None else None

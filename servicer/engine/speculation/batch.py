@@ -1,4 +1,4 @@
-"""A GenerationBatch that drafts, verifies every row's drafts in one target forward, and
+"""A decoding batch that drafts, verifies every row's drafts in one target forward, and
 rolls each row back to what it accepted."""
 
 from __future__ import annotations
@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch
 
 # Absolute, the module itself: cache_kinds imports this package's caches, so it may be
 # mid-import when this module loads.
 import servicer.engine.cache_kinds as cache_kinds
 
 from ...messages import FINISH_LENGTH, FINISH_STOP
-from ..fused_prefill import GroupedGenerationBatch
+from ..decode_batch import DecodeBatch, DecodeResponse
 from .config import ModeClock, RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
 from .timing import StepTimer
@@ -52,16 +51,16 @@ class _Verified:
     used_keys: list[int] = field(default_factory=list)  # draws each row kept
 
 
-class SpeculativeGenerationBatch(GroupedGenerationBatch):
-    """mlx-lm's GenerationBatch with drafts.
+class SpeculativeGenerationBatch(DecodeBatch):
+    """The decoding batch with drafts.
 
     Each step, for every row: the pending token (sampled last step, not yet run) plus up to
     K drafts go through ONE target forward for all rows at once, rows with fewer drafts
     right-padded. The row emits its pending token and the drafts the target agrees with;
     the target's draw at the first disagreement (or after the last draft) becomes its
     pending token; its cache is rolled back to exactly the emitted tokens. A step with no
-    drafts is mlx-lm's own (pipelined) step. Rows join (`extend`) and leave (`filter`) as in
-    mlx-lm."""
+    drafts is the plain (pipelined) step. Rows join (`extend`) and leave (`filter`) as in the
+    plain batch."""
 
     def __init__(self, *args: Any, speculator: Speculator, **kwargs: Any) -> None:
         self.speculator = speculator
@@ -79,22 +78,12 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
     def start(
         cls, model: Any, fallback_sampler: Any, speculator: Speculator
     ) -> SpeculativeGenerationBatch:
-        """An empty batch, as BatchGenerator starts with."""
-        return cls(
-            model=model,
-            uids=[],
-            inputs=mx.array([], dtype=mx.uint32),
-            prompt_cache=[],
-            tokens=[],
-            samplers=[],
-            fallback_sampler=fallback_sampler,
-            logits_processors=[],
-            stop_sequences=[],
-            max_tokens=[],
-            speculator=speculator,
-        )
+        """An empty batch, as the runner starts with."""
+        batch = cls.empty(model, fallback_sampler, speculator=speculator)
+        assert isinstance(batch, SpeculativeGenerationBatch)
+        return batch
 
-    def extend(self, batch: GenerationBatch) -> None:
+    def extend(self, batch: DecodeBatch) -> None:
         speculator = self.speculator
         if not self.uids:
             self.prompt_cache, self._rolls_back = [], False  # mlx-lm's caches again
@@ -134,13 +123,9 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
         self.speculator.source.filter(keep)
         self._paces = [self._paces[i] for i in keep]
 
-    def _sampler(self, i: int) -> Any:
-        sampler = self.samplers[i] if self.samplers else None
-        return self.fallback_sampler if sampler is None else sampler
-
     # ----- one step -----
 
-    def next(self) -> list[GenerationBatch.Response]:
+    def next(self) -> list[DecodeResponse]:
         rows = len(self.uids)
         self._timer.step_begins(rows, self.shares_step_with_prefill)
         if not rows:
@@ -165,7 +150,7 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
             self._release()
         return False
 
-    def _step_with_drafts(self) -> list[GenerationBatch.Response]:
+    def _step_with_drafts(self) -> list[DecodeResponse]:
         ks, probing = self._plan()
         if not any(ks):
             return self._plain_step(len(self.uids), shadow=True)
@@ -184,8 +169,8 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
 
     def _plain_step(
         self, rows: int, shadow: bool, waited: bool = False
-    ) -> list[GenerationBatch.Response]:
-        """mlx-lm's step (its forward left running for the next step to wait on). `shadow`:
+    ) -> list[DecodeResponse]:
+        """The plain step (its forward left running for the next step to wait on). `shadow`:
         the rows' lookups, which did not run, may tell the mode clock what they would have
         drafted; `waited`: the step already read its pending tokens (looking for drafts)."""
         if not waited:
@@ -276,7 +261,7 @@ class SpeculativeGenerationBatch(GroupedGenerationBatch):
 
     def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
         """Logits processors on the first position of the rows that have them (such rows
-        draft nothing, so that is their only position), as mlx-lm's step runs them."""
+        draft nothing, so that is their only position), as the plain step runs them."""
         if not any(self.logits_processors):
             return logits, []
         rows, contexts = [], []

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import _merge_caches
+from ..decode_batch import merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
 # Absolute, the module itself: cache_kinds imports this package's caches, so it may be
@@ -48,7 +48,7 @@ def _trial_verify(model: Any) -> None:
         caches = make_prompt_cache(model)
         model(mx.array([[0] * n]), cache=caches)
         rows.append(caches)
-    batch = [cache_kinds.adopt(layer, 2, padding_inert(model)) for layer in _merge_caches(rows)]
+    batch = [cache_kinds.adopt(layer, 2, padding_inert(model)) for layer in merge_caches(rows)]
     for layer in batch:
         layer.checkpoint([2, 1])
     logits = model(mx.array([[0, 0], [0, 0]]), cache=batch)

@@ -1,0 +1,254 @@
+"""The engine's batch runner: requests in, one step at a time, tokens and prompt progress out
+(engine thread only).
+
+A request waits, then prefills a chunk a step beside the decoding rows (the chunk is the
+caller's, each step), then decodes. The runner calls mlx-lm's models and cache classes
+directly; the rows, their progress and the step are its own (`PromptBatch`, `DecodeBatch`).
+Where `fuse_prefill` is set for a model `enable_fused_prefill` covers, one prompt's chunk goes
+through the decoding rows' forward (fused_prefill).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
+from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+from .decode_batch import DecodeBatch, DecodeResponse
+from .fused_prefill import FusingModel
+from .prompt_batch import PromptBatch, PromptProgress, PromptRow
+
+DEFAULT_MAX_TOKENS = 128
+CLEAR_EVERY = 512  # decode steps between frees of MLX's buffer cache
+
+
+class BatchRunner:
+    """Waiting requests, the rows in prefill and the decoding rows; `next` runs one step."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        completion_batch_size: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 2048,
+        stream: mx.Stream | None = None,
+        max_kv_size: int | None = None,
+        sampler: Any = None,
+    ) -> None:
+        self.model = model
+        self.sampler = sampler or greedy_sampler
+        self.prefill_step_size = prefill_step_size  # a step's chunk unless `next` is told one
+        self.prefill_batch_size = prefill_batch_size
+        self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
+        self.max_kv_size = max_kv_size
+        self._stream = stream or mx.new_stream(mx.default_device())
+        self._next_uid = 0
+        self.waiting: deque[PromptRow] = deque()
+        self.prefill = PromptBatch(model)
+        self.decoding: DecodeBatch = self._new_decode_batch()
+        self.fuse_prefill = False
+        self.fused_steps = 0
+        self.prompt_tokens = 0  # prompt tokens put through the model so far
+        self.decode_steps = 0
+        self._wired_limit = maybe_set_recommended_wired_limit()
+
+    def _new_decode_batch(self) -> DecodeBatch:
+        return DecodeBatch.empty(self.model, self.sampler)
+
+    @property
+    def stream(self) -> mx.Stream:
+        return self._stream
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether prompts wait for prefill or are in it."""
+        return bool(self.waiting) or len(self.prefill) > 0
+
+    def group_rows(self, grouping: Callable[[list[Any]], list[Any]]) -> None:
+        """Decoding rows of very different lengths attend in groups from now on, `grouping`
+        making the groups of each joining batch (row_groups)."""
+        self.decoding.grouping = grouping
+
+    def close(self) -> None:
+        if self._wired_limit is not None:
+            mx.synchronize(self._stream)
+            mx.set_wired_limit(self._wired_limit)
+            self._wired_limit = None
+
+    # ----- requests in and out -----
+
+    def insert(self, prompts: list[list[int]], **kwargs: Any) -> list[int]:
+        return self.insert_segments([[p] for p in prompts], **kwargs)
+
+    def insert_segments(
+        self,
+        segments: list[list[list[int]]],
+        max_tokens: list[int] | None = None,
+        caches: list[list[Any] | None] | None = None,
+        all_tokens: list[list[int]] | None = None,
+        samplers: list[Any] | None = None,
+        logits_processors: list[Sequence[Any] | None] | None = None,
+        stop_sequences: list[StopSequences] | None = None,
+    ) -> list[int]:
+        """Requests wait for prefill, each prompt in segments (prefill stops at each segment's
+        end, for a snapshot); their uids."""
+        n = len(segments)
+        options = {
+            "max_tokens": max_tokens or [DEFAULT_MAX_TOKENS] * n,
+            "caches": caches or [None] * n,
+            "all_tokens": all_tokens or [[] for _ in range(n)],
+            "samplers": samplers or [None] * n,
+            "logits_processors": logits_processors or [()] * n,
+            "stop_sequences": stop_sequences or [StopSequences()] * n,
+        }
+        for name, values in options.items():
+            if len(values) != n:
+                raise ValueError(f"{name}: {len(values)} values for {n} prompts")
+        rows = []
+        for i, prompt in enumerate(segments):
+            uid = self._next_uid + i
+            parts = [list(s) for s in prompt if s]
+            if not parts:
+                raise ValueError(f"prompt {uid} is empty")
+            if options["max_tokens"][i] <= 0:
+                raise ValueError(f"prompt {uid}: max_tokens must be > 0")
+            if len(parts[-1]) != 1:  # the last token runs as the row starts decoding
+                parts.append(parts[-1][-1:])
+                parts[-2] = parts[-2][:-1]
+            cache = options["caches"][i]
+            if cache is None:
+                cache = make_prompt_cache(self.model, self.max_kv_size)
+            sampler = options["samplers"][i]
+            rows.append(
+                PromptRow(
+                    uid,
+                    parts,
+                    options["max_tokens"][i],
+                    cache,
+                    options["all_tokens"][i],
+                    self.sampler if sampler is None else sampler,
+                    tuple(options["logits_processors"][i] or ()),
+                    options["stop_sequences"][i],
+                )
+            )
+        self.waiting.extend(rows)
+        self._next_uid += n
+        return [row.uid for row in rows]
+
+    def _where(self, uids: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """Each uid's stage (0 waiting, 1 prefill, 2 decoding) and position there."""
+        wanted, found = set(uids), {}
+        for stage, ids in enumerate(
+            ([r.uid for r in self.waiting], self.prefill.uids, self.decoding.uids)
+        ):
+            for i, uid in enumerate(ids):
+                if uid in wanted:
+                    found[uid] = (stage, i)
+        return found
+
+    def extract_cache(self, uids: Sequence[int]) -> dict[int, tuple[list[Any], list[int]]]:
+        """Each row's caches on their own and the tokens they hold."""
+        results = {}
+        for uid, (stage, i) in self._where(uids).items():
+            if stage == 0:
+                row = self.waiting[i]
+                results[uid] = (row.cache, row.tokens)
+            elif stage == 1:
+                results[uid] = (self.prefill.extract_cache(i), self.prefill.rows[i].tokens)
+            else:
+                results[uid] = (self.decoding.extract_cache(i), self.decoding.tokens[i])
+        return results
+
+    def remove(self, uids: Sequence[int]) -> None:
+        gone: list[set[int]] = [set(), set(), set()]
+        for stage, i in self._where(uids).values():
+            gone[stage].add(i)
+        if gone[0]:
+            self.waiting = deque(r for i, r in enumerate(self.waiting) if i not in gone[0])
+        if gone[1]:
+            self.prefill.filter([i for i in range(len(self.prefill)) if i not in gone[1]])
+        if gone[2]:
+            self.decoding.filter([i for i in range(len(self.decoding)) if i not in gone[2]])
+
+    # ----- one step -----
+
+    def next(self, chunk: int | None = None) -> tuple[list[PromptProgress], list[DecodeResponse]]:
+        """One step: a token for every decoding row, and up to `chunk` prompt tokens a row
+        (default `prefill_step_size`) for the rows in prefill."""
+        with mx.stream(self._stream):
+            return self._next(chunk or self.prefill_step_size)
+
+    def _next(self, chunk: int) -> tuple[list[PromptProgress], list[DecodeResponse]]:
+        if self._fusable():
+            return self._fused_step(chunk)
+        responses = self._decode()
+        if len(self.decoding) >= self.completion_batch_size:
+            return [], responses
+        n = min(
+            self.prefill_batch_size - len(self.prefill),
+            self.completion_batch_size - len(self.decoding),
+            len(self.waiting),
+        )
+        if n > 0:
+            self.prefill.add([self.waiting.popleft() for _ in range(n)])
+        progress = []
+        starting = [i for i, row in enumerate(self.prefill.rows) if row.starting]
+        for i in starting:
+            row = self.prefill.rows[i]
+            progress.append(PromptProgress(row.uid, (row.total, row.total), True, True))
+        if starting:
+            self.decoding.extend(self.prefill.start_decoding(starting, self.sampler))
+        chunks = []
+        for row in self.prefill.rows:
+            tokens, ended = row.take(chunk)
+            chunks.append(tokens)
+            progress.append(PromptProgress(row.uid, (row.done, row.total), ended, False))
+        self.prompt_tokens += sum(len(c) for c in chunks)
+        self.prefill.prompt(chunks)
+        return progress, responses
+
+    def _decode(self) -> list[DecodeResponse]:
+        if not len(self.decoding):
+            return []
+        responses = self.decoding.next()
+        self.decode_steps += 1
+        if self.decode_steps % CLEAR_EVERY == 0:
+            mx.clear_cache()
+        return responses
+
+    # ----- a prompt's chunk in the decoding rows' forward -----
+
+    def _fusable(self) -> bool:
+        if not self.fuse_prefill or self.waiting or len(self.prefill) != 1:
+            return False
+        if not 0 < len(self.decoding) < self.completion_batch_size:
+            return False
+        return not self.prefill.rows[0].starting  # its first token is not due yet
+
+    def _fused_step(self, chunk: int) -> tuple[list[PromptProgress], list[DecodeResponse]]:
+        row = self.prefill.rows[0]
+        tokens, ended = row.take(chunk)
+        progress = PromptProgress(row.uid, (row.done, row.total), ended, False)
+        caches = self.prefill.prompt_cache
+        fusing = FusingModel(self.model, mx.array([tokens]), caches)
+        self.decoding.model = fusing
+        try:
+            responses = self._decode()
+        finally:
+            self.decoding.model = self.model
+        if fusing.used:
+            self.fused_steps += 1
+            row.tokens += tokens
+            mx.eval([c.state for c in caches])
+            mx.clear_cache()
+        else:  # the decoding step made no forward that could carry the chunk
+            self.prefill.prompt([tokens])
+        self.prompt_tokens += len(tokens)
+        return [progress], responses
