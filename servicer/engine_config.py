@@ -98,3 +98,10 @@ class EngineConfig:
     # so far) is a stall: the worker fails every request and exits (0: no watchdog).
     step_timeout_s: float = 120.0
     faults: FaultPlan | None = None  # testing only
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of the prefix store (0: no prefix reuse), as the handlers name a
+        prompt's blocks and report them in KV events; the engine's store follows the same
+        settings."""
+        return self.prompt_cache_block if self.prompt_cache_size > 0 else 0

@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -338,7 +338,9 @@ async def embed_request(
 
 class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
     """Handlers for one engine. The metadata RPCs answer once `set_model` has the model's
-    files; Generate is accepted while the lifecycle says serving (after `attach`)."""
+    files; Generate is accepted while the lifecycle says serving (after `attach`).
+    `block_size`: the engine's prefix store's tokens per block (`EngineConfig.block_size`;
+    0: no prefix reuse)."""
 
     def __init__(
         self,
@@ -362,7 +364,7 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._tickets = itertools.count(1)
         self._streams = Streams()
         self._archive = ArchiveBuild()
-        self._block_size = 0
+        self._block_size = block_size  # names each prompt's blocks, as the engine's store does
         self._started = time.monotonic()
         self._figures = EngineFigures()  # the engine's, as it last published them
         self.kv_events = KvEventHub(block_size)
@@ -382,31 +384,21 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self._limits = Limits.for_model(
             files.info, self._options.max_prompt_tokens, prepend_bos=self._options.prepend_bos
         )
-        self._block_size = 0
 
     def attach(
         self,
         admission: Admission,
         has_thinking: bool = False,
         check_grammar: GrammarCheck | None = None,
-        block_size: int = 0,
         embedding_size: int = 0,
     ) -> None:
         """The engine is warm: requests can be checked against what it supports.
-        `block_size`: its prefix store's tokens per block (0: no prefix reuse);
         `embedding_size`: its pooled hidden states' size (0: it cannot embed)."""
-        assert self._info is not None
+        assert self._limits is not None, "set_model first"
         self._admission = admission
-        self._block_size = block_size
-        self.kv_events.block_size = block_size
         self._embedding_size = embedding_size
-        self._limits = Limits.for_model(
-            self._info,
-            self._options.max_prompt_tokens,
-            has_thinking,
-            check_grammar,
-            self._options.prepend_bos,
-        )
+        # The model's limits, as set_model made them, and now what the engine supports.
+        self._limits = replace(self._limits, has_thinking=has_thinking, check_grammar=check_grammar)
 
     @property
     def active_requests(self) -> int:

@@ -101,15 +101,14 @@ class WorkerServer:
         self.outbox = Outbox(self._wake_loop)
         self.engine = make_engine(config, self.outbox, lockstep)
         self.metrics = WorkerMetrics(self.load, lambda: self.servicer.figures())
-        engine = config.engine
         self.servicer = MlxEngineServicer(
             self.engine,
             self.lifecycle,
             self._on_fatal,
             config.handlers,
             self.metrics,
-            block_size=engine.prompt_cache_block if engine.prompt_cache_size > 0 else 0,
-            max_running_requests=engine.completion_batch_size,
+            block_size=config.engine.block_size,
+            max_running_requests=config.engine.completion_batch_size,
         )
         self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
@@ -243,7 +242,6 @@ class WorkerServer:
             capabilities.admission,
             capabilities.has_thinking,
             grammar.check,
-            capabilities.block_size,
             capabilities.embedding_size,
         )
         freeze_startup_heap()  # the handlers' side of the same (the engine froze its own)
