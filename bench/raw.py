@@ -49,7 +49,6 @@ class RawEngine:
     ) -> None:
         import mlx.core as mx
         from mlx_lm import load
-
         from mlx_lm.generate import BatchGenerator
 
         from servicer.engine import EngineConfig

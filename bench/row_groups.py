@@ -35,9 +35,9 @@ def run_case(
     import mlx.core as mx
 
     from servicer.engine.cache_kinds import grouped as grouping
-    from servicer.engine.fused_prefill import FusedPrefill
+    from servicer.engine.runner import BatchRunner
 
-    generator = FusedPrefill(model, completion_batch_size=32, prefill_batch_size=8)
+    generator = BatchRunner(model, completion_batch_size=32, prefill_batch_size=8)
     if grouped:
         generator.group_rows(grouping)
     prompts = [[(7 * i + j) % 5000 + 100 for j in range(SHORT_PROMPT)] for i in range(rows)]

@@ -9,11 +9,12 @@ prompts with py-spy sampling the raw engine's process and both of ours (the engi
 and the handler process; `--native` adds C/C++ frames to the stacks kept under logs/). Each
 sample is put in the bucket of the innermost Python frame that names one:
 
-- `mlx-lm launch`: mlx-lm's decode step handing the next step's graph to MLX (`async_eval`: on
+- `mlx-lm launch`: the decode step handing the next step's graph to MLX (`async_eval`: on
   a GPU this encodes and launches the step's kernels, and waits where MLX's queue is full);
-- `mlx-lm wait`: mlx-lm's decode step waiting for the step in flight (`eval`);
-- `mlx-lm step`: the rest of mlx-lm's generation and prompt batches (building the forward,
-  sampling) - what the raw engine spends too;
+  mlx-lm's step in the raw engine, the engine's own (decode_batch) when served;
+- `mlx-lm wait`: the decode step waiting for the step in flight (`eval`);
+- `mlx-lm step`: the rest of the decode and prefill steps (building the forward, sampling):
+  mlx-lm's batches in the raw engine, the runner's when served;
 - `speculation`: our speculating batch (drafting, clocks, its own verify forwards);
 - `engine loop`: planning, the batch's rows, events, the prefix store, sending output;
 - `hand-off`: the frames between the two processes, both ends;
@@ -45,7 +46,18 @@ from workers import BatchConfig, log, model_or_demo, our_worker, parse_levels, r
 from workload import Shape, make_prompts, model_vocab_size
 
 BUCKETS = (
-    ("mlx-lm step", ("mlx_lm/generate.py", "mlx_lm/models/", "mlx_lm/sample_utils.py")),
+    # The decode and prefill steps: mlx-lm's in the raw engine, the engine's own when served.
+    (
+        "mlx-lm step",
+        (
+            "mlx_lm/generate.py",
+            "mlx_lm/models/",
+            "mlx_lm/sample_utils.py",
+            "servicer/engine/decode_batch.py",
+            "servicer/engine/prompt_batch.py",
+            "servicer/engine/runner.py",
+        ),
+    ),
     ("speculation", ("servicer/engine/speculation/",)),
     ("hand-off", ("servicer/engine/child.py", "servicer/engine_process.py", "msgspec")),
     ("engine loop", ("servicer/engine/",)),
@@ -53,31 +65,39 @@ BUCKETS = (
     ("grpc / asyncio", ("grpc/", "asyncio/")),
 )
 RATE = 250  # samples a second per thread
-LAUNCH = "mlx-lm launch"  # mlx-lm's step handing the next step's graph to MLX (async_eval)
-WAIT = "mlx-lm wait"  # mlx-lm's step waiting for the step in flight (eval)
-STEP_MLX = "_StepMlx."  # servicer/engine/step_logprobs.py: `mx` in the engine's step
+# A decode step handing the next step's graph to MLX (async_eval), and waiting for the step in
+# flight (eval): mlx-lm's step in the raw engine, the engine's own (decode_batch) when served.
+LAUNCH = "mlx-lm launch"
+WAIT = "mlx-lm wait"
+# (module, class, launch line, wait line) of each decode step.
+STEPS = (
+    ("mlx_lm.generate", "GenerationBatch", "mx.async_eval(self._next_tokens", "mx.eval(inputs"),
+    ("servicer.engine.decode_batch", "DecodeBatch", "mx.async_eval(sampled", "mx.eval(inputs"),
+)
 
 
 @functools.cache
 def step_lines() -> dict[str, str]:
-    """py-spy's names for the two lines of mlx-lm's decode step (`GenerationBatch._step`) where
-    it hands the next step to MLX and where it waits for the one in flight, for the installed
-    mlx-lm: on a GPU the first encodes and launches every kernel of the step."""
-    generate = importlib.import_module("mlx_lm.generate")
-    lines, first = inspect.getsourcelines(generate.GenerationBatch._step)
+    """py-spy's names for the two lines of each decode step (mlx-lm's `GenerationBatch._step`,
+    the engine's `DecodeBatch._step`) where it hands the next step to MLX and where it waits
+    for the one in flight: on a GPU the first encodes and launches every kernel of the step."""
     found = {}
-    for name, code in ((LAUNCH, "mx.async_eval(self._next_tokens"), (WAIT, "mx.eval(inputs")):
-        at = next((i for i, line in enumerate(lines) if code in line), None)
-        if at is not None:
-            found[f"_step (mlx_lm/generate.py:{first + at})"] = name
+    for module, cls, launch, wait in STEPS:
+        step = getattr(importlib.import_module(module), cls)._step
+        lines, first = inspect.getsourcelines(step)
+        path = inspect.getsourcefile(step) or ""
+        parts = Path(path).parts
+        short = "/".join(parts[parts.index(module.split(".")[0]) :])  # as py-spy names it
+        for name, code in ((LAUNCH, launch), (WAIT, wait)):
+            at = next((i for i, line in enumerate(lines) if code in line), None)
+            if at is not None:
+                found[f"_step ({short}:{first + at})"] = name
     return found
 
 
 def bucket(stack: str) -> str:
-    """The bucket of one collapsed stack ("frame;frame;...", outermost first). The engine's
-    step runs mlx-lm's `_step` with MLX's evaluations behind a stand-in (`_StepMlx`): its
-    frames are left out, so a sample inside one counts at the line of mlx-lm's that called it."""
-    frames = [f for f in stack.split(";") if not f.startswith(STEP_MLX)]
+    """The bucket of one collapsed stack ("frame;frame;...", outermost first)."""
+    frames = stack.split(";")
     innermost = next((f for f in reversed(frames) if ".py:" in f), "")  # past native frames
     for line, name in step_lines().items():
         if innermost.endswith(line):

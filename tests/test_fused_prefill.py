@@ -16,7 +16,7 @@ from spec_support import Job, drive, generator_kwargs, passages, plain_generator
 from servicer.demo_model import demo_model_path
 from servicer.engine import fused_prefill
 from servicer.engine.cache_kinds import make_row_cache
-from servicer.engine.fused_prefill import FusedPrefill
+from servicer.engine.runner import BatchRunner
 from servicer.engine.sampling import SeededSampler
 from servicer.engine.speculation import PromptLookup, SpeculationConfig, SpeculativeBatchGenerator
 from servicer.messages import SamplingSpec
@@ -49,8 +49,8 @@ def arrival_jobs(tokenizer: Any, seed: int, seeded: bool = False) -> list[Job]:
     return jobs
 
 
-def fused_generator(model: Any, step: int) -> FusedPrefill:
-    generator = FusedPrefill(model, **{**generator_kwargs(), "prefill_step_size": step})
+def fused_generator(model: Any, step: int) -> BatchRunner:
+    generator = BatchRunner(model, **{**generator_kwargs(), "prefill_step_size": step})
     generator.fuse_prefill = True
     return generator
 

@@ -23,8 +23,8 @@ from spec_support import (
 from servicer.demo_model import demo_model_path
 from servicer.engine import fused_prefill
 from servicer.engine.cache_kinds import grouped, make_row_cache
-from servicer.engine.fused_prefill import FusedPrefill
 from servicer.engine.row_groups import MAX_GROUPS, MIN_SPLIT_SLOTS, RowGroups, choose_group
+from servicer.engine.runner import BatchRunner
 from servicer.engine.sampling import SeededSampler
 from servicer.engine.speculation import PromptLookup, SpeculationConfig, SpeculativeBatchGenerator
 from servicer.messages import SamplingSpec
@@ -60,18 +60,18 @@ def mixed_jobs(tokenizer: Any, seed: int, seeded: bool = False) -> list[Job]:
     return jobs
 
 
-def grouping_generator(model: Any, **overrides: Any) -> FusedPrefill:
-    generator = FusedPrefill(model, **{**generator_kwargs(), **overrides})
+def grouping_generator(model: Any, **overrides: Any) -> BatchRunner:
+    generator = BatchRunner(model, **{**generator_kwargs(), **overrides})
     generator.group_rows(grouped)
     return generator
 
 
-def most_groups(generator: FusedPrefill) -> list[int]:
+def most_groups(generator: BatchRunner) -> list[int]:
     """A probe for `drive`'s on_step: records the groups of the batch's grouped layers."""
     seen: list[int] = []
 
     def probe(_: int) -> None:
-        layers = [c for c in generator._generation_batch.prompt_cache if isinstance(c, RowGroups)]
+        layers = [c for c in generator.decoding.prompt_cache if isinstance(c, RowGroups)]
         seen.append(max((len(c.groups) for c in layers), default=0))
 
     probe.seen = seen  # type: ignore[attr-defined]
@@ -137,7 +137,7 @@ def test_groups_beside_speculation_that_stops_and_starts(kind_model, monkeypatch
     released_in_groups = []
 
     def probe(_: int) -> None:
-        layers = [c for c in generator._generation_batch.prompt_cache if isinstance(c, RowGroups)]
+        layers = [c for c in generator.decoding.prompt_cache if isinstance(c, RowGroups)]
         if layers and len(layers[0].groups) >= 2:
             released_in_groups.append(all(type(g) is BatchKVCache for g in layers[0].groups))
 
@@ -213,7 +213,7 @@ def test_a_long_row_joins_without_padding_the_others(kind_model):
     widths: list[list[int]] = []
 
     def probe(_: int) -> None:
-        layers = [c for c in generator._generation_batch.prompt_cache if isinstance(c, RowGroups)]
+        layers = [c for c in generator.decoding.prompt_cache if isinstance(c, RowGroups)]
         if layers:
             widths.append(sorted(g.size() for g in layers[0].groups))
 
@@ -272,7 +272,7 @@ def test_the_engine_groups_rows_unless_told_not_to(demo_dir, on):
         engine.wait_ready(120)
         loop = engine._loop
         assert loop is not None and loop.parts.group_rows is on
-        batch = loop.batch._generator._generation_batch
+        batch = loop.batch._generator.decoding
         assert (getattr(batch, "grouping", None) is not None) is on
     finally:
         engine.shutdown(30)

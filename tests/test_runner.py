@@ -94,7 +94,7 @@ def test_segments_stop_the_prefill_at_their_ends():
 
     model, _ = load(str(demo_model_path("llama")))
     generator = BatchRunner(model, **{**generator_kwargs(), "prefill_step_size": 4})
-    (uid,) = generator.insert_segments([[[3] * 6, [4] * 3, [5] * 2]], max_tokens=[2])
+    generator.insert_segments([[[3] * 6, [4] * 3, [5] * 2]], max_tokens=[2])
     seen = []
     for _ in range(8):
         progress, _ = generator.next()

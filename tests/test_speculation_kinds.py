@@ -181,7 +181,7 @@ def test_a_batch_too_large_to_draft_steps_on_mlx_lm_caches(kind_model):
     kinds: list[tuple[int, bool]] = []
 
     def look(step: int) -> None:
-        batch = generator._generation_batch
+        batch = generator.decoding
         kinds.append((len(batch.uids), any(isinstance(c, own) for c in batch.prompt_cache)))
 
     assert_same(plain, drive(generator, jobs(), on_step=look))
@@ -272,7 +272,7 @@ def test_a_batch_that_stops_drafting_goes_back_to_mlx_lm_caches_exactly(
         held: list[bool] = []
 
         def look(step: int) -> None:
-            caches = generator._generation_batch.prompt_cache
+            caches = generator.decoding.prompt_cache
             held.append(any(isinstance(c, own) for c in caches))
 
         assert_same(plain, drive(generator, jobs(seeded), on_step=look))

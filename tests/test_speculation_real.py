@@ -172,7 +172,7 @@ def test_real_gemma_fused_prefill_identical(gemma: tuple[Any, Any]) -> None:
     import mlx.core as mx
 
     from servicer.engine import fused_prefill
-    from servicer.engine.fused_prefill import FusedPrefill
+    from servicer.engine.runner import BatchRunner
 
     model, tokenizer = gemma
     assert fused_prefill.enable_fused_prefill(model)
@@ -193,7 +193,7 @@ def test_real_gemma_fused_prefill_identical(gemma: tuple[Any, Any]) -> None:
     plain = drive(plain_generator(model, prefill_step_size=96), jobs())
     two_rows = drive(plain_generator(model, prefill_step_size=96), jobs(joining=False))
     batch_noise = max(farthest(two_rows[n].logprobs, plain[n].logprobs) for n in two_rows)
-    generator = FusedPrefill(model, **{**generator_kwargs(), "prefill_step_size": 96})
+    generator = BatchRunner(model, **{**generator_kwargs(), "prefill_step_size": 96})
     generator.fuse_prefill = True
     fused = drive(generator, jobs())
     assert generator.fused_steps >= 5

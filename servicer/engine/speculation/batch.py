@@ -167,9 +167,7 @@ class SpeculativeGenerationBatch(DecodeBatch):
         source.accepted([0] * len(drafts))
         return self._plain_step(len(self.uids), shadow=False, waited=True)
 
-    def _plain_step(
-        self, rows: int, shadow: bool, waited: bool = False
-    ) -> list[DecodeResponse]:
+    def _plain_step(self, rows: int, shadow: bool, waited: bool = False) -> list[DecodeResponse]:
         """The plain step (its forward left running for the next step to wait on). `shadow`:
         the rows' lookups, which did not run, may tell the mode clock what they would have
         drafted; `waited`: the step already read its pending tokens (looking for drafts)."""

@@ -7,12 +7,13 @@ import sys
 from typing import Any
 
 import mlx.core as mx
-from ..decode_batch import merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
 # Absolute, the module itself: cache_kinds imports this package's caches, so it may be
 # mid-import when this module loads.
 import servicer.engine.cache_kinds as cache_kinds
+
+from ..decode_batch import merge_caches
 
 
 def speculation_supported(model: Any, max_kv_size: int | None = None) -> tuple[bool, str]:
