@@ -1,7 +1,9 @@
 """Checking a structured-output grammar against the model's vocabulary (handler side, no MLX).
 
 The llguidance tokenizer is built once from the model's Hugging Face tokenizer (slow for
-large vocabularies, so off the event loop); `check` may then run on any thread.
+large vocabularies, so off the event loop); `compile` may then run on any thread. What it
+returns is the request's compiled grammar: an engine in this process (thread mode) starts its
+rows from copies of it (`Constraint.compiled`), so each grammar is compiled once a request.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def matcher_error(matcher: llguidance.LLMatcher) -> str:
 
 
 class GrammarChecker:
-    """Why a grammar cannot run on this model's vocabulary, or None when it can."""
+    """Compiles grammars on this model's vocabulary, refusing one that cannot run there."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos: int) -> None:
         self.tokenizer: llguidance.LLTokenizer | None = None
@@ -38,26 +40,28 @@ class GrammarChecker:
             self.unavailable = f"structured output is unavailable for this model: {exc}"
             log.warning("%s", self.unavailable)
 
-    def check(self, grammar: str) -> str | None:
+    def compile(self, grammar: str) -> llguidance.LLMatcher:
+        """The grammar compiled on the vocabulary: a matcher at its start, which the engine
+        copies for each row. ValueError says why it cannot run here."""
         if self.tokenizer is None:
-            return self.unavailable
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.tokenizer
-        )
-        if is_error:
-            return messages[0] if messages else "invalid grammar"
-        return self._first_token_error(grammar)
+            raise ValueError(self.unavailable)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error() or "invalid grammar")
+        error = self._first_token_error(matcher)
+        if error is not None:
+            raise ValueError(error)
+        return matcher
 
-    def _first_token_error(self, grammar: str) -> str | None:
+    def _first_token_error(self, matcher: llguidance.LLMatcher) -> str | None:
         """Why no token can begin the grammar's text, or None: a grammar that matches nothing
-        (`root ::= root`) validates, and would otherwise fail at the request's first token,
-        after its stream began."""
+        (`root ::= root`) compiles, and would otherwise fail at the request's first token,
+        after its stream began. Computing the first mask leaves the matcher at its start."""
         import llguidance.numpy
 
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if not matcher.is_error():
-            mask = llguidance.numpy.allocate_token_bitmask(1, self.tokenizer.vocab_size)
-            llguidance.numpy.fill_next_token_bitmask(matcher, mask)
+        assert self.tokenizer is not None
+        mask = llguidance.numpy.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask)
         if not matcher.is_error():
             return None
         reason = matcher_error(matcher).splitlines()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import msgspec
 
@@ -61,11 +62,29 @@ class PenaltySpec(Wire, frozen=True):
         )
 
 
-class Constraint(Wire, frozen=True):
-    """Structured output: an llguidance grammar (already validated) the output must follow."""
+class Constraint(Wire, frozen=True, gc=True, dict=True):
+    """Structured output: an llguidance grammar (already validated) the output must follow.
+
+    The handlers' check compiles it on the model's vocabulary (`GrammarChecker.compile`); that
+    compiled grammar rides along as `compiled`, outside the fields, so an engine in the same
+    process starts each row from a copy of it and compiles nothing. It does not travel: after
+    a process boundary (the engine process, another rank) `compiled` is None and the engine
+    compiles `grammar` itself. (`dict=True` gives it room for that; it needs GC tracking.)"""
 
     kind: str  # "json_schema", "regex" or "lark_grammar"
     grammar: str
+
+    @classmethod
+    def checked(cls, kind: str, grammar: str, compiled: Any) -> Constraint:
+        """A constraint with its grammar compiled by the handlers' check (an llguidance
+        matcher at the grammar's start, never advanced)."""
+        made = cls(kind, grammar)
+        made.__dict__["compiled"] = compiled  # a frozen struct refuses setattr; not a field
+        return made
+
+    @property
+    def compiled(self) -> Any:
+        return self.__dict__.get("compiled")
 
 
 class GenerationRequest(Wire):

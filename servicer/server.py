@@ -241,7 +241,7 @@ class WorkerServer:
         self.servicer.attach(
             capabilities.admission,
             capabilities.has_thinking,
-            grammar.check,
+            grammar.compile,
             capabilities.embedding_size,
         )
         freeze_startup_heap()  # the handlers' side of the same (the engine froze its own)

@@ -27,7 +27,9 @@ LOGIT_BIAS_BOUND = 100.0  # |logit_bias| the engine applies (OpenAI's range)
 # Below this a temperature is greedy: 1 / temperature would overflow float32 near 1e-39 and
 # turn "almost greedy" into uniform noise.
 GREEDY_TEMPERATURE = 1e-6
-GrammarCheck = Callable[[str], "str | None"]  # why a grammar cannot run here, or None
+# Compiles a grammar on the model's vocabulary (`GrammarChecker.compile`): the compiled grammar
+# the engine starts from, or ValueError saying why it cannot run here.
+GrammarCheck = Callable[[str], Any]
 
 
 class RequestError(Exception):
@@ -52,7 +54,7 @@ class Limits:
     eos_token_ids: tuple[int, ...]
     max_prompt_tokens: int | None = None
     has_thinking: bool = False
-    check_grammar: GrammarCheck | None = None  # the server's GrammarChecker, on the vocabulary
+    check_grammar: GrammarCheck | None = None  # the server's GrammarChecker's compile
     # Put before prompts that do not start with it: the BOS of a model whose tokenizer adds
     # one to every encoding (None: never).
     bos_token_id: int | None = None
@@ -275,10 +277,16 @@ def constraint(params: Params, check: GrammarCheck | None = None) -> Constraint 
         raise
     except Exception as exc:  # the converters raise their own error types
         raise _invalid(f"invalid {kind}: {exc}") from None
-    error = check(grammar) if check is not None else llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise _invalid(f"invalid {kind}: {error}")
-    return Constraint(kind, grammar)
+    if check is None:  # no vocabulary to compile it on yet: its syntax only
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise _invalid(f"invalid {kind}: {error}")
+        return Constraint(kind, grammar)
+    try:
+        compiled = check(grammar)
+    except ValueError as exc:
+        raise _invalid(f"invalid {kind}: {exc}") from None
+    return Constraint.checked(kind, grammar, compiled)
 
 
 def embed_prompt(request_id: str, ids: list[int], limits: Limits) -> list[int]:

@@ -8,6 +8,7 @@ and Metal alike.
 from __future__ import annotations
 
 import logging
+from typing import ClassVar
 
 import llguidance
 import llguidance.numpy
@@ -28,10 +29,8 @@ class GrammarProcessor:
     too, and `error` says why, so the engine ends the request with an error, not `stop`.
     """
 
-    def __init__(
-        self, tokenizer: llguidance.LLTokenizer, constraint: Constraint, vocab_size: int, eos: int
-    ) -> None:
-        self._matcher = llguidance.LLMatcher(tokenizer, constraint.grammar, log_level=0)
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: int) -> None:
+        self._matcher = matcher  # the row's own, at the grammar's start
         self._vocab_size = vocab_size
         self._eos = eos
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
@@ -78,15 +77,38 @@ class GrammarProcessor:
 
 
 class GrammarFactory:
-    """Structured-output processors for the engine; the llguidance tokenizer is built once,
-    when the engine loads (the handler side checks grammars with its own)."""
+    """Structured-output processors for the engine.
+
+    A constraint from handlers in this process (thread mode) carries its grammar as their
+    check compiled it, on their llguidance tokenizer (`Constraint.compiled`): each row starts
+    from a copy, and nothing is compiled or built here. One that crossed a process boundary
+    (the engine process, the ranks of --distributed) comes as text and is compiled here, on a
+    tokenizer of this factory's own: built as the engine loads in the processes that set
+    `build_at_load`, else when the first such constraint comes."""
+
+    # Set by the processes whose requests all cross a boundary (the engine process,
+    # --distributed), so that the first structured request there does not wait for it.
+    build_at_load: ClassVar[bool] = False
 
     def __init__(self, hf_tokenizer: object, vocab_size: int, eos: int) -> None:
+        self._hf_tokenizer = hf_tokenizer
         self._vocab_size = vocab_size
         self._eos = eos
-        self._checker = GrammarChecker(hf_tokenizer, vocab_size, eos)
+        self._checker: GrammarChecker | None = None
+        if self.build_at_load:
+            self._tokenizer()
 
     def processor(self, constraint: Constraint) -> GrammarProcessor:
+        compiled = constraint.compiled
+        if compiled is not None:
+            matcher = compiled.deep_copy()  # rows of n > 1 share the constraint: each its own
+        else:
+            matcher = llguidance.LLMatcher(self._tokenizer(), constraint.grammar, log_level=0)
+        return GrammarProcessor(matcher, self._vocab_size, self._eos)
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        if self._checker is None:
+            self._checker = GrammarChecker(self._hf_tokenizer, self._vocab_size, self._eos)
         tokenizer = self._checker.tokenizer
         assert tokenizer is not None, "the server's GrammarChecker refuses every grammar then"
-        return GrammarProcessor(tokenizer, constraint, self._vocab_size, self._eos)
+        return tokenizer
