@@ -195,7 +195,7 @@ class DecodeBatch:
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         contexts: list[mx.array] = []
         if any(self.logits_processors):
-            logits = self._process(logits, inputs, contexts)
+            logits = self._run_processors(logits, inputs, contexts)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         samplers = [self._sampler(i) for i in range(len(self.uids))]
         if all(s is samplers[0] for s in samplers):
@@ -211,7 +211,9 @@ class DecodeBatch:
             row.append(token)
         return tokens, self._current_logprobs
 
-    def _process(self, logits: mx.array, inputs: mx.array, contexts: list[mx.array]) -> mx.array:
+    def _run_processors(
+        self, logits: mx.array, inputs: mx.array, contexts: list[mx.array]
+    ) -> mx.array:
         """Each row's logits processors on its logits, given its tokens so far."""
         rows = []
         for e, processors in enumerate(self.logits_processors):
