@@ -23,7 +23,7 @@ def test_a_stored_finished_cache_does_not_pin_its_batch(reference, prompts):
     batch = [prompts[i % len(prompts)] * 20 for i in range(16)]  # ~100-token prompts
     generator.insert(batch, max_tokens=[2] + [40] * 15)
     stored = 0
-    while stored == 0 or len(generator.decoding):
+    while stored == 0 or len(generator._generation_batch):
         _, responses = generator.next()
         for response in responses:
             if response.finish_reason and stored == 0:

@@ -105,7 +105,7 @@ def test_batch_agrees_with_each_row_alone(kind: str, bits: int) -> None:
     run = Run(model)
     uids = run.insert(prompts, [make_row_cache(model, bits, GROUP) for _ in prompts])
     run.step()
-    kinds = {type(c).__name__ for c in run.gen.decoding.prompt_cache}
+    kinds = {type(c).__name__ for c in run.gen._generation_batch.prompt_cache}
     assert "BatchQuantizedKVCache" in kinds
     run.finish()
     for uid, prompt in zip(uids, prompts, strict=True):

@@ -238,7 +238,6 @@ class Batch:
             self.decode_cost.observe(decoding, time.perf_counter() - started)
             self._track_prefill(prompt_progress)
             return StepReport(self._collect(responses, out), None)
-        before = {uid: (row.context, row.prefill_left) for uid, row in self._prefilling.items()}
         fused_before, prompt_before = generator.fused_steps, generator.prompt_tokens
         prompt_progress, responses = generator.next(self._chunk)
         fused = generator.fused_steps > fused_before
@@ -247,7 +246,8 @@ class Batch:
         decode_s = self.decode_cost.seconds(decoding) if decoding else 0.0
         added = time.perf_counter() - started - decode_s
         self._track_prefill(prompt_progress)
-        sample = self._prefill_sample(before, max(added, 0.0))
+        work = generator.prefilled
+        sample = work.took(max(added, 0.0)) if work.any else None
         return StepReport(self._collect(responses, out), sample, prompt_tokens, fused)
 
     def _track_prefill(self, prompt_progress: list[Any]) -> None:
@@ -266,24 +266,6 @@ class Batch:
             if row.prefill_left == 0:
                 self._prefilling.pop(row.uid, None)
         self._snapshot_prefills(prompt_progress)
-
-    def _prefill_sample(
-        self, before: dict[int, tuple[int, int]], seconds: float
-    ) -> PrefillSample | None:
-        """The step's prefill as a cost sample (`before`: the rows in prefill when it began):
-        every row in prefill is padded to the longest chunk, the context is the longest
-        one's, and rows that were through their prompt ran their first token."""
-        chunks = [
-            (left - row.prefill_left, context)
-            for uid, (context, left) in before.items()
-            if (row := self.rows.get(uid)) is not None and left > max(row.prefill_left, 1)
-        ]
-        starting = sum(1 for _, left in before.values() if left == 1)
-        if not chunks and not starting:
-            return None
-        chunk = max((n for n, _ in chunks), default=0)
-        context = max((c for _, c in chunks), default=0)
-        return PrefillSample(len(chunks), chunk, context, seconds, starting)
 
     def _collect(self, responses: list[Any], out: StepOutput) -> bool:
         """The step's tokens as events in `out`; True when some handler needs them now."""

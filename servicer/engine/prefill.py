@@ -28,6 +28,24 @@ _RIDGE = 1e-4
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillWork:
+    """What one step prefilled: rows in its prefill forward, tokens per row (padded), their
+    longest context before it, and rows whose last prompt token ran (they started decoding)."""
+
+    rows: int = 0
+    chunk: int = 0
+    context: int = 0
+    starting: int = 0
+
+    @property
+    def any(self) -> bool:
+        return self.rows * self.chunk > 0 or self.starting > 0
+
+    def took(self, seconds: float) -> PrefillSample:
+        return PrefillSample(self.rows, self.chunk, self.context, seconds, self.starting)
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillSample:
     """One step's prefill, as measured: rows in its prefill call, tokens per row (padded),
     their longest context before, rows that started decoding, and the seconds it added."""

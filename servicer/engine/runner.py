@@ -22,6 +22,7 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from .decode_batch import DecodeBatch, DecodeResponse
 from .fused_prefill import FusingModel
+from .prefill import PrefillWork
 from .prompt_batch import PromptBatch, PromptProgress, PromptRow
 
 DEFAULT_MAX_TOKENS = 128
@@ -57,6 +58,7 @@ class BatchRunner:
         self.fused_steps = 0
         self.prompt_tokens = 0  # prompt tokens put through the model so far
         self.decode_steps = 0
+        self.prefilled = PrefillWork()  # the last step's prefill work, exactly
         self._wired_limit = maybe_set_recommended_wired_limit()
 
     def _new_decode_batch(self) -> DecodeBatch:
@@ -186,6 +188,7 @@ class BatchRunner:
             return self._next(chunk or self.prefill_step_size)
 
     def _next(self, chunk: int) -> tuple[list[PromptProgress], list[DecodeResponse]]:
+        self.prefilled = PrefillWork()
         if self._fusable():
             return self._fused_step(chunk)
         responses = self._decode()
@@ -205,11 +208,14 @@ class BatchRunner:
             progress.append(PromptProgress(row.uid, (row.total, row.total), True, True))
         if starting:
             self.decoding.extend(self.prefill.start_decoding(starting, self.sampler))
-        chunks = []
+        chunks, context = [], 0
         for row in self.prefill.rows:
+            context = max(context, len(row.tokens))
             tokens, ended = row.take(chunk)
             chunks.append(tokens)
             progress.append(PromptProgress(row.uid, (row.done, row.total), ended, False))
+        width = max((len(c) for c in chunks), default=0)
+        self.prefilled = PrefillWork(len(chunks), width, context, len(starting))
         self.prompt_tokens += sum(len(c) for c in chunks)
         self.prefill.prompt(chunks)
         return progress, responses
@@ -234,8 +240,10 @@ class BatchRunner:
 
     def _fused_step(self, chunk: int) -> tuple[list[PromptProgress], list[DecodeResponse]]:
         row = self.prefill.rows[0]
+        context = len(row.tokens)
         tokens, ended = row.take(chunk)
         progress = PromptProgress(row.uid, (row.done, row.total), ended, False)
+        self.prefilled = PrefillWork(1, len(tokens), context)
         caches = self.prefill.prompt_cache
         fusing = FusingModel(self.model, mx.array([tokens]), caches)
         self.decoding.model = fusing
