@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
+import msgspec
 
 from .admission import Admission
 from .codec import TextCodec
@@ -27,7 +28,6 @@ from .kv_events import KvEventHub
 from .lifecycle import Lifecycle, Phase
 from .loads import LoadFigures, Throughput, load_figures
 from .messages import (
-    FINISH_ABORT,
     FINISH_STOP,
     EmbedRequest,
     EngineFigures,
@@ -53,7 +53,6 @@ from .validation import (
     TextOptions,
     build_request,
     embed_prompt,
-    fork,
     sample_count,
 )
 
@@ -200,7 +199,10 @@ def generate_rpc(face: Face) -> Callable[..., AsyncIterator[Any]]:
         try:
             job, text = await self._build(request)
             samples = sample_count(request.sampling_params)
-            stream = self._accept(job)
+            if samples > 1:  # one request to the engine, with a ticket for each other sample
+                tickets = tuple(itertools.islice(self._tickets, samples - 1))
+                job = msgspec.structs.replace(job, sample_tickets=tickets)
+            streams = self._accept(job)
         except RequestError as error:
             log.debug("refused request %r: %s", request.request_id, error.message)
             self._metrics.requests.labels(error.code.name.lower()).inc()
@@ -208,12 +210,12 @@ def generate_rpc(face: Face) -> Callable[..., AsyncIterator[Any]]:
             return
         if samples > 1:
             try:
-                rows = sample_rows(self, job, stream, text, samples, request.stream, face)
-                async for response in rows:
+                async for response in sample_rows(self, job, streams, text, request.stream, face):
                     yield response
             except RequestError as error:
                 await context.abort(error.code, error.message)
             return
+        stream = streams[0]
         output = OutputProcessor(job, request.stream, self._tracker(text), face)
         outcome = "cancelled"  # unless it finishes or fails below
         try:
@@ -228,52 +230,34 @@ def generate_rpc(face: Face) -> Callable[..., AsyncIterator[Any]]:
             await context.abort(error.code, error.message)
         finally:
             self._metrics.requests.labels(outcome).inc()
-            self._release(job, stream)
+            self._release(job, streams)
 
     return generate
 
 
 async def sample_rows(
     self: MlxEngineServicer,
-    first: GenerationRequest,
-    first_stream: RequestStream,
+    job: GenerationRequest,
+    streams: list[RequestStream],
     text: TextOptions | None,
-    n: int,
     streaming: bool,
     face: Face,
 ) -> AsyncIterator[Any]:
     """n rows from one prompt, their messages merged as they come, each with its `index`.
-    The other rows go to the engine once the first has its first token: its prompt's blocks
-    are in the prefix store by then, so they prefill only what is past them. An Abort that
-    ends the first row sooner ends them as they arrive (the engine had no ticket to drop)."""
-    jobs = [first, *(fork(first, next(self._tickets), i) for i in range(1, n))]
-    streams = [first_stream, *(self._streams.open(job) for job in jobs[1:])]
+    The engine got one request: it admits the other samples once the first's prompt is
+    through, and ends or fails them together when the first ends before that."""
     merged: asyncio.Queue[Any] = asyncio.Queue()
-    started = asyncio.Event()
-
-    def submit_others() -> None:
-        if not started.is_set():
-            started.set()
-            for other in jobs[1:]:
-                self._engine.submit(other)
-        if first_stream.finish_reason == FINISH_ABORT:
-            self._engine.abort([job.ticket for job in jobs[1:]])
-
     tasks = [
         asyncio.ensure_future(
             _sample_row(
-                self,
-                streams[i],
-                OutputProcessor(jobs[i], streaming, self._tracker(text), face, i),
-                merged,
-                submit_others if i == 0 else None,
+                self, stream, OutputProcessor(job, streaming, self._tracker(text), face, i), merged
             )
         )
-        for i in range(n)
+        for i, stream in enumerate(streams)
     ]
     outcome = "cancelled"
     try:
-        left = n
+        left = len(streams)
         while left:
             item = await merged.get()
             if item is None:
@@ -283,16 +267,12 @@ async def sample_rows(
                 raise item
             else:
                 yield item
-        outcome = first_stream.finish_reason or FINISH_STOP
+        outcome = streams[0].finish_reason or FINISH_STOP
     finally:
         for task in tasks:
             task.cancel()
-        if not started.is_set():  # the others never reached the engine
-            for stream in streams[1:]:
-                stream.finish_reason = FINISH_ABORT
         self._metrics.requests.labels(outcome).inc()
-        for job, stream in zip(jobs, streams, strict=True):
-            self._release(job, stream)
+        self._release(job, streams)
 
 
 async def _sample_row(
@@ -300,15 +280,11 @@ async def _sample_row(
     stream: RequestStream,
     output: OutputProcessor,
     merged: asyncio.Queue[Any],
-    on_first: Callable[[], None] | None,
 ) -> None:
     """One of n rows: its messages into `merged`, then None (done) or its RequestError."""
     try:
         while stream.finish_reason is None:
-            responses = emit_row(self, stream, output, await stream.take())
-            if on_first is not None:
-                on_first()
-            for response in responses:
+            for response in emit_row(self, stream, output, await stream.take()):
                 merged.put_nowait(response)
     except RequestError as error:
         merged.put_nowait(error)
@@ -371,7 +347,6 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         self.max_running_requests = max_running_requests
         self._throughput = Throughput()
         self._embedding_size = 0
-        self._prompt_tokens = 0  # of every accepted Generate call, for the cache hit rate
         self._calls = EngineCalls()  # embeds and flushes waiting for the engine
         self._once = RateLimitedLog(log, float("inf"))  # says each thing once
 
@@ -426,14 +401,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         return time.monotonic() - self._started
 
     def load_figures(self) -> LoadFigures:
-        """The load a router reads (GetLoads), from what the handlers know now."""
+        """The load a router reads (GetLoads), from the engine's last published figures."""
         return load_figures(
-            self._streams,
-            self._figures.prefix,
-            self._admission,
-            self._throughput,
-            self._prompt_tokens,
-            self.max_running_requests,
+            self._figures, self._admission, self._throughput, self.max_running_requests
         )
 
     def dispatch(self, out: StepOutput) -> None:
@@ -496,7 +466,9 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             self._metrics.errors.labels("invalid_request").inc()
             raise
 
-    def _accept(self, job: GenerationRequest) -> RequestStream:
+    def _accept(self, job: GenerationRequest) -> list[RequestStream]:
+        """The request checked against what the worker holds, and submitted to the engine:
+        its streams, one for each of its n samples."""
         errors = self._metrics.errors
         if job.request_id in self._streams:
             errors.labels("duplicate_request").inc()
@@ -514,25 +486,31 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
             )
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         self._metrics.prompt_tokens.inc(len(job.prompt))
-        self._prompt_tokens += len(job.prompt)
         if job.bos_added:
             self._metrics.bos_added.inc()
             self._once.log(
                 logging.INFO, "bos", BOS_ADDED, self._limits and self._limits.bos_token_id
             )
-        stream = self._streams.open(job)
+        samples = job.samples() if job.sample_tickets else [job]
+        streams = [self._streams.open(sample) for sample in samples]
         self._engine.submit(job)
-        return stream
+        return streams
 
     def _tracker(self, text: TextOptions | None) -> TextTracker | None:
         if text is None or self._codec is None:
             return None
         return TextTracker(self._codec.decoder(), text.stops, text.include_stop, text.min_tokens)
 
-    def _release(self, job: GenerationRequest, stream: RequestStream) -> None:
-        self._streams.close(job)
-        if stream.finish_reason is None:  # the client went away or the call was cancelled
-            self._engine.abort([job.ticket])
+    def _release(self, job: GenerationRequest, streams: list[RequestStream]) -> None:
+        """The call is over: its streams close; rows it did not see finish are aborted (the
+        client went away, the call was cancelled, or a sibling sample failed)."""
+        unfinished = []
+        for stream in streams:
+            self._streams.close(stream.ticket, job.request_id)
+            if stream.finish_reason is None:
+                unfinished.append(stream.ticket)
+        if unfinished:
+            self._engine.abort(unfinished)
 
     # ----- the other RPCs -----
 

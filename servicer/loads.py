@@ -1,5 +1,6 @@
-"""The worker's load as a router reads it (VllmEngine.GetLoads): from the handlers' own
-accounting, answered at once, never waiting for an engine step."""
+"""The worker's load as a router reads it (VllmEngine.GetLoads): from the figures the engine
+published with its last output (`EngineFigures.load`), answered at once, never waiting for an
+engine step."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .admission import Admission
-    from .messages import PrefixCacheStats
-    from .streams import Streams
+    from .messages import EngineFigures
 
 THROUGHPUT_WINDOW_S = 10.0  # generation throughput: tokens over about this long
 
@@ -55,24 +55,22 @@ class Throughput:
 
 
 def load_figures(
-    streams: Streams,
-    prefix: PrefixCacheStats | None,
+    figures: EngineFigures,
     admission: Admission | None,
     throughput: Throughput,
-    prompt_tokens: int,
     max_running: int,
 ) -> LoadFigures:
-    """The load from the streams in flight and the engine's last published figures."""
-    load = streams.load()
-    waiting_tokens, used_tokens = streams.token_usage()
+    """The load from the engine's last published figures (no engine step is waited for)."""
+    load, prefix = figures.load, figures.prefix
     reused = prefix.ram_tokens + prefix.disk_tokens if prefix is not None else 0
+    prompt_tokens = load.prompt_tokens
     return LoadFigures(
         running=load.running,
         waiting=load.waiting,
-        waiting_tokens=waiting_tokens,
-        used_tokens=used_tokens,
+        waiting_tokens=load.waiting_tokens,
+        used_tokens=load.used_tokens,
         capacity_tokens=admission.token_capacity() if admission is not None else 0,
-        gen_throughput=throughput.rate(streams.generated_total),
+        gen_throughput=throughput.rate(load.generated),
         cache_hit_rate=min(1.0, reused / prompt_tokens) if prompt_tokens else 0.0,
         max_running=max_running,
     )

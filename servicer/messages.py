@@ -108,11 +108,34 @@ class GenerationRequest(Wire):
     handoff_window_s: float = 0.0
     bos_added: bool = False  # the worker put the model's BOS before ids that lacked it
     min_tokens: int = 0  # its stop tokens are masked until it has generated this many
+    # n > 1: the tickets of samples 1..n-1 of this prompt (this request is sample 0). The
+    # engine admits them once sample 0's prompt is through, so they reuse its prefix.
+    sample_tickets: tuple[int, ...] = ()
+    # Stop strings: the engine ends the row (finish `stop`) once its decoded text, counted
+    # from the `min_tokens`-th token, holds one (the handlers trim the text they send).
+    stop_strings: tuple[str, ...] = ()
 
     @property
     def cache_tokens(self) -> int:
         """The most tokens its cache may hold: the prompt and every new token."""
         return len(self.prompt) + self.max_tokens
+
+    @property
+    def n(self) -> int:
+        """How many samples of the prompt it asks for."""
+        return 1 + len(self.sample_tickets)
+
+    def samples(self) -> list[GenerationRequest]:
+        """Its n samples as requests of one row each: sample i has ticket i (sample 0 this
+        request's) and, when seeded, seed + i."""
+        tickets = (self.ticket, *self.sample_tickets)
+        return [self._sample(i, ticket) for i, ticket in enumerate(tickets)]
+
+    def _sample(self, index: int, ticket: int) -> GenerationRequest:
+        sampling = self.sampling
+        if index and sampling.seed is not None:
+            sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
+        return msgspec.structs.replace(self, ticket=ticket, sampling=sampling, sample_tickets=())
 
 
 class TokenLogprob(Wire, frozen=True):
@@ -265,6 +288,17 @@ class SpeculationFigures(Wire, frozen=True):
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+class LoadCounts(Wire, frozen=True):
+    """The engine's load after a step, as a router reads it (GetLoads answers from these)."""
+
+    running: int = 0  # rows whose first token is out
+    waiting: int = 0  # requests without one: in line, held samples of n > 1, in prefill
+    waiting_tokens: int = 0  # prompt tokens of the requests in line (none admitted yet)
+    used_tokens: int = 0  # tokens (prompt and generated) the batch's rows hold
+    generated: int = 0  # tokens generated since the engine started
+    prompt_tokens: int = 0  # prompt tokens of every row admitted so far (for the hit rate)
+
+
 class EngineFigures(Wire, frozen=True):
     """The engine's own figures: its thread publishes them with its output when they change;
     everyone else reads the latest published ones, never the engine's objects."""
@@ -272,6 +306,7 @@ class EngineFigures(Wire, frozen=True):
     prefix: PrefixCacheStats | None = None  # None: no prefix store
     prefill_budget_s: float = 0.0  # the prefill budget in force (0: none)
     speculation: SpeculationFigures | None = None  # None: no speculation
+    load: LoadCounts = msgspec.field(default_factory=LoadCounts)
 
 
 @dataclass(frozen=True, slots=True)

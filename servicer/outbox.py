@@ -1,11 +1,15 @@
 """When engine output reaches a request's handler, and where it waits until then.
 
-`handoff_due` is the one rule: a request needs its handler for its first token (alone, so the
+This module owns the one output rule; nothing else decides when tokens go to a client.
+`handoff_due` says it for one request: it needs its handler for its first token (alone, so the
 time to first token never waits for a batch), for every `tokens_per_handoff` tokens after
-that once its hand-off window has passed, and for its finish. The engine applies it to hold
-a step's output back while no request needs it; each stream applies it (without the window)
-to decide when its handler wakes. `Outbox` is the one place output is merged on its way out
-of the engine: to the event loop, or, in the engine process, to the pipe.
+that once its hand-off window has passed, and for its finish. The engine's rows apply it
+(`Row.handoff_due`) to hold a step's output back while no request needs it; each stream
+applies it (without the window) to decide when its handler wakes. `output_due` says it for a
+whole step's output (what the engine hands to its `Outbox`): due when a row's tokens are, or
+when it answers something or finishes a request, or when nothing runs. `Outbox` is the one
+place output is merged on its way out of the engine: to the event loop, or, in the engine
+process, to the pipe; it wakes its reader when the output put into it is due.
 """
 
 from __future__ import annotations
@@ -33,6 +37,15 @@ def handoff_due(
     return pending > 0 and (
         not started or finished or (pending >= per_handoff and waited >= window)
     )
+
+
+def output_due(out: StepOutput, rows_due: bool, running: bool) -> bool:
+    """Whether a step's output must wake its reader now: some row's tokens are due
+    (`rows_due`, from `handoff_due`), it ends a request or answers one (a failure, an
+    embedding, a flush), or no row is `running` (no later hand-off would bring it soon)."""
+    if rows_due or not running or out.failures or out.embeddings or out.flushed:
+        return True
+    return any(event.finish_reason for event in out.events)
 
 
 class Outbox:

@@ -37,9 +37,7 @@ class RequestStream:
         "events",
         "failure",
         "finish_reason",
-        "generated",
         "last_token_at",
-        "prompt_tokens",
         "ticket",
     )
 
@@ -53,13 +51,9 @@ class RequestStream:
         self._waiter: asyncio.Future[None] | None = None
         self._per_handoff = request.tokens_per_handoff
         self.ticket = request.ticket
-        self.prompt_tokens = len(request.prompt)
-        self.generated = 0  # tokens the engine has sent it
 
     def push(self, event: RowEvent) -> None:
         self.events.append(event)
-        if event.token is not None:
-            self.generated += 1
         if self._due():
             self._wake()
 
@@ -118,16 +112,6 @@ class Streams:
         """Requests waiting for their first token, and requests decoding."""
         return EngineLoad(len(self._by_ticket) - self._decoding, self._decoding)
 
-    def token_usage(self) -> tuple[int, int]:
-        """Prompt tokens of the requests waiting for a first token, and the tokens (prompt and
-        generated) that the requests in flight hold in the KV cache."""
-        waiting = used = 0
-        for stream in self._by_ticket.values():
-            used += stream.prompt_tokens + stream.generated
-            if not stream.decoding:
-                waiting += stream.prompt_tokens
-        return waiting, used
-
     def tickets(self, request_ids: list[str] | None = None) -> list[int]:
         """The engine tickets of these request ids (those in flight), or of every stream."""
         if request_ids is None:
@@ -142,15 +126,15 @@ class Streams:
         self._idle.clear()
         return stream
 
-    def close(self, request: GenerationRequest) -> None:
-        stream = self._by_ticket.pop(request.ticket, None)
+    def close(self, ticket: int, request_id: str) -> None:
+        stream = self._by_ticket.pop(ticket, None)
         if stream is not None and stream.decoding:
             self._decoding -= 1
-        siblings = self._by_request_id.get(request.request_id, [])
+        siblings = self._by_request_id.get(request_id, [])
         if stream in siblings:
             siblings.remove(stream)
             if not siblings:
-                del self._by_request_id[request.request_id]
+                del self._by_request_id[request_id]
         if not self._by_ticket:
             self._idle.set()
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import msgspec
 
 from .engine.prefix.keys import block_keys
 from .messages import Constraint, GenerationRequest, ModelInfo, PenaltySpec, SamplingSpec
@@ -309,14 +308,6 @@ def embed_prompt(request_id: str, ids: list[int], limits: Limits) -> list[int]:
             f"{limits.context_length} (context length)"
         )
     return ids
-
-
-def fork(job: GenerationRequest, ticket: int, index: int) -> GenerationRequest:
-    """Sample `index` of a request with n > 1: its own ticket, and seed + index when seeded."""
-    sampling = job.sampling
-    if sampling.seed is not None:
-        sampling = msgspec.structs.replace(sampling, seed=sampling.seed + index)
-    return msgspec.structs.replace(job, ticket=ticket, sampling=sampling)
 
 
 def sample_count(params: Params) -> int:

@@ -116,7 +116,7 @@ def test_streams_count_requests_waiting_and_decoding():
         assert (streams.load().waiting, streams.load().running) == (2, 0)
         streams.route(StepOutput(events=[RowEvent(1, 9)]))
         assert (streams.load().waiting, streams.load().running) == (1, 1)
-        streams.close(_request(1, request_id="a"))
+        streams.close(1, "a")
         streams.route(StepOutput(events=[RowEvent(2, None, "abort")]))
         assert (streams.load().waiting, streams.load().running) == (1, 0)
 
@@ -175,8 +175,8 @@ def test_streams_route_events_failures_and_a_fatal_error():
         assert first.failure is not None and second.failure is not None
         assert first.failure.code == grpc.StatusCode.UNAVAILABLE
         assert not await streams.wait_idle(0.01)
-        streams.close(_request(1, request_id="a"))
-        streams.close(_request(2, request_id="b"))
+        streams.close(1, "a")
+        streams.close(2, "b")
         assert await streams.wait_idle(0.01) and len(streams) == 0
 
     asyncio.run(scenario())

@@ -118,6 +118,19 @@ class Batch:
         self.decode_cost = DecodeCost()  # steps without prefill, by decoding rows
         self.steps = 0
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
+        self.generated = 0  # tokens produced since the batch began (the load figures)
+        self.admitted_prompt = 0  # prompt tokens of every row admitted so far
+
+    @property
+    def starting_rows(self) -> int:
+        """Rows whose first token is not out yet."""
+        return len(self._prefilling) + len(self._first_due)
+
+    def load(self) -> tuple[int, int, int]:
+        """(rows whose first token is out, rows still before it, tokens the rows hold)."""
+        starting = self.starting_rows
+        used = sum(len(row.admit.request.prompt) + row.generated for row in self.rows.values())
+        return len(self.rows) - starting, starting, used
 
     @property
     def generator(self) -> BatchRunner:
@@ -199,6 +212,7 @@ class Batch:
             row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, pins=pins)
             self.rows[uid] = row
             self._reserved += admit.reserved
+            self.admitted_prompt += len(admit.request.prompt)
             if left > 0:
                 self._prefilling[uid] = row
 
@@ -274,7 +288,7 @@ class Batch:
         logprobs_wanted = self._wants_logprobs
         now = time.perf_counter()
         horizon = now + self.decode_step_s  # the end of the next step
-        check = self.check
+        check, produced = self.check, 0
         for response in responses:
             row = rows.get(response.uid)
             if row is None:  # removed earlier in this step
@@ -292,6 +306,7 @@ class Batch:
             event = RowEvent(row.ticket, token, finish, stop_token, None, row.admit.cached_tokens)
             events.append(event)
             check += token
+            produced += 1
             row.produced(now)
             due = due or row.handoff_due(finish is not None, horizon)
             top = row.admit.request.top_logprobs
@@ -304,6 +319,7 @@ class Batch:
         if wanted:
             _attach_logprobs(wanted)
         self.check = check % (1 << 31)
+        self.generated += produced
         return due
 
     def _fail_grammar(self, row: Row, out: StepOutput) -> None:

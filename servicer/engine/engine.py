@@ -28,12 +28,14 @@ from ..messages import (
     EngineStartupError,
     FailureKind,
     GenerationRequest,
+    LoadCounts,
     ModelInfo,
     RowEvent,
     RowFailure,
     SpeculationFigures,
     StepOutput,
 )
+from ..outbox import output_due
 from ..sysinfo import freeze_startup_heap, thaw_startup_heap
 from .arch_fixes import prefill_rows
 from .batch import Batch, check_same_prefix
@@ -287,6 +289,8 @@ class EngineLoop:
                 return
             self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
             due = self._apply_and_step(plan, hits, out)
+            if self._inbox.holding:
+                self._fan_out(out)
             if self._embeds or self.embedder.busy:
                 self._embed(out, plan.budget_s)
             if self._lockstep is not None:
@@ -463,13 +467,36 @@ class EngineLoop:
         budget the step was planned with): at once when no row runs or the output answers a
         flush (its caller reads them), otherwise at most every `FIGURES_INTERVAL_S`."""
         now, published = time.monotonic(), self._published
-        if self.batch.rows and not out.flushed and now - published.at < FIGURES_INTERVAL_S:
+        counts = self._counts()
+        recent = now - published.at < FIGURES_INTERVAL_S and counts == published.counts
+        if self.batch.rows and not out.flushed and recent:
             return
-        published.at = now
+        published.at, published.counts = now, counts
         budget = budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
-        figures = EngineFigures(self.store.stats(), budget, self._speculation_figures())
+        figures = EngineFigures(
+            self.store.stats(), budget, self._speculation_figures(), self._load()
+        )
         if figures != published.figures:
             out.figures = published.figures = figures
+
+    def _counts(self) -> tuple[int, int, int]:
+        """Cheap counts whose change publishes the figures at once: rows, rows before their
+        first token, requests in line."""
+        batch = self.batch
+        return len(batch.rows), batch.starting_rows, self.scheduler.waiting
+
+    def _load(self) -> LoadCounts:
+        """The load a router reads (GetLoads), as this step left it."""
+        running, starting, used = self.batch.load()
+        held = self._inbox.held_samples()
+        return LoadCounts(
+            running=running,
+            waiting=starting + self.scheduler.waiting + len(held),
+            waiting_tokens=self.scheduler.waiting_tokens() + sum(held),
+            used_tokens=used,
+            generated=self.batch.generated,
+            prompt_tokens=self.batch.admitted_prompt,
+        )
 
     def _speculation_figures(self) -> SpeculationFigures | None:
         if self.parts.speculation is None:
@@ -482,23 +509,40 @@ class EngineLoop:
         self._sink.put(out, due=True)
 
     def _send(self, out: StepOutput, due: bool) -> None:
-        """Hand the output over; the loop wakes only once some handler needs it (a first
-        token, a full `tokens_per_handoff`, a finish or a failure), or, with nothing
-        running, for new figures (no other hand-off would bring them soon). Then the step's
+        """Hand the output over; the loop wakes only once the output rule
+        (`outbox.output_due`) says some handler needs it. Then the step's
         finished and prefilled blocks are kept (their block events go with the next output,
         at once when nothing runs)."""
         if out:
-            finished = any(event.finish_reason for event in out.events)
-            answers = bool(out.failures or out.embeddings or out.flushed)
-            due = due or answers or finished or not self.batch.rows
+            due = output_due(out, due, bool(self.batch.rows))
             if due:
                 self.batch.handed_over()
             self._sink.put(out, due)
         if self.store.keep_pending() and not self.batch.rows:
             self._sink.put(StepOutput(kv_events=self.store.take_events()), due=True)
 
+    def _fan_out(self, out: StepOutput) -> None:
+        """The other samples of an n > 1 request join the line once sample 0's prompt is
+        through (its first token is out: they reuse its prefix from the store), or end with
+        it when it ends without one (aborted, or failed)."""
+        inbox = self._inbox
+        for event in out.events:
+            if inbox.holds(event.ticket):
+                if event.token is not None:
+                    inbox.release(event.ticket)
+                elif event.finish_reason is not None:
+                    ended = inbox.drop_samples(event.ticket)
+                    out.events.extend(RowEvent(r.ticket, None, FINISH_ABORT) for r in ended)
+        for failure in list(out.failures):
+            if inbox.holds(failure.ticket):
+                out.failures.extend(
+                    RowFailure(r.ticket, failure.kind, failure.message)
+                    for r in inbox.drop_samples(failure.ticket)
+                )
+
     def _end_all(self, out: StepOutput) -> None:
         tickets = self.scheduler.drain()
+        tickets += [r.ticket for r in self._inbox.drop_samples()]
         out.events.extend(RowEvent(ticket, None, FINISH_ABORT) for ticket in tickets)
         self.batch.end_all(out)
 
@@ -509,6 +553,7 @@ class Published:
 
     figures: EngineFigures | None = None
     at: float = 0.0
+    counts: tuple[int, int, int] = (0, 0, 0)
 
 
 def _length(hit: Hit | None) -> int:

@@ -33,16 +33,69 @@ class Inbox:
         self._flushes: list[int] = []
         self._stopping = False
         self._nudged = False
+        # n > 1: sample 0's ticket -> the other samples, held until the engine releases them
+        self._held: dict[int, list[GenerationRequest]] = {}
 
     def put(self, request: GenerationRequest) -> None:
+        """A request; one with n > 1 goes in as sample 0, its other samples held back until
+        the engine `release`s them (sample 0's prompt is through) or `drop_samples` them."""
         with self._cond:
+            if request.sample_tickets:
+                first, *others = request.samples()
+                self._held[first.ticket] = others
+                request = first
             self._requests.append(request)
             self._cond.notify()
 
     def abort(self, tickets: Iterable[int]) -> None:
+        """Aborts. Aborting sample 0 of a request aborts its held samples too; a held sample
+        that is aborted goes in line with its abort, so the engine ends it as it ends any
+        request aborted before its admission."""
         with self._cond:
-            self._aborts.update(tickets)
+            aborted = set(tickets)
+            for first in aborted & self._held.keys():
+                aborted.update(r.ticket for r in self._held[first])
+            for first, others in list(self._held.items()):
+                named = [r for r in others if r.ticket in aborted]
+                if named:
+                    self._requests.extend(named)
+                    rest = [r for r in others if r.ticket not in aborted]
+                    if rest:
+                        self._held[first] = rest
+                    else:
+                        del self._held[first]
+            self._aborts.update(aborted)
             self._cond.notify()
+
+    # ----- the samples of n > 1, from the engine thread -----
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def holds(self, ticket: int) -> bool:
+        """Whether `ticket` is sample 0 of a request whose other samples are held."""
+        return ticket in self._held
+
+    def release(self, first: int) -> None:
+        """Sample 0's prompt is through: its other samples join the line at the next take."""
+        with self._cond:
+            self._requests.extend(self._held.pop(first, ()))
+            self._cond.notify()
+
+    def drop_samples(self, first: int | None = None) -> list[GenerationRequest]:
+        """The held samples of sample 0 `first` (None: of every request), no longer held."""
+        with self._cond:
+            if first is None:
+                dropped = [r for others in self._held.values() for r in others]
+                self._held.clear()
+                return dropped
+            return self._held.pop(first, [])
+
+    def held_samples(self) -> list[int]:
+        """The prompt lengths of the samples held (the load figures)."""
+        with self._cond:
+            return [len(r.prompt) for others in self._held.values() for r in others]
 
     def embed(self, request: EmbedRequest) -> None:
         with self._cond:

@@ -129,6 +129,10 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def waiting_tokens(self) -> int:
+        """Prompt tokens of the requests in line (the load figures)."""
+        return sum(len(request.prompt) for request in self._waiting)
+
     @property
     def burst(self) -> int:
         """The requests an idle engine waits for before admitting the first: as many as ended
