@@ -31,7 +31,7 @@ def recount(batch: Batch) -> BatchView:
         len(rows),
         any(r.prefilled and not r.generated for r in rows),
         prefilling,
-        batch.decode_cost.seconds(max(decoding, 1)),
+        batch.cost.decode.seconds(max(decoding, 1)),
         sum(1 for r in rows if r.prefill_left == 1),
         sum(r.admit.reserved for r in rows),
     )

@@ -5,6 +5,7 @@ in one step). Outputs stay exact."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -86,7 +87,7 @@ def test_a_draft_models_catch_up_keeps_the_streams_within_the_budget(demo_dir, r
 
 
 def test_a_lagging_row_catches_up_a_chunk_a_step_then_drafts():
-    """With a budget too small for any chunk, each step's catch-up runs the minimum (16
+    """With a plan's share too small for any chunk, each step's catch-up runs the minimum (16
     tokens) for one row; rows behind do not draft until through, and the output is exact."""
     from mlx_lm import load
 
@@ -99,7 +100,7 @@ def test_a_lagging_row_catches_up_a_chunk_a_step_then_drafts():
         Job("long", long, 110, join_at=3),
     ]
     plain = drive(plain_generator(model), jobs)
-    source = DraftModel(model, catch_up_s=1e-9)
+    source = DraftModel(model)
     generator = SpeculativeBatchGenerator(
         model,
         source=source,
@@ -107,6 +108,8 @@ def test_a_lagging_row_catches_up_a_chunk_a_step_then_drafts():
         **generator_kwargs(),
     )
     per_step: list[int] = []
+    # A plan whose share for the catch-up is one token a step: the minimum chunk runs.
+    generator.next = functools.partial(generator.next, catch_up=1)  # type: ignore[method-assign]
     spec = drive(generator, jobs, on_step=lambda _: per_step.append(source.catch_up_tokens))
     for name, want in plain.items():
         assert spec[name].tokens == want.tokens, name

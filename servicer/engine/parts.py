@@ -53,13 +53,12 @@ class Speculation:
     kind: str
     draft: nn.Module | None = None
     config: SpeculationConfig = field(default_factory=SpeculationConfig)
-    catch_up_s: float = 0.0  # a draft model's catch-up a step (the prefill budget; 0: none)
 
     def source(self) -> DraftSource:
         """A fresh draft source (it keeps per-row state: one per generator)."""
         if self.kind == "draft":
             assert self.draft is not None
-            return DraftModel(self.draft, catch_up_s=self.catch_up_s)
+            return DraftModel(self.draft)
         return PromptLookup()
 
 
@@ -253,8 +252,7 @@ def _speculation(
         config.speculation.k_max,
         config.speculation.max_rows,
     )
-    catch_up_s = config.max_prefill_stall_ms / 1000
-    return Speculation(config.speculate, draft, config.speculation, catch_up_s)
+    return Speculation(config.speculate, draft, config.speculation)
 
 
 def _admission(

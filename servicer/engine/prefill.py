@@ -165,6 +165,46 @@ class DecodeCost:
         return max(a + b * rows, 0.0)
 
 
+MIN_CATCH_UP = 16  # a draft model's catch-up tokens before its rate is known
+
+
+class StepCost:
+    """The one cost model of a step: what its decoding rows, its prefill (prompt chunks and
+    embeds: forwards of the model) and a draft model's catch-up take, each learned from the
+    steps as they run. The scheduler plans every part of a step with it under one budget."""
+
+    def __init__(self) -> None:
+        self.prefill = PrefillCost()
+        self.decode = DecodeCost()
+        self._catch_up_rate = 0.0  # seconds a draft catch-up token, lately (0: not seen yet)
+
+    def seconds(self, rows: int, chunk: int, context: int, starting: int = 0) -> float:
+        """What a prefill of `rows` x `chunk` tokens at `context` adds to a step."""
+        return self.prefill.seconds(rows, chunk, context, starting)
+
+    def tokens_within(self, budget_s: float, context: int, starting: int = 0) -> int:
+        return self.prefill.tokens_within(budget_s, context, starting)
+
+    def catch_up_within(self, budget_s: float) -> int:
+        """Draft catch-up tokens that fit `budget_s`."""
+        if self._catch_up_rate == 0:
+            return MIN_CATCH_UP
+        return max(int(budget_s / self._catch_up_rate), 0)
+
+    def observe_prefill(self, sample: PrefillSample) -> None:
+        self.prefill.observe(sample)
+
+    def observe_decode(self, rows: int, seconds: float) -> None:
+        self.decode.observe(rows, seconds)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        rate = seconds / tokens
+        old = self._catch_up_rate
+        self._catch_up_rate = rate if old == 0 else 0.5 * (old + rate)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillPolicy:
     """`max_stall_s`: the most one step's prefill may hold up decoding rows (0: no budget,

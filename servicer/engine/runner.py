@@ -59,6 +59,7 @@ class BatchRunner:
         self.prompt_tokens = 0  # prompt tokens put through the model so far
         self.decode_steps = 0
         self.prefilled = PrefillWork()  # the last step's prefill work, exactly
+        self.catch_up: int | None = None  # the step's draft catch-up allowance (speculation)
         self._wired_limit = maybe_set_recommended_wired_limit()
 
     def _new_decode_batch(self) -> DecodeBatch:
@@ -181,11 +182,20 @@ class BatchRunner:
 
     # ----- one step -----
 
-    def next(self, chunk: int | None = None) -> tuple[list[PromptProgress], list[DecodeResponse]]:
+    def next(
+        self, chunk: int | None = None, catch_up: int | None = None
+    ) -> tuple[list[PromptProgress], list[DecodeResponse]]:
         """One step: a token for every decoding row, and up to `chunk` prompt tokens a row
-        (default `prefill_step_size`) for the rows in prefill."""
+        (default `prefill_step_size`) for the rows in prefill; `catch_up`: a draft model's
+        catch-up tokens this step (None: no bound; speculation's)."""
+        self.catch_up = catch_up
         with mx.stream(self._stream):
             return self._next(chunk or self.prefill_step_size)
+
+    @property
+    def caught_up(self) -> tuple[int, float]:
+        """A draft model's catch-up in the last step: tokens and seconds (none here)."""
+        return 0, 0.0
 
     def _next(self, chunk: int) -> tuple[list[PromptProgress], list[DecodeResponse]]:
         self.prefilled = PrefillWork()

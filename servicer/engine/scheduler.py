@@ -22,10 +22,10 @@ from ..admission import Admission
 from ..engine_config import DEFAULT_PREFILL_STEP
 from ..messages import GenerationRequest, Wire
 from .prefill import (
-    PrefillCost,
     PrefillPolicy,
     PrefillRow,
     PrefillSample,
+    StepCost,
     Widening,
     bulk_budget,
     can_join,
@@ -52,11 +52,16 @@ class Admit(Wire, frozen=True):
 
 
 class Plan(Wire):
-    """The next step's changes to the batch, decided on rank 0 and applied by every rank."""
+    """Everything the next step does, decided on rank 0 and run by every rank: the batch's
+    changes, and the work of the step under its one budget (the prefill's chunk, an embed's
+    chunk, a draft model's catch-up; room for encoder inputs)."""
 
     aborts: list[int] = msgspec.field(default_factory=list)  # admitted rows to remove
     admits: list[Admit] = msgspec.field(default_factory=list)
     chunk: int = DEFAULT_PREFILL_STEP  # prompt tokens per row this step prefills
+    embed_tokens: int | None = None  # an embed's chunk beside decoding rows (None: whole)
+    catch_up_tokens: int | None = None  # a draft model's catch-up (None: no bound)
+    encoder_tokens: int = 0  # encoder inputs (images) this step: none yet
     stop: bool = False
     check: int = 0  # what the previous step produced, so the ranks can compare notes
     # Rank 0's own: the prefill budget this step was planned with, whether it was widened
@@ -93,6 +98,7 @@ class StepChoice:
     failed: list[tuple[GenerationRequest, str]] = field(default_factory=list)
     budget_s: float = 0.0  # the prefill budget the step is planned with
     bulk: bool = False  # it prefills in bulk (`Scheduler._bulk`)
+    prefill_s: float = 0.0  # what its prefill is expected to take of the budget
 
 
 class Scheduler:
@@ -110,6 +116,7 @@ class Scheduler:
         reusable: Callable[[GenerationRequest], int] = lambda request: 0,
         ready: Callable[[GenerationRequest], bool] = lambda request: True,
         max_rows: int = 32,
+        cost: StepCost | None = None,
     ) -> None:
         """`reusable(request)`: how many prompt tokens a cached prefix would cover (a cheap
         estimate); `ready(request)`: False while its prefix is still being read from disk
@@ -121,7 +128,7 @@ class Scheduler:
         self._max_rows = max_rows
         self._waiting: deque[GenerationRequest] = deque()
         self._arrived: dict[int, float] = {}  # ticket -> when it joined the line
-        self.cost = PrefillCost()
+        self.cost = cost or StepCost()
         self.widening = Widening()
         self._returning = self._policy.max_rows  # a first wave: a prefill batch
 
@@ -214,12 +221,16 @@ class Scheduler:
             return StepChoice(admits, policy.step_tokens, False, failed, budget_s)
         widened = widen > 1.0 and batch.decoding and not bulk
         left = [r for r in rows if r > 0]
+        starting = batch.starting
         if left and finishes_within(left, finish):
             # Planned past the base budget on purpose, where rows decode.
             planned = finish_s if bounded else budget_s
-            return StepChoice(admits, max(left), widened, failed, planned, bulk)
+            chunk = max(left)
+            spent = self.cost.seconds(len(left), chunk, context, starting)
+            return StepChoice(admits, chunk, widened, failed, planned, bulk, spent)
         chunk = chunk_for(left, capacity, min_chunk)
-        return StepChoice(admits, chunk, widened, failed, budget_s, bulk)
+        spent = self.cost.seconds(len(left), chunk, context, starting) if left or starting else 0.0
+        return StepChoice(admits, chunk, widened, failed, budget_s, bulk, spent)
 
     def _bound(self, batch: BatchView, budget_s: float) -> tuple[float, bool, bool]:
         """The step's prefill budget, whether it prefills in bulk, and whether its prefill is
@@ -293,13 +304,22 @@ class Scheduler:
         need = self._admission.estimate(self._waiting[0].cache_tokens)
         return batch.reserved + need > self._admission.limit_bytes
 
-    def beside_decoding(self, decoding: bool, budget_s: float) -> int | None:
-        """Tokens a forward of its own (an embed's chunk) may take in a step whose rows
-        decode: what the prefill budget allows; None (no bound) with none decoding or no
-        budget."""
+    def share(
+        self, choice: StepChoice, decoding: bool, embeds: bool
+    ) -> tuple[int | None, int | None]:
+        """What the step's budget leaves, after its prefill, to an embed's chunk (first) and a
+        draft model's catch-up (tokens each; None: no bound). With none decoding or no budget
+        nothing is bounded; a step that prefills prompts leaves the catch-up nothing."""
         if not (decoding and self._policy.budgeted):
-            return None
-        return self.cost.tokens_within(budget_s, 0)
+            return None, None
+        left_s = choice.budget_s - choice.prefill_s
+        embed = None
+        if embeds:
+            embed = self.cost.tokens_within(max(left_s, 0.0), 0)
+            left_s -= self.cost.seconds(1, embed, 0)
+        prefilling = choice.prefill_s > 0 or bool(choice.admits)
+        catch_up = 0 if prefilling else self.cost.catch_up_within(max(left_s, 0.0))
+        return embed, catch_up
 
     def over_budget(self, sample: PrefillSample, plan: Plan | StepChoice) -> bool:
         """Whether a step's prefill took longer than the budget it was planned with."""

@@ -36,38 +36,39 @@ class DraftModel:
     Its cache rolls back per row like the target's. Rows join empty and steps without drafts
     do not run the draft, so a row may lag: the next draft first runs it over what it
     missed. A row a few tokens behind does so in the batched draft pass. One further behind
-    (one that just joined with its whole prompt) catches up alone, within the prefill budget:
-    at most `catch_up_s` of draft forwards a step, none in a step whose target prefills
-    prompts (the budget is theirs), and drafts nothing until it is through. It decodes as
-    without speculation meanwhile, so the running streams never wait for a long context's
-    catch-up. `catch_up_s = 0`: no budget, a row catches up at its first draft.
+    (one that just joined with its whole prompt) catches up alone, within the step's plan:
+    `begin_step(tokens)` gives the step's share of the budget in catch-up tokens (0 in a step
+    whose target prefills prompts; a step with any share moves at least `_MIN_CHUNK`), and it
+    drafts nothing until it is through. It decodes as without speculation meanwhile, so the
+    running streams never wait for a long context's catch-up. No share given (None): no
+    budget, a row catches up at its first draft.
     """
 
-    def __init__(self, model: Any, prefill_step_size: int = 512, catch_up_s: float = 0.0) -> None:
+    def __init__(self, model: Any, prefill_step_size: int = 512) -> None:
         supported, reason = draft_supported(model)
         if not supported:
             raise ValueError(f"the draft model cannot speculate: {reason}")
         self.model = model
         self._step = prefill_step_size
-        self._catch_up_s = catch_up_s
+        self._allowance: int | None = None  # this step's catch-up tokens (None: no bound)
         self._cache: list[Any] = []
         self._held: list[int] = []  # tokens of each row the batched draft cache holds
         self._lanes: list[_Lane | None] = []  # rows catching up alone
         self._base: list[int] = []  # each row's `_held` before the last `draft`'s drafts
         self._drafting: list[bool] = []  # rows the last `draft` drafted for
         self._k = 0  # draft length of the last `draft` (0: it fed no drafts)
-        self._paused = False  # this step prefills prompts: no catch-up
-        self._rate = 0.0  # seconds per catch-up token, lately (0: not measured yet)
-        self.catch_up_tokens = 0  # catch-up tokens the last `draft` ran alone
+        self.catch_up_tokens = 0  # catch-up tokens the last step ran alone
+        self.catch_up_seconds = 0.0  # and what they took
 
     @property
     def nbytes(self) -> int:
         lanes = sum(c.nbytes for lane in self._lanes if lane is not None for c in lane.cache)
         return sum(c.nbytes for c in self._cache) + lanes
 
-    def begin_step(self, prefilling: bool) -> None:
-        """A generator step begins; `prefilling`: it prefills prompts too."""
-        self._paused = prefilling
+    def begin_step(self, tokens: int | None) -> None:
+        """A step begins; `tokens`: its catch-up share (None: no bound)."""
+        self._allowance = tokens
+        self.catch_up_tokens, self.catch_up_seconds = 0, 0.0
 
     def extend(self, tokens: Sequence[list[int]]) -> None:
         """Rows join empty: the draft runs over a row's tokens once it drafts (the
@@ -129,7 +130,6 @@ class DraftModel:
         """Rows that want drafts but lag too far run their missing tokens alone (batch of
         one, no padding), within this step's budget; a row that is through rejoins the
         batched cache."""
-        budgeted = self._catch_up_s > 0
         spent, ran = 0.0, 0
         for i, (context, k) in enumerate(zip(tokens, ks, strict=True)):
             lane = self._lanes[i]
@@ -143,13 +143,7 @@ class DraftModel:
                     layer.put_row(i, None)
                 self._held[i], self._lanes[i] = 0, lane
             while lane.held < len(context):
-                if budgeted and self._paused:
-                    break
-                n = (
-                    self._chunk(self._catch_up_s - spent, first=ran == 0)
-                    if budgeted
-                    else self._step
-                )
+                n = self._chunk(ran)
                 n = min(n, len(context) - lane.held)
                 if n <= 0:
                     break
@@ -157,24 +151,30 @@ class DraftModel:
                 chunk = mx.array([context[lane.held : lane.held + n]], dtype=mx.uint32)
                 self.model(chunk, cache=lane.cache)
                 mx.eval([c.state for c in lane.cache])
-                took = time.perf_counter() - started
-                self._rate = took / n if self._rate == 0 else 0.5 * (self._rate + took / n)
-                spent, ran, lane.held = spent + took, ran + n, lane.held + n
+                spent, ran, lane.held = (
+                    spent + time.perf_counter() - started,
+                    ran + n,
+                    lane.held + n,
+                )
             if lane.held == len(context):  # through: back into the batched cache
                 for layer, mine in zip(self._cache, lane.cache, strict=True):
                     layer.put_row(i, mine)
                 self._held[i], self._lanes[i] = lane.held, None
-        self.catch_up_tokens = ran
+        self.catch_up_tokens += ran
+        self.catch_up_seconds += spent
 
-    def _chunk(self, left_s: float, first: bool) -> int:
-        """Tokens the next catch-up forward may take in `left_s` seconds (at least a small
-        chunk in a step that ran none yet, so a lagging row always moves)."""
-        if self._rate == 0:
-            return _MIN_CHUNK
-        n = min(self._step, int(left_s / self._rate))
-        if n < _MIN_CHUNK:
-            return _MIN_CHUNK if first else 0
-        return n
+    def _chunk(self, ran: int) -> int:
+        """Tokens the next catch-up forward may take, `ran` already run this step: what is
+        left of the step's share, and at least a small chunk in a step that ran none yet (so
+        a lagging row always moves), none in a step with no share."""
+        if self._allowance is None:
+            return self._step
+        if self._allowance <= 0:
+            return 0
+        left = min(self._step, self._allowance - ran)
+        if ran == 0:
+            return max(left, _MIN_CHUNK)
+        return left if left >= _MIN_CHUNK else 0
 
     def _catch_up(self, missing: list[list[int]]) -> mx.array:
         """Run each row's missing tokens (right-padded, in chunks; a row with none feeds

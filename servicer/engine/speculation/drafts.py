@@ -1,12 +1,12 @@
-"""What a draft source does for a speculating generation batch.
+"""What a draft source does for a speculating decoding batch.
 
-Rows are positional, as in mlx-lm's `GenerationBatch`: `extend` appends rows, `filter` keeps
+Rows are positional, as in the decoding batch: `extend` appends rows, `filter` keeps
 some, in the batch's own order. A row's context is `tokens` (what the target's cache holds,
 prompt included) followed by its pending token, which the target has sampled but not run.
 
-A source may also have `begin_step(prefilling: bool)`: the generator calls it at the start of
-every step, saying whether that step also prefills prompts (a draft model's catch-up then
-waits: the prefill budget is theirs).
+A source may also have `begin_step(tokens: int | None)`: the runner calls it at the start of
+every step with the plan's share of the step for a draft model's catch-up (0 in a step that
+prefills prompts: the budget is theirs; None: no bound).
 """
 
 from __future__ import annotations

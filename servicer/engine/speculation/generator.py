@@ -56,14 +56,17 @@ class SpeculativeBatchGenerator(BatchRunner):
         return self._speculating
 
     def _next(self, chunk: int) -> Any:
-        # A step that prefills prompts spends the prefill budget on them: a draft model's
-        # catch-up waits for a step without (see DraftModel).
-        prefilling = self.prefilling
+        # The plan's share of the step for a draft model's catch-up (see DraftModel).
         begin = getattr(self._speculator.source, "begin_step", None)
         if begin is not None:
-            begin(prefilling)
-        self._speculating.shares_step_with_prefill = prefilling
+            begin(self.catch_up)
+        self._speculating.shares_step_with_prefill = self.prefilling
         return super()._next(chunk)
+
+    @property
+    def caught_up(self) -> tuple[int, float]:
+        source = self._speculator.source
+        return getattr(source, "catch_up_tokens", 0), getattr(source, "catch_up_seconds", 0.0)
 
     def after_pause(self) -> None:
         """The caller did other work since the last step (a benchmark alternating
