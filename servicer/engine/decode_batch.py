@@ -214,7 +214,8 @@ class DecodeBatch:
     def _run_processors(
         self, logits: mx.array, inputs: mx.array, contexts: list[mx.array]
     ) -> mx.array:
-        """Each row's logits processors on its logits, given its tokens so far."""
+        """Each row's logits processors on its logits (rows, vocab), given its tokens so far
+        and `inputs` (rows,), the token each row just ran (its context, into `contexts`)."""
         rows = []
         for e, processors in enumerate(self.logits_processors):
             row = logits[e : e + 1]
@@ -233,10 +234,7 @@ class DecodeBatch:
         tokens, logprobs = self._step()
         keep, responses = [], []
         for i, uid in enumerate(self.uids):
-            self._num_tokens[i] += 1
-            finish = FINISH_LENGTH if self._num_tokens[i] >= self.max_tokens[i] else None
-            if self._matchers[i].advance(tokens[i]):
-                finish = FINISH_STOP
+            finish = self._advance(i, tokens[i])
             if finish is None:
                 keep.append(i)
                 responses.append(DecodeResponse(uid, tokens[i], logprobs[i], None, None, None))
@@ -248,6 +246,14 @@ class DecodeBatch:
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+    def _advance(self, i: int, token: int) -> str | None:
+        """Row i emits `token`: its finish reason, if its length or a stop sequence ends it."""
+        self._num_tokens[i] += 1
+        finish = FINISH_LENGTH if self._num_tokens[i] >= self.max_tokens[i] else None
+        if self._matchers[i].advance(token):
+            finish = FINISH_STOP
+        return finish
 
 
 def _joined(a: mx.array | None, b: mx.array | None) -> mx.array | None:

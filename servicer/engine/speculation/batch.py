@@ -13,7 +13,6 @@ import mlx.core as mx
 # mid-import when this module loads.
 import servicer.engine.cache_kinds as cache_kinds
 
-from ...messages import FINISH_LENGTH, FINISH_STOP
 from ..decode_batch import DecodeBatch, DecodeResponse
 from .config import ModeClock, RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
@@ -159,7 +158,7 @@ class SpeculativeGenerationBatch(DecodeBatch):
         source = self.speculator.source
         drafts = source.draft(self.tokens, pending, ks)
         if not probing:
-            drafts = self._worth_verifying(drafts)
+            drafts = worth_verifying(self.speculator, self._paces, drafts)
         if any(drafts):
             self._roll_back_ready()
             self._timer.step_ran(len(self.uids), 1 + max(len(d) for d in drafts))
@@ -213,33 +212,12 @@ class SpeculativeGenerationBatch(DecodeBatch):
         if not any(ks) or not config.costed:
             return ks, False
         rows = len(self.uids)
-        width, probing = self.speculator.clock.choose(rows, 1 + max(ks), self._expected_tokens(ks))
-        if width == 1:
-            self.speculator.counters.cutoff_steps += 1
-        return [min(k, width - 1) for k in ks], probing
-
-    def _expected_tokens(self, lengths: list[int]) -> Callable[[int], float]:
-        """Tokens a step of verify width w is expected to give, with these draft lengths."""
-        paces = self._paces
-
-        def tokens(width: int) -> float:
-            return sum(p.expected(min(n, width - 1)) for p, n in zip(paces, lengths, strict=True))
-
-        return tokens
-
-    def _worth_verifying(self, drafts: list[list[int]]) -> list[list[int]]:
-        """The drafts cut to the width the clock expects to pay, now that their lengths are
-        known (prompt lookup finds nothing for many rows; the plan assumed every row would
-        draft its full length)."""
-        if not self.speculator.config.costed or not any(drafts):
-            return drafts
-        lengths = [len(d) for d in drafts]
-        width = self.speculator.clock.best(
-            len(self.uids), 1 + max(lengths), self._expected_tokens(lengths)
+        width, probing = self.speculator.clock.choose(
+            rows, 1 + max(ks), expected_tokens(self._paces, ks)
         )
         if width == 1:
             self.speculator.counters.cutoff_steps += 1
-        return [d[: width - 1] for d in drafts]
+        return [min(k, width - 1) for k in ks], probing
 
     def _speculate(self, pending: list[int], drafts: list[list[int]]) -> list[Any]:
         width = 1 + max(len(d) for d in drafts)
@@ -262,18 +240,9 @@ class SpeculativeGenerationBatch(DecodeBatch):
         draft nothing, so that is their only position), as the plain step runs them."""
         if not any(self.logits_processors):
             return logits, []
-        rows, contexts = [], []
-        for e, processors in enumerate(self.logits_processors):
-            row = logits[e]
-            if processors:
-                context = self._token_context[e].update_and_fetch(inputs[e, :1])
-                contexts.append(context)
-                first = row[:1]
-                for processor in processors:
-                    first = processor(context, first)
-                row = mx.concatenate([first, row[1:]], axis=0)
-            rows.append(row)
-        return mx.stack(rows), contexts
+        contexts: list[mx.array] = []
+        first = self._run_processors(logits[:, 0], inputs[:, 0], contexts)
+        return mx.concatenate([first[:, None], logits[:, 1:]], axis=1), contexts
 
     def _settle(self, step: _Verified, samplers: Sequence[Any]) -> list[Any]:
         """Accept, emit through the stop and length checks, roll back what was not kept."""
@@ -323,13 +292,34 @@ class SpeculativeGenerationBatch(DecodeBatch):
         """Emit `tokens` in order through row i's length and stop checks: the finish reason
         (or None) and how many are emitted."""
         for used, token in enumerate(tokens, start=1):
-            self._num_tokens[i] += 1
-            finish = FINISH_LENGTH if self._num_tokens[i] >= self.max_tokens[i] else None
-            if self._matchers[i].advance(token):
-                finish = FINISH_STOP
+            finish = self._advance(i, token)
             if finish is not None:
                 return finish, used
         return None, len(tokens)
+
+
+def expected_tokens(paces: Sequence[RowPace], lengths: list[int]) -> Callable[[int], float]:
+    """Tokens a step of verify width w is expected to give, with these draft lengths."""
+
+    def tokens(width: int) -> float:
+        return sum(p.expected(min(n, width - 1)) for p, n in zip(paces, lengths, strict=True))
+
+    return tokens
+
+
+def worth_verifying(
+    speculator: Speculator, paces: Sequence[RowPace], drafts: list[list[int]]
+) -> list[list[int]]:
+    """The drafts cut to the width the clock expects to pay, now that their lengths are known
+    (prompt lookup finds nothing for many rows; the plan assumed every row would draft its
+    full length)."""
+    if not speculator.config.costed or not any(drafts):
+        return drafts
+    lengths = [len(d) for d in drafts]
+    width = speculator.clock.best(len(drafts), 1 + max(lengths), expected_tokens(paces, lengths))
+    if width == 1:
+        speculator.counters.cutoff_steps += 1
+    return [d[: width - 1] for d in drafts]
 
 
 def _consume(samplers: Sequence[Any], used: Sequence[int]) -> None:
