@@ -171,11 +171,9 @@ async def wait_for_model(
 def emit_row(
     self: MlxEngineServicer, stream: RequestStream, output: OutputProcessor, events: list[RowEvent]
 ) -> list[Any]:
-    """One batch of a row's events: the messages its client gets now; the row's finish (or,
-    for a stop string, its abort in the engine) is settled here."""
+    """One batch of a row's events: the messages its client gets now (the engine ended the
+    row itself where a stop string completed)."""
     emission = output.process(events)
-    if emission.abort:  # a stop string ended it; its row may still be running
-        self._engine.abort([stream.ticket])
     if emission.tokens:
         observe_tokens(self._metrics, stream, emission.tokens)
     stream.finish_reason = emission.finish_reason

@@ -1,6 +1,7 @@
 """Engine events -> the messages one client gets: chunks and the final GenerateComplete, text
-and stop strings included. Pure: it touches no engine, metrics or I/O, and says what the
-handler must do (send these, abort that row)."""
+and stop strings included (the engine ends a row at the token that completes a stop string;
+this cuts the text). Pure: it touches no engine, metrics or I/O, and says what the handler
+must send."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ class Emission:
     responses: list[Any] = field(default_factory=list)  # the face's GenerateResponses
     tokens: int = 0  # new tokens the client gets
     finish_reason: str | None = None  # set with the last batch
-    abort: bool = False  # a stop string ended it while its row still runs in the engine
 
 
 class OutputProcessor:
@@ -64,7 +64,6 @@ class OutputProcessor:
                 del tokens[taken:]
                 emission.finish_reason, matched_token = FINISH_STOP, None
                 matched_text = tracker.matched
-                emission.abort = True
             text = tracker.release(final=emission.finish_reason is not None)
         emission.tokens = len(tokens)
         self._completion_tokens += len(tokens)

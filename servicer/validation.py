@@ -369,7 +369,6 @@ def build_request(
     if not params.ignore_eos or grammar is not None:  # a finished grammar ends with EOS
         stop.update(limits.eos_token_ids)
     text = text_options(params)
-    unary = not request.stream and text is None
     job = GenerationRequest(
         ticket=ticket,
         request_id=request.request_id,
@@ -381,10 +380,11 @@ def build_request(
         top_logprobs=top_logprobs,
         constraint=grammar,
         thinking_budget=thinking_budget,
-        tokens_per_handoff=sys.maxsize if unary else stream_interval,
+        tokens_per_handoff=stream_interval if request.stream or text is not None else sys.maxsize,
         handoff_window_s=stream_window_s,
         block_keys=block_keys(prompt, block_size) if block_size else (),
         bos_added=bos_added,
         min_tokens=params.min_tokens,
+        stop_strings=text.stops if text is not None else (),
     )
     return job, text

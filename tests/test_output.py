@@ -29,7 +29,7 @@ def test_a_stream_gets_a_chunk_per_batch_then_the_complete():
     assert complete.complete.finish_reason == "stop"
     assert complete.complete.matched_stop_token_id == 9
     assert complete.complete.completion_tokens == 3 and not complete.complete.output_ids
-    assert last.finish_reason == "stop" and not last.abort
+    assert last.finish_reason == "stop"
 
 
 def test_a_unary_call_gets_one_complete_with_every_token_and_logprob():
@@ -51,11 +51,11 @@ def test_an_abort_with_no_token_ends_the_stream_with_no_chunk():
     assert done.responses[0].complete.completion_tokens == 1
 
 
-def test_a_stop_string_cuts_the_output_and_asks_for_the_row_to_be_aborted():
+def test_a_stop_string_cuts_the_output():
     # Tokens 0, 1, 2 decode to "Hel", "lo", " w": the stop string "lo" completes at token 1.
     output = OutputProcessor(_request(), True, TextTracker(WindowDecoder(decode), ["lo"]))
     done = output.process([RowEvent(1, 0), RowEvent(1, 1), RowEvent(1, 2)])
-    assert done.abort and done.finish_reason == "stop" and done.tokens == 2
+    assert done.finish_reason == "stop" and done.tokens == 2
     chunk, complete = done.responses
     assert list(chunk.chunk.token_ids) == [0, 1] and chunk.chunk.text == "Hel"
     assert complete.complete.matched_stop == "lo"

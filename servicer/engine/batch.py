@@ -22,6 +22,7 @@ from ..messages import (
 )
 from ..outbox import handoff_due
 from ..ratelimit import RateLimitedLog
+from ..text import TextTracker
 from .constraints import GrammarProcessor
 from .lockstep import LockstepBroken
 from .prefill import DecodeCost, PrefillRow, PrefillSample
@@ -59,6 +60,7 @@ class Row:
     prefilled: bool = False  # its prompt is in; its first token comes with the next step
     grammar: GrammarProcessor | None = None  # its structured-output processor, if any
     pins: Pins | None = None  # the blocks of the prefix it reused, pinned while it runs
+    text: TextTracker | None = None  # its decoded text, when it has stop strings
     ticket: int = field(init=False)  # its request's (read for every event)
 
     def __post_init__(self) -> None:
@@ -125,12 +127,6 @@ class Batch:
     def starting_rows(self) -> int:
         """Rows whose first token is not out yet."""
         return len(self._prefilling) + len(self._first_due)
-
-    def load(self) -> tuple[int, int, int]:
-        """(rows whose first token is out, rows still before it, tokens the rows hold)."""
-        starting = self.starting_rows
-        used = sum(len(row.admit.request.prompt) + row.generated for row in self.rows.values())
-        return len(self.rows) - starting, starting, used
 
     @property
     def generator(self) -> BatchRunner:
@@ -210,6 +206,7 @@ class Batch:
             left = len(admit.request.prompt) - admit.cached_tokens
             pins = hit.pins if hit is not None else None
             row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, pins=pins)
+            row.text = sampling.stop_text(admit.request)
             self.rows[uid] = row
             self._reserved += admit.reserved
             self.admitted_prompt += len(admit.request.prompt)
@@ -303,6 +300,11 @@ class Batch:
                 first_due.discard(row.uid)
             token, finish = response.token, response.finish_reason
             stop_token = token if finish == FINISH_STOP else None
+            if row.text is not None and _stop_string(row.text, token):
+                if finish is None:  # it leaves here, its cache not kept (as an abort's)
+                    broken.append(row.uid)
+                    self._drop(row)
+                finish, stop_token = FINISH_STOP, None
             event = RowEvent(row.ticket, token, finish, stop_token, None, row.admit.cached_tokens)
             events.append(event)
             check += token
@@ -312,7 +314,7 @@ class Batch:
             top = row.admit.request.top_logprobs
             if top is not None and logprobs_wanted:
                 wanted.append((event, response.logprobs, top))
-            if finish is not None:
+            if finish is not None and row.uid in rows:
                 self._finish(row, response)
         if broken:
             self._generator.remove(broken)
@@ -383,6 +385,12 @@ def _attach_logprobs(wanted: list[tuple[RowEvent, Any, int]]) -> None:
     )
     for (event, _, _), result in zip(wanted, results, strict=True):
         event.logprob = result
+
+
+def _stop_string(text: TextTracker, token: int) -> bool:
+    """Whether `token` completes one of the row's stop strings."""
+    text.add((token,))
+    return text.matched is not None
 
 
 def check_same_prefix(cached: int, expected: int) -> None:

@@ -92,6 +92,7 @@ class GrammarFactory:
 
     def __init__(self, hf_tokenizer: object, vocab_size: int, eos: int) -> None:
         self._hf_tokenizer = hf_tokenizer
+        self.hf_tokenizer = hf_tokenizer  # the model's (stop strings decode with it too)
         self._vocab_size = vocab_size
         self._eos = eos
         self._checker: GrammarChecker | None = None

@@ -289,8 +289,7 @@ class EngineLoop:
                 return
             self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
             due = self._apply_and_step(plan, hits, out)
-            if self._inbox.holding:
-                self._fan_out(out)
+            self._inbox.fan_out(out)
             if self._embeds or self.embedder.busy:
                 self._embed(out, plan.budget_s)
             if self._lockstep is not None:
@@ -466,37 +465,17 @@ class EngineLoop:
         """The figures go out with this output when they changed (`budget_s`: the prefill
         budget the step was planned with): at once when no row runs or the output answers a
         flush (its caller reads them), otherwise at most every `FIGURES_INTERVAL_S`."""
-        now, published = time.monotonic(), self._published
-        counts = self._counts()
+        now, published, batch = time.monotonic(), self._published, self.batch
+        counts = len(batch.rows), batch.starting_rows, self.scheduler.waiting
         recent = now - published.at < FIGURES_INTERVAL_S and counts == published.counts
-        if self.batch.rows and not out.flushed and recent:
+        if batch.rows and not out.flushed and recent:
             return
         published.at, published.counts = now, counts
         budget = budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
-        figures = EngineFigures(
-            self.store.stats(), budget, self._speculation_figures(), self._load()
-        )
+        load = load_counts(batch, self.scheduler, self._inbox)
+        figures = EngineFigures(self.store.stats(), budget, self._speculation_figures(), load)
         if figures != published.figures:
             out.figures = published.figures = figures
-
-    def _counts(self) -> tuple[int, int, int]:
-        """Cheap counts whose change publishes the figures at once: rows, rows before their
-        first token, requests in line."""
-        batch = self.batch
-        return len(batch.rows), batch.starting_rows, self.scheduler.waiting
-
-    def _load(self) -> LoadCounts:
-        """The load a router reads (GetLoads), as this step left it."""
-        running, starting, used = self.batch.load()
-        held = self._inbox.held_samples()
-        return LoadCounts(
-            running=running,
-            waiting=starting + self.scheduler.waiting + len(held),
-            waiting_tokens=self.scheduler.waiting_tokens() + sum(held),
-            used_tokens=used,
-            generated=self.batch.generated,
-            prompt_tokens=self.batch.admitted_prompt,
-        )
 
     def _speculation_figures(self) -> SpeculationFigures | None:
         if self.parts.speculation is None:
@@ -521,28 +500,8 @@ class EngineLoop:
         if self.store.keep_pending() and not self.batch.rows:
             self._sink.put(StepOutput(kv_events=self.store.take_events()), due=True)
 
-    def _fan_out(self, out: StepOutput) -> None:
-        """The other samples of an n > 1 request join the line once sample 0's prompt is
-        through (its first token is out: they reuse its prefix from the store), or end with
-        it when it ends without one (aborted, or failed)."""
-        inbox = self._inbox
-        for event in out.events:
-            if inbox.holds(event.ticket):
-                if event.token is not None:
-                    inbox.release(event.ticket)
-                elif event.finish_reason is not None:
-                    ended = inbox.drop_samples(event.ticket)
-                    out.events.extend(RowEvent(r.ticket, None, FINISH_ABORT) for r in ended)
-        for failure in list(out.failures):
-            if inbox.holds(failure.ticket):
-                out.failures.extend(
-                    RowFailure(r.ticket, failure.kind, failure.message)
-                    for r in inbox.drop_samples(failure.ticket)
-                )
-
     def _end_all(self, out: StepOutput) -> None:
-        tickets = self.scheduler.drain()
-        tickets += [r.ticket for r in self._inbox.drop_samples()]
+        tickets = self.scheduler.drain() + [r.ticket for r in self._inbox.drop_samples()]
         out.events.extend(RowEvent(ticket, None, FINISH_ABORT) for ticket in tickets)
         self.batch.end_all(out)
 
@@ -554,6 +513,22 @@ class Published:
     figures: EngineFigures | None = None
     at: float = 0.0
     counts: tuple[int, int, int] = (0, 0, 0)
+
+
+def load_counts(batch: Batch, scheduler: Scheduler, inbox: Inbox) -> LoadCounts:
+    """The load a router reads (GetLoads), as a step left it: the batch's rows, the requests
+    in the scheduler's line and the samples the inbox holds."""
+    starting, held = batch.starting_rows, inbox.held_samples()
+    return LoadCounts(
+        running=len(batch.rows) - starting,
+        waiting=starting + scheduler.waiting + len(held),
+        waiting_tokens=scheduler.waiting_tokens() + sum(held),
+        used_tokens=sum(
+            len(row.admit.request.prompt) + row.generated for row in batch.rows.values()
+        ),
+        generated=batch.generated,
+        prompt_tokens=batch.admitted_prompt,
+    )
 
 
 def _length(hit: Hit | None) -> int:

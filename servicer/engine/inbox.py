@@ -8,7 +8,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..messages import EmbedRequest, GenerationRequest
+from ..messages import (
+    FINISH_ABORT,
+    EmbedRequest,
+    GenerationRequest,
+    RowEvent,
+    RowFailure,
+    StepOutput,
+)
 
 
 @dataclass
@@ -91,6 +98,27 @@ class Inbox:
                 self._held.clear()
                 return dropped
             return self._held.pop(first, [])
+
+    def fan_out(self, out: StepOutput) -> None:
+        """From the engine thread, after a step: the other samples of an n > 1 request join
+        the line once sample 0's prompt is through (its first token is out in `out`: they
+        reuse its prefix from the store), or end with it when it ends without one (aborted
+        or failed)."""
+        if not self._held:
+            return
+        for event in list(out.events):
+            if event.ticket in self._held:
+                if event.token is not None:
+                    self.release(event.ticket)
+                elif event.finish_reason is not None:
+                    ended = self.drop_samples(event.ticket)
+                    out.events.extend(RowEvent(r.ticket, None, FINISH_ABORT) for r in ended)
+        for failure in list(out.failures):
+            if failure.ticket in self._held:
+                out.failures.extend(
+                    RowFailure(r.ticket, failure.kind, failure.message)
+                    for r in self.drop_samples(failure.ticket)
+                )
 
     def held_samples(self) -> list[int]:
         """The prompt lengths of the samples held (the load figures)."""

@@ -21,7 +21,9 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
+from ..codec import TextCodec
 from ..messages import GenerationRequest, PenaltySpec, SamplingSpec, TokenLogprob
+from ..text import TextTracker
 from .constraints import GrammarFactory
 
 Sampler = Callable[[mx.array], mx.array]
@@ -238,6 +240,18 @@ class SamplingFactory:
         self._think = (tuple(think_start), tuple(think_end)) if think_start and think_end else None
         self._samplers: _BoundedCache[SamplingSpec, Sampler] = _BoundedCache(cache_capacity)
         self._stops: _BoundedCache[frozenset[int], StopSequences] = _BoundedCache(cache_capacity)
+        self._codec: TextCodec | None = None  # decodes the rows that have stop strings
+
+    def stop_text(self, request: GenerationRequest) -> TextTracker | None:
+        """The text a row with stop strings watches: the handlers' `TextTracker` on the
+        model's tokenizer, so the engine ends the row (finish `stop`) at the token where the
+        handler's finds the stop string, and the handler cuts the text."""
+        if not request.stop_strings:
+            return None
+        if self._codec is None:
+            self._codec = TextCodec(self._grammars.hf_tokenizer)
+        decoder = self._codec.decoder()
+        return TextTracker(decoder, request.stop_strings, min_tokens=request.min_tokens)
 
     def sampler(self, spec: SamplingSpec) -> Sampler:
         if spec.greedy:
