@@ -12,8 +12,8 @@ from test_prefix_store import text_tokens
 
 from servicer.engine import EngineConfig
 from servicer.engine.embedding import Embedder
-from servicer.engine.engine import EngineLoop
 from servicer.engine.inbox import InboxTake
+from servicer.engine.planner import Planner
 from servicer.messages import EmbedRequest, FailureKind, StepOutput
 
 BLOCK = 64
@@ -83,16 +83,16 @@ def test_a_distributed_engine_refuses_embeds_and_flushes():
     """Every rank must do the same at each step, and neither is planned for them: both are
     refused with an answer, and nothing is flushed."""
     flushed = []
-    loop = SimpleNamespace(
+    planner = SimpleNamespace(
         _lockstep=object(),
-        embedder=Embedder.of(object(), distributed=True),  # type: ignore[arg-type]
-        store=SimpleNamespace(flush=lambda: flushed.append(True)),
-        _embeds=[],
+        _embedder=Embedder.of(object(), distributed=True),  # type: ignore[arg-type]
+        _store=SimpleNamespace(flush=lambda: flushed.append(True)),
+        embeds=[],
     )
     take = InboxTake([], set(), False, [EmbedRequest(1, [1, 2])], [2])
     out = StepOutput()
-    EngineLoop._commands(loop, take, out)  # type: ignore[arg-type]
-    assert not flushed and not loop._embeds and not out.flushed
+    Planner._commands(planner, take, out)  # type: ignore[arg-type]
+    assert not flushed and not planner.embeds and not out.flushed
     (embedded,) = out.embeddings
     assert embedded.ticket == 1 and "--distributed" in embedded.error
     (failure,) = out.failures

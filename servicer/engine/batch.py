@@ -25,7 +25,7 @@ from ..ratelimit import RateLimitedLog
 from ..text import TextTracker
 from .constraints import GrammarProcessor
 from .lockstep import LockstepBroken
-from .prefill import DecodeCost, PrefillRow, PrefillSample
+from .prefill import PrefillRow, PrefillSample, StepCost
 from .prefix.store import AnyPrefixStore, Hit, Pins
 from .runner import BatchRunner
 from .sampling import SamplingFactory, gather_logprobs
@@ -40,6 +40,7 @@ class StepReport:
     prefill: PrefillSample | None  # the step's prefill, measured, if it had any
     prefill_tokens: int = 0  # prompt tokens it put through the model
     fused: bool = False  # its prefill chunk rode in the decoding rows' forward
+    catch_up: tuple[int, float] = (0, 0.0)  # a draft model's catch-up: tokens, seconds
 
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Batch:
         faults: FaultPlan | None = None,
         wants_logprobs: bool = True,
         new_row: Callable[[], list[Any]] | None = None,
+        cost: StepCost | None = None,
     ) -> None:
         """`new_row`: a request's empty caches (quantized ones with --kv-bits); None: the
         generator makes mlx-lm's."""
@@ -117,7 +119,8 @@ class Batch:
         self._first_due: set[int] = set()
         self._reserved = 0
         self._chunk: int | None = None  # prompt tokens a row the next step prefills
-        self.decode_cost = DecodeCost()  # steps without prefill, by decoding rows
+        self._catch_up: int | None = None  # a draft model's catch-up tokens the next step
+        self.cost = cost or StepCost()  # the decode steps' part is learned here
         self.steps = 0
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
         self.generated = 0  # tokens produced since the batch began (the load figures)
@@ -135,7 +138,7 @@ class Batch:
     @property
     def decode_step_s(self) -> float:
         """How long the next step takes without prefill, for the rows decoding now."""
-        return self.decode_cost.seconds(max(len(self.rows) - len(self._prefilling), 1))
+        return self.cost.decode.seconds(max(len(self.rows) - len(self._prefilling), 1))
 
     def view(self) -> BatchView:
         rows = self._prefilling.values()
@@ -150,9 +153,9 @@ class Batch:
             len(self.rows), due, prefilling, self.decode_step_s, starting, self._reserved
         )
 
-    def set_chunk(self, tokens: int) -> None:
-        """Prompt tokens per row the next step prefills."""
-        self._chunk = tokens
+    def set_plan(self, plan: Plan) -> None:
+        """The next step's work: prompt tokens a row, a draft model's catch-up."""
+        self._chunk, self._catch_up = plan.chunk, plan.catch_up_tokens
 
     def tickets(self) -> set[int]:
         return {row.ticket for row in self.rows.values()}
@@ -245,16 +248,17 @@ class Batch:
         started = time.perf_counter()
         generator = self._generator
         if not self._prefilling:
-            prompt_progress, responses = generator.next(self._chunk)
-            self.decode_cost.observe(decoding, time.perf_counter() - started)
+            prompt_progress, responses = generator.next(self._chunk, self._catch_up)
+            catch_up = generator.caught_up
+            self.cost.observe_decode(decoding, time.perf_counter() - started - catch_up[1])
             self._track_prefill(prompt_progress)
-            return StepReport(self._collect(responses, out), None)
+            return StepReport(self._collect(responses, out), None, catch_up=catch_up)
         fused_before, prompt_before = generator.fused_steps, generator.prompt_tokens
-        prompt_progress, responses = generator.next(self._chunk)
+        prompt_progress, responses = generator.next(self._chunk, self._catch_up)
         fused = generator.fused_steps > fused_before
         prompt_tokens = generator.prompt_tokens - prompt_before
         # What the prefill added: the step less a decode step, or all of it with none.
-        decode_s = self.decode_cost.seconds(decoding) if decoding else 0.0
+        decode_s = self.cost.decode.seconds(decoding) if decoding else 0.0
         added = time.perf_counter() - started - decode_s
         self._track_prefill(prompt_progress)
         work = generator.prefilled

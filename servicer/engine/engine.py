@@ -9,12 +9,12 @@ by another thread: it publishes its figures (`EngineFigures`) with its output in
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
@@ -24,36 +24,32 @@ from ..messages import (
     FINISH_ABORT,
     EmbedRequest,
     EngineCapabilities,
-    EngineFigures,
     EngineStartupError,
-    FailureKind,
     GenerationRequest,
-    LoadCounts,
     ModelInfo,
     RowEvent,
-    RowFailure,
     SpeculationFigures,
     StepOutput,
 )
 from ..outbox import output_due
 from ..sysinfo import freeze_startup_heap, thaw_startup_heap
 from .arch_fixes import prefill_rows
-from .batch import Batch, check_same_prefix
+from .batch import Batch
 from .embedding import Embedder
-from .inbox import Inbox, InboxTake
-from .lockstep import Lockstep, LockstepBroken
-from .parts import build_parts, new_generator, warm_up
-from .prefill import PrefillPolicy
+from .figures import FiguresPublisher
+from .inbox import Inbox
+from .lockstep import Lockstep
+from .parts import EngineParts, build_parts, new_generator, warm_up
+from .planner import Planner, reusable
+from .prefill import PrefillPolicy, StepCost
 from .prefix.store import AnyPrefixStore, Hit
-from .scheduler import Admit, Plan, Scheduler
+from .runner import BatchRunner
+from .scheduler import Plan, Scheduler
 from .speculation import SpeculationCounters
 from .watchdog import StepWatch
 
 log = logging.getLogger(__name__)
 FATAL_DELIVERY_S = 5.0  # how long a dying engine waits for the handlers to take its last words
-# While rows run, the figures go out at most this often (building and comparing them every
-# step of a fast model is a measurable share of its step); an idle batch sends them at once.
-FIGURES_INTERVAL_S = 0.05
 
 
 class Sink(Protocol):
@@ -227,49 +223,39 @@ class EngineLoop:
         self._inbox = inbox
         self._lockstep = lockstep
         self._leads = self._lockstep is None or self._lockstep.leads
-        self._published = Published()
-        self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
         parts = build_parts(config, info, lockstep)
         self.parts = parts
         self.store = parts.prefix
         self.speculation = SpeculationCounters()  # across generators, should one be replaced
-        self.batch = Batch(
-            lambda: new_generator(
-                parts.loaded.model,
-                config,
-                stream,
-                parts.speculation,
-                self.speculation,
-                parts.fused_prefill,
-                parts.group_rows,
-            ),
-            parts.sampling,
-            parts.prefix,
-            config.faults,
-            wants_logprobs=self._leads,
-            new_row=parts.new_row,
-        )
+        self.cost = StepCost()  # every part of a step, learned: the scheduler plans with it
+        self.batch = _new_batch(parts, config, stream, self.speculation, self._leads, self.cost)
         if config.warmup:
             warm_up(self.batch.generator, info.bos_token_id or 0, parts.new_row)
         self.store.on_disk_done(inbox.nudge)
-        policy = PrefillPolicy(
-            max_stall_s=config.max_prefill_stall_ms / 1000,
-            step_tokens=config.prefill_step_size,
-            max_rows=prefill_rows(info.model_type, config.prefill_batch_size),
-            max_widen=config.max_prefill_stall_widen,
-        )
-        self.scheduler = Scheduler(
-            parts.admission,
-            policy,
-            reusable=self._reusable,
-            ready=self.store.ready,
-            max_rows=config.completion_batch_size,
-        )
+        self.scheduler = _new_scheduler(parts, config, info.model_type, self.cost)
         self.embedder = Embedder.of(
             parts.loaded.model, self._lockstep is not None, config.prefill_step_size
         )
         self.capabilities = EngineCapabilities(
             parts.admission, parts.has_thinking, self.store.block_size, self.embedder.size
+        )
+        self.planner = Planner(
+            config,
+            self.scheduler,
+            self.batch,
+            self.store,
+            inbox,
+            self.embedder,
+            self._watch,
+            lockstep,
+        )
+        self._figures = FiguresPublisher(
+            self.batch,
+            self.scheduler,
+            inbox,
+            self.store,
+            self._speculation_figures,
+            config.max_prefill_stall_ms > 0,
         )
 
     def close(self) -> None:
@@ -280,7 +266,7 @@ class EngineLoop:
         self._publish_now()
         while True:
             out = StepOutput()
-            plan, hits = self._shared_plan(out)
+            plan, hits = self.planner.plan(out)
             if plan.stop:
                 self._end_all(out)
                 out.embeddings.extend(self.embedder.cancel("the engine is stopping"))
@@ -290,12 +276,12 @@ class EngineLoop:
             self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
             due = self._apply_and_step(plan, hits, out)
             self._inbox.fan_out(out)
-            if self._embeds or self.embedder.busy:
-                self._embed(out, plan.budget_s)
+            if self.planner.embeds or self.embedder.busy:
+                self._embed(out, plan.embed_tokens)
             if self._lockstep is not None:
                 self._lockstep.progress()
             out.kv_events.extend(self.store.take_events())
-            self._publish(out, plan.budget_s)
+            self._figures.publish(out, plan.budget_s)
             self._send(out, due)
             self._watch.end()
 
@@ -324,87 +310,6 @@ class EngineLoop:
             self.scheduler.emptied(sum(1 for event in out.events if event.finish_reason))
         return due
 
-    # ----- planning (rank 0) -----
-
-    def _reusable(self, request: GenerationRequest) -> int:
-        """How much of its prompt a cached prefix would cover, for planning."""
-        if self.config.faults is not None:
-            self.config.faults.before_call("plan")
-        return self.store.match(request).length
-
-    def _shared_plan(self, out: StepOutput) -> tuple[Plan, list[Hit | None]]:
-        """Rank 0's plan, the same on every rank, and this rank's cached prefix for each of
-        its admissions (pinned until `_apply` hands them to their rows)."""
-        if self._leads:
-            plan, hits = self._plan(out)
-            if self._lockstep is not None:
-                self._lockstep.share(plan, Plan)
-            return plan, hits
-        assert self._lockstep is not None
-        plan = self._lockstep.share(None, Plan)
-        if plan.check != self.batch.check:
-            raise LockstepBroken(f"the ranks disagree on the last step ({plan.check})")
-        return plan, [self._follower_hit(admit) for admit in plan.admits]
-
-    def _plan(self, out: StepOutput) -> tuple[Plan, list[Hit | None]]:
-        """Rank 0's decisions: aborts, and which waiting requests join the batch now."""
-        scheduler, batch, lockstep = self.scheduler, self.batch, self._lockstep
-        # Requests that only wait for their blocks from disk leave the engine idle: a finished
-        # load wakes it (or a timeout, should the wake be lost).
-        loading = self.store.loading and not batch.rows
-        take = self._inbox.take(
-            idle=not batch.rows and (not scheduler.waiting or loading) and not self.embedder.busy,
-            quiet_s=self.config.coalesce_quiet_s,
-            max_s=self.config.coalesce_max_s,
-            burst_size=scheduler.burst,
-            timeout_s=lockstep.heartbeat_s if lockstep is not None else (0.1 if loading else None),
-        )
-        self._watch.begin()  # the wait for work is over: planning counts from here
-        now = time.monotonic()
-        scheduler.enqueue(take.requests, now)
-        out.disk_load_seconds.extend(self.store.collect())
-        plan = Plan(stop=take.stopping, check=batch.check)
-        hits: list[Hit | None] = []
-        self._commands(take, out)
-        if take.aborts:  # requests not admitted yet end here; admitted rows end on every rank
-            for ticket in scheduler.withdraw(take.aborts):
-                out.events.append(RowEvent(ticket, None, FINISH_ABORT))
-                self.store.forget(ticket)
-            plan.aborts = sorted(take.aborts & batch.tickets())
-        if plan.stop:
-            return plan, hits
-        choice = scheduler.schedule(batch.view(), now)
-        plan.chunk, plan.widened = choice.chunk, choice.widened
-        plan.budget_s, plan.bulk = choice.budget_s, choice.bulk
-        for request, reason in choice.failed:
-            out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, reason))
-            self.store.forget(request.ticket)
-        for admit in choice.admits:
-            # The store turns its own faults into a miss.
-            hit = self.store.fetch_admitted(admit.request)
-            hits.append(hit)
-            plan.admits.append(Admit(admit.request, admit.reserved, _length(hit)))
-        return plan, hits
-
-    def _commands(self, take: InboxTake, out: StepOutput) -> None:
-        """Flushes now, before this step's lookups; embeds after the step (`_embed`). Neither
-        happens where every rank must do the same (lockstep): they are refused there."""
-        if self._lockstep is not None:
-            why = "not supported with --distributed"
-            out.embeddings.extend(self.embedder.refuse(take.embeds, f"embedding is {why}"))
-            out.failures.extend(
-                RowFailure(t, FailureKind.INVALID_ARGUMENT, f"flushing the prompt cache is {why}")
-                for t in take.flushes
-            )
-            return
-        if take.flushes:
-            self.store.flush()
-            out.flushed.extend(take.flushes)
-        if take.stopping:
-            out.embeddings.extend(self.embedder.refuse(take.embeds, "the engine is stopping"))
-        else:
-            self._embeds.extend(take.embeds)
-
     # ----- applying, stepping, sending (every rank) -----
 
     def _apply(self, plan: Plan, hits: list[Hit | None], out: StepOutput) -> None:
@@ -413,7 +318,7 @@ class EngineLoop:
         wrong before that releases them."""
         batch = self.batch
         try:
-            batch.set_chunk(plan.chunk)
+            batch.set_plan(plan)
             if plan.aborts:
                 batch.remove(plan.aborts, out)
         except BaseException:
@@ -424,12 +329,6 @@ class EngineLoop:
         if plan.admits:
             batch.insert(plan.admits, hits, out)  # it owns the pins from here
 
-    def _follower_hit(self, admit: Admit) -> Hit | None:
-        """A follower's own copy of the prefix rank 0 found for `admit`."""
-        hit = self.store.fetch(admit.request)
-        check_same_prefix(_length(hit), admit.cached_tokens)
-        return hit
-
     def _step(self, out: StepOutput, plan: Plan) -> bool:
         """One step; what it prefilled teaches the scheduler's cost model (rank 0 plans)."""
         batch, scheduler = self.batch, self.scheduler
@@ -438,6 +337,7 @@ class EngineLoop:
         if report.prefill_tokens:
             out.prefill_tokens.append(report.prefill_tokens)
         out.fused_steps += report.fused
+        self.cost.observe_catch_up(*report.catch_up)
         sample = report.prefill
         if sample is not None and self._leads:
             if log.isEnabledFor(logging.DEBUG):
@@ -448,34 +348,17 @@ class EngineLoop:
                     plan.budget_s,
                     batch.decode_step_s,
                 )
-            scheduler.cost.observe(sample)
+            self.cost.observe_prefill(sample)
             if decoding and scheduler.over_budget(sample, plan):
                 out.over_budget += 1
             out.widened_steps += plan.widened
         return report.due
 
-    def _embed(self, out: StepOutput, budget_s: float) -> None:
-        """Embeds run in forwards of their own after the step (no cache of the generator's is
-        touched): while rows decode, one chunk a step within the prefill budget."""
-        embeds, self._embeds = self._embeds, []
-        tokens = self.scheduler.beside_decoding(bool(self.batch.rows), budget_s)
+    def _embed(self, out: StepOutput, tokens: int | None) -> None:
+        """Embeds run in forwards of their own after the step (no cache of the batch's is
+        touched): while rows decode, one chunk of the plan's `tokens` a step."""
+        embeds, self.planner.embeds = self.planner.embeds, []
         out.embeddings.extend(self.embedder.take(embeds, tokens))
-
-    def _publish(self, out: StepOutput, budget_s: float) -> None:
-        """The figures go out with this output when they changed (`budget_s`: the prefill
-        budget the step was planned with): at once when no row runs or the output answers a
-        flush (its caller reads them), otherwise at most every `FIGURES_INTERVAL_S`."""
-        now, published, batch = time.monotonic(), self._published, self.batch
-        counts = len(batch.rows), batch.starting_rows, self.scheduler.waiting
-        recent = now - published.at < FIGURES_INTERVAL_S and counts == published.counts
-        if batch.rows and not out.flushed and recent:
-            return
-        published.at, published.counts = now, counts
-        budget = budget_s if self.config.max_prefill_stall_ms > 0 else 0.0
-        load = load_counts(batch, self.scheduler, self._inbox)
-        figures = EngineFigures(self.store.stats(), budget, self._speculation_figures(), load)
-        if figures != published.figures:
-            out.figures = published.figures = figures
 
     def _speculation_figures(self) -> SpeculationFigures | None:
         if self.parts.speculation is None:
@@ -484,7 +367,7 @@ class EngineLoop:
 
     def _publish_now(self) -> None:
         out = StepOutput()
-        self._publish(out, self.config.max_prefill_stall_ms / 1000)
+        self._figures.publish(out, self.config.max_prefill_stall_ms / 1000)
         self._sink.put(out, due=True)
 
     def _send(self, out: StepOutput, due: bool) -> None:
@@ -506,30 +389,55 @@ class EngineLoop:
         self.batch.end_all(out)
 
 
-@dataclass(slots=True)
-class Published:
-    """The figures the engine last sent, and when it last looked (time.monotonic())."""
+def _new_batch(
+    parts: EngineParts,
+    config: EngineConfig,
+    stream: mx.Stream,
+    counters: SpeculationCounters,
+    leads: bool,
+    cost: StepCost,
+) -> Batch:
+    """The engine's batch (its runner built anew should a step fail; speculation's `counters`
+    go on across runners). Only rank 0 (`leads`) sends logprobs anywhere."""
+    model = parts.loaded.model
 
-    figures: EngineFigures | None = None
-    at: float = 0.0
-    counts: tuple[int, int, int] = (0, 0, 0)
+    def new_runner() -> BatchRunner:
+        return new_generator(
+            model,
+            config,
+            stream,
+            parts.speculation,
+            counters,
+            parts.fused_prefill,
+            parts.group_rows,
+        )
 
-
-def load_counts(batch: Batch, scheduler: Scheduler, inbox: Inbox) -> LoadCounts:
-    """The load a router reads (GetLoads), as a step left it: the batch's rows, the requests
-    in the scheduler's line and the samples the inbox holds."""
-    starting, held = batch.starting_rows, inbox.held_samples()
-    return LoadCounts(
-        running=len(batch.rows) - starting,
-        waiting=starting + scheduler.waiting + len(held),
-        waiting_tokens=scheduler.waiting_tokens() + sum(held),
-        used_tokens=sum(
-            len(row.admit.request.prompt) + row.generated for row in batch.rows.values()
-        ),
-        generated=batch.generated,
-        prompt_tokens=batch.admitted_prompt,
+    return Batch(
+        new_runner,
+        parts.sampling,
+        parts.prefix,
+        config.faults,
+        wants_logprobs=leads,
+        new_row=parts.new_row,
+        cost=cost,
     )
 
 
-def _length(hit: Hit | None) -> int:
-    return hit.length if hit is not None else 0
+def _new_scheduler(
+    parts: EngineParts, config: EngineConfig, model_type: str, cost: StepCost
+) -> Scheduler:
+    policy = PrefillPolicy(
+        max_stall_s=config.max_prefill_stall_ms / 1000,
+        step_tokens=config.prefill_step_size,
+        max_rows=prefill_rows(model_type, config.prefill_batch_size),
+        max_widen=config.max_prefill_stall_widen,
+    )
+    store = parts.prefix
+    return Scheduler(
+        parts.admission,
+        policy,
+        reusable=functools.partial(reusable, store, config),
+        ready=store.ready,
+        max_rows=config.completion_batch_size,
+        cost=cost,
+    )

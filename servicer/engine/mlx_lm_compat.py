@@ -166,10 +166,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
         (
             "servicer/engine/parts.py:build_parts",
             "servicer/engine/parts.py:special_tokens",
-            "servicer/engine/engine.py:EngineLoop.__init__",
         ),
         "the Hugging Face tokenizer inside mlx-lm's wrapper: llguidance's tokenizer for "
-        "grammars, the added tokens' special flags, the engine's detokenizer (TextCodec)",
+        "grammars (and the engine's stop-string text), the added tokens' special flags",
     ),
     TouchPoint(
         Kind.ATTRIBUTE,

@@ -221,16 +221,17 @@ class Scheduler:
             return StepChoice(admits, policy.step_tokens, False, failed, budget_s)
         widened = widen > 1.0 and batch.decoding and not bulk
         left = [r for r in rows if r > 0]
-        starting = batch.starting
         if left and finishes_within(left, finish):
             # Planned past the base budget on purpose, where rows decode.
-            planned = finish_s if bounded else budget_s
-            chunk = max(left)
-            spent = self.cost.seconds(len(left), chunk, context, starting)
-            return StepChoice(admits, chunk, widened, failed, planned, bulk, spent)
-        chunk = chunk_for(left, capacity, min_chunk)
-        spent = self.cost.seconds(len(left), chunk, context, starting) if left or starting else 0.0
+            chunk, budget_s = max(left), finish_s if bounded else budget_s
+        else:
+            chunk = chunk_for(left, capacity, min_chunk)
+        spent = self._prefill_s(len(left), chunk, context, batch.starting)
         return StepChoice(admits, chunk, widened, failed, budget_s, bulk, spent)
+
+    def _prefill_s(self, rows: int, chunk: int, context: int, starting: int) -> float:
+        """What the step's prefill is expected to take (none without any)."""
+        return self.cost.seconds(rows, chunk, context, starting) if rows or starting else 0.0
 
     def _bound(self, batch: BatchView, budget_s: float) -> tuple[float, bool, bool]:
         """The step's prefill budget, whether it prefills in bulk, and whether its prefill is

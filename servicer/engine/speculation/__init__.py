@@ -1,4 +1,4 @@
-"""Speculative decoding inside mlx-lm's continuous batch (engine thread only)."""
+"""Speculative decoding inside the engine's continuous batch (engine thread only)."""
 
 from .batch import SpeculativeGenerationBatch, Speculator
 from .config import SpeculationConfig, SpeculationCounters
