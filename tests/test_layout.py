@@ -23,6 +23,7 @@ HANDLER_SIDE = [
     "servicer.engine_process",
     "servicer.engine_config",
     "servicer.grammar",
+    "servicer.media",
     "servicer.engine.prefix.keys",
     "servicer.engine.prefix.index",
     "servicer.engine.prefix.snapshots",
