@@ -65,7 +65,12 @@ def test_the_null_store_answers_everything_the_engine_asks_a_store():
 
     engine = Path(__file__).resolve().parent.parent / "servicer" / "engine"
     asked = set()
-    calls = (("engine.py", r"self\.store\.(\w+)"), ("batch.py", r"self\._prefix\.(\w+)"))
+    calls = (
+        ("engine.py", r"self\.store\.(\w+)"),
+        ("planner.py", r"self\._store\.(\w+)"),
+        ("engine.py", r"\bstore\.(\w+)"),
+        ("batch.py", r"self\._prefix\.(\w+)"),
+    )
     for name, pattern in calls:
         asked |= set(re.findall(pattern, (engine / name).read_text()))
     assert {"fetch_admitted", "ready", "keep_later"} <= asked  # the patterns still find the calls
