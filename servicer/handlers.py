@@ -7,13 +7,11 @@ Runs on the asyncio loop only. The engine's hand-offs arrive through `dispatch`;
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -38,10 +36,11 @@ from .messages import (
     RowEvent,
     StepOutput,
 )
+from .metadata import METADATA_DEADLINE_MARGIN_S, MetadataRpcs
 from .metrics import WorkerMetrics
 from .model_files import ModelFiles
 from .output import OutputProcessor
-from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
+from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
 from .ratelimit import RateLimitedLog
 from .streams import RequestStream, Streams
 from .text import IncrementalDecoder, TextTracker
@@ -58,12 +57,6 @@ from .validation import (
 
 log = logging.getLogger(__name__)
 
-SERVER_TYPE = "mlx-grpc-worker"
-# A metadata call that waits for the model's files answers this long before its deadline, and
-# waits at most METADATA_WAIT_S without one (the smg router sends none and gives up after 10 s).
-METADATA_DEADLINE_MARGIN_S = 0.25
-METADATA_WAIT_S = 8.0
-STARTING_HEALTH_WAIT_S = 3.0  # within the smg router's 5 s health-check timeout
 KEEPALIVE_S = 1.0  # a stream waiting for the model gets an empty chunk this often
 BOS_ADDED = (
     "a prompt came without the model's BOS (id %s), which its tokenizer puts first; the "
@@ -310,7 +303,7 @@ async def embed_request(
     return result.embedding, len(prompt)
 
 
-class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
+class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
     """Handlers for one engine. The metadata RPCs answer once `set_model` has the model's
     files; Generate is accepted while the lifecycle says serving (after `attach`).
     `block_size`: the engine's prefix store's tokens per block (`EngineConfig.block_size`;
@@ -521,80 +514,3 @@ class MlxEngineServicer(mlx_engine_pb2_grpc.MlxEngineServicer):
         if tickets:
             self._engine.abort(tickets)
         return mlx_engine_pb2.AbortResponse()
-
-    async def HealthCheck(
-        self, request: mlx_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> mlx_engine_pb2.HealthCheckResponse:
-        if self._lifecycle.phase is Phase.STARTING:
-            # A router registers a worker from its first GetModelInfo once this call succeeds:
-            # give the files a moment, then fail the call so it cannot register the worker
-            # before the model has a name (the smg router tries again 30 s later).
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._lifecycle.model_known(), STARTING_HEALTH_WAIT_S)
-            if self._lifecycle.phase is Phase.STARTING:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
-        if not self._lifecycle.serving:
-            message = self._lifecycle.refusal
-        elif not self._engine.alive:
-            message = "the engine is not running"
-        else:
-            return mlx_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
-        return mlx_engine_pb2.HealthCheckResponse(healthy=False, message=message)
-
-    async def GetModelInfo(
-        self, request: mlx_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> mlx_engine_pb2.GetModelInfoResponse:
-        info = await self._model_info(context)
-        limits = self._limits
-        assert limits is not None
-        return mlx_engine_pb2.GetModelInfoResponse(
-            model_path=info.model_path,
-            is_generation=True,
-            max_context_length=info.context_length,
-            vocab_size=info.vocab_size,
-            served_model_name=info.served_model_name,
-            model_type=info.model_type,
-            architectures=info.architectures,
-            eos_token_ids=info.eos_token_ids,
-            pad_token_id=info.pad_token_id or 0,
-            bos_token_id=info.bos_token_id or 0,
-            max_req_input_len=limits.prompt_limit,
-            # From the files, so the answer is the same while loading: a router registers
-            # a worker from its first answer.
-            embedding_size=info.hidden_size,
-        )
-
-    async def GetServerInfo(
-        self, request: mlx_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
-    ) -> mlx_engine_pb2.GetServerInfoResponse:
-        return mlx_engine_pb2.GetServerInfoResponse(
-            server_type=SERVER_TYPE,
-            active_requests=self.active_requests,
-            uptime_seconds=time.monotonic() - self._started,
-        )
-
-    async def GetTokenizer(
-        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        info = await self._model_info(context)
-        try:
-            archive = await self._archive.get(Path(info.model_dir))
-        except OSError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"cannot read tokenizer files: {exc}")
-            return
-        pieces = list(archive.chunks())
-        for i, data in enumerate(pieces):
-            last = i == len(pieces) - 1
-            yield common_pb2.GetTokenizerChunk(data=data, sha256=archive.sha256 if last else "")
-
-    async def _model_info(self, context: grpc.aio.ServicerContext) -> ModelInfo:
-        """The model's metadata: while the files are still being resolved, the call waits
-        (within its deadline) rather than let a router register a model of unknown identity."""
-        remaining = context.time_remaining()
-        wait = METADATA_WAIT_S if remaining is None else remaining - METADATA_DEADLINE_MARGIN_S
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._lifecycle.model_known(), max(0.0, wait))
-        if self._info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
-        assert self._info is not None
-        return self._info

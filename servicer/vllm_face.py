@@ -15,8 +15,9 @@ from datetime import UTC, datetime
 import grpc
 
 from . import __version__
-from .handlers import SERVER_TYPE, MlxEngineServicer
+from .handlers import MlxEngineServicer
 from .kv_events import SubscriberLagged
+from .metadata import SERVER_TYPE
 from .proto import common_pb2, mlx_engine_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from .validation import RequestError
 

@@ -9,6 +9,7 @@ from support import ROOT
 
 HANDLER_SIDE = [
     "servicer.handlers",
+    "servicer.metadata",
     "servicer.validation",
     "servicer.messages",
     "servicer.text",
@@ -49,7 +50,7 @@ def test_handler_side_modules_never_import_mlx():
     assert result.stdout.strip() == "[]"
 
 
-MAX_CLASS_LINES = 300
+MAX_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 60
 ARGUMENT_PARSERS = {"parse_args"}  # a flag table reads best in one place
 

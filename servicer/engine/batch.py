@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..faults import FaultPlan
@@ -20,13 +20,13 @@ from ..messages import (
     RowFailure,
     StepOutput,
 )
-from ..outbox import handoff_due
 from ..ratelimit import RateLimitedLog
 from ..text import TextTracker
 from .constraints import GrammarProcessor
 from .lockstep import LockstepBroken
-from .prefill import PrefillRow, PrefillSample, StepCost
-from .prefix.store import AnyPrefixStore, Hit, Pins
+from .prefill import PrefillSample, StepCost
+from .prefix.store import AnyPrefixStore, Hit
+from .rows import Row, RowBook
 from .runner import BatchRunner
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
@@ -44,47 +44,6 @@ class StepReport:
 
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Row:
-    """A request admitted into the batch runner."""
-
-    admit: Admit
-    uid: int
-    prefill_left: int = 0  # prompt tokens not yet through the model (the last one included)
-    context: int = 0  # tokens in its cache
-    generated: int = 0
-    handed: int = 0  # tokens handed to the handlers so far
-    unsent: int = 0  # events produced since the last hand-off
-    waiting_since: float = 0.0  # when the oldest of them was produced (perf_counter)
-    prefilled: bool = False  # its prompt is in; its first token comes with the next step
-    grammar: GrammarProcessor | None = None  # its structured-output processor, if any
-    pins: Pins | None = None  # the blocks of the prefix it reused, pinned while it runs
-    text: TextTracker | None = None  # its decoded text, when it has stop strings
-    ticket: int = field(init=False)  # its request's (read for every event)
-
-    def __post_init__(self) -> None:
-        self.ticket = self.admit.request.ticket
-
-    def produced(self, now: float) -> None:
-        """One more event for the next hand-off."""
-        if self.unsent == 0:
-            self.waiting_since = now
-        self.unsent += 1
-
-    def handoff_due(self, finished: bool, horizon: float) -> bool:
-        """Whether its events go now: holding them means until `horizon`, the end of the next
-        step, and no token waits longer than the request's window."""
-        request = self.admit.request
-        return handoff_due(
-            started=self.handed > 0,
-            pending=self.unsent,
-            per_handoff=request.tokens_per_handoff,
-            finished=finished,
-            waited=horizon - self.waiting_since,
-            window=request.handoff_window_s,
-        )
 
 
 class Batch:
@@ -111,25 +70,13 @@ class Batch:
         self._faults = faults
         self._wants_logprobs = wants_logprobs  # only rank 0 sends them anywhere
         self._errors = RateLimitedLog(log, 10.0)
-        self.rows: dict[int, Row] = {}
-        # Kept as rows change, so a step's bookkeeping reads only the rows it concerns: the
-        # rows whose prompt is not all through the model, the rows whose prompt is through
-        # and whose first token is not out yet, and the memory all rows reserved.
-        self._prefilling: dict[int, Row] = {}
-        self._first_due: set[int] = set()
-        self._reserved = 0
+        self.book = RowBook()
+        self.rows = self.book.rows  # the same dict, by uid
         self._chunk: int | None = None  # prompt tokens a row the next step prefills
         self._catch_up: int | None = None  # a draft model's catch-up tokens the next step
         self.cost = cost or StepCost()  # the decode steps' part is learned here
         self.steps = 0
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
-        self.generated = 0  # tokens produced since the batch began (the load figures)
-        self.admitted_prompt = 0  # prompt tokens of every row admitted so far
-
-    @property
-    def starting_rows(self) -> int:
-        """Rows whose first token is not out yet."""
-        return len(self._prefilling) + len(self._first_due)
 
     @property
     def generator(self) -> BatchRunner:
@@ -138,27 +85,14 @@ class Batch:
     @property
     def decode_step_s(self) -> float:
         """How long the next step takes without prefill, for the rows decoding now."""
-        return self.cost.decode.seconds(max(len(self.rows) - len(self._prefilling), 1))
+        return self.cost.decode.seconds(max(self.book.decoding, 1))
 
     def view(self) -> BatchView:
-        rows = self._prefilling.values()
-        prefilling = tuple(
-            PrefillRow(row.prefill_left - 1, row.context, row.context > row.admit.cached_tokens)
-            for row in rows
-            if row.prefill_left > 1
-        )
-        starting = sum(1 for row in rows if row.prefill_left == 1)
-        due = bool(self._first_due)
-        return BatchView(
-            len(self.rows), due, prefilling, self.decode_step_s, starting, self._reserved
-        )
+        return self.book.view(self.decode_step_s)
 
     def set_plan(self, plan: Plan) -> None:
         """The next step's work: prompt tokens a row, a draft model's catch-up."""
         self._chunk, self._catch_up = plan.chunk, plan.catch_up_tokens
-
-    def tickets(self) -> set[int]:
-        return {row.ticket for row in self.rows.values()}
 
     # ----- applying a plan -----
 
@@ -167,7 +101,7 @@ class Batch:
         removed = [row for row in self.rows.values() if row.ticket in aborted]
         self._generator.remove([row.uid for row in removed])
         for row in removed:
-            self._drop(row)
+            self.book.drop(row)
             out.events.append(RowEvent(row.ticket, None, FINISH_ABORT))
 
     def insert(self, admits: list[Admit], hits: list[Hit | None], out: StepOutput) -> None:
@@ -210,11 +144,7 @@ class Batch:
             pins = hit.pins if hit is not None else None
             row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, pins=pins)
             row.text = sampling.stop_text(admit.request)
-            self.rows[uid] = row
-            self._reserved += admit.reserved
-            self.admitted_prompt += len(admit.request.prompt)
-            if left > 0:
-                self._prefilling[uid] = row
+            self.book.add(row)
 
     def _cache_for(self, hit: Hit | None) -> list[Any] | None:
         if hit is not None:
@@ -228,14 +158,6 @@ class Batch:
         cuts = [cached, *points, len(prompt)]
         return [prompt[a:b] for a, b in itertools.pairwise(cuts) if b > a]
 
-    def _drop(self, row: Row) -> None:
-        del self.rows[row.uid]
-        self._prefilling.pop(row.uid, None)
-        self._first_due.discard(row.uid)
-        self._reserved -= row.admit.reserved
-        if row.pins is not None:
-            row.pins.release()
-
     # ----- stepping -----
 
     def step(self, out: StepOutput) -> StepReport:
@@ -244,10 +166,10 @@ class Batch:
         self.steps += 1
         if self._faults is not None:
             self._faults.before_step(self.steps)
-        decoding = len(self.rows) - len(self._prefilling)
+        decoding = self.book.decoding
         started = time.perf_counter()
         generator = self._generator
-        if not self._prefilling:
+        if not self.book.prefilling:
             prompt_progress, responses = generator.next(self._chunk, self._catch_up)
             catch_up = generator.caught_up
             self.cost.observe_decode(decoding, time.perf_counter() - started - catch_up[1])
@@ -266,26 +188,13 @@ class Batch:
         return StepReport(self._collect(responses, out), sample, prompt_tokens, fused)
 
     def _track_prefill(self, prompt_progress: list[Any]) -> None:
-        for progress in prompt_progress:
-            row = self.rows.get(progress.uid)
-            if row is None:
-                continue
-            if progress.end_of_prompt:
-                row.prefilled, row.prefill_left = True, 0
-                if not row.generated:
-                    self._first_due.add(row.uid)
-            else:
-                done, total = progress.progress
-                row.prefill_left = total - done
-                row.context = row.admit.cached_tokens + done
-            if row.prefill_left == 0:
-                self._prefilling.pop(row.uid, None)
+        self.book.track_prefill(prompt_progress)
         self._snapshot_prefills(prompt_progress)
 
     def _collect(self, responses: list[Any], out: StepOutput) -> bool:
         """The step's tokens as events in `out`; True when some handler needs them now."""
         due, broken, wanted = False, [], []
-        rows, events, first_due = self.rows, out.events, self._first_due
+        rows, events, first_due = self.rows, out.events, self.book.first_due
         logprobs_wanted = self._wants_logprobs
         now = time.perf_counter()
         horizon = now + self.decode_step_s  # the end of the next step
@@ -307,7 +216,7 @@ class Batch:
             if row.text is not None and _stop_string(row.text, token):
                 if finish is None:  # it leaves here, its cache not kept (as an abort's)
                     broken.append(row.uid)
-                    self._drop(row)
+                    self.book.drop(row)
                 finish, stop_token = FINISH_STOP, None
             event = RowEvent(row.ticket, token, finish, stop_token, None, row.admit.cached_tokens)
             events.append(event)
@@ -325,17 +234,17 @@ class Batch:
         if wanted:
             _attach_logprobs(wanted)
         self.check = check % (1 << 31)
-        self.generated += produced
+        self.book.generated += produced
         return due
 
     def _fail_grammar(self, row: Row, out: StepOutput) -> None:
         assert row.grammar is not None
         message = f"the request's grammar failed while generating: {row.grammar.error}"
         out.failures.append(RowFailure(row.ticket, FailureKind.INVALID_ARGUMENT, message))
-        self._drop(row)
+        self.book.drop(row)
 
     def _finish(self, row: Row, response: Any) -> None:
-        self._drop(row)
+        self.book.drop(row)
         if response.prompt_cache is not None:
             self._prefix.keep_later(response.all_tokens, response.prompt_cache, snapshot=True)
 
@@ -347,18 +256,12 @@ class Batch:
             for cache, tokens in self._generator.extract_cache(done).values():
                 self._prefix.keep_later(tokens, cache, snapshot=True)
 
-    def handed_over(self) -> None:
-        """Every row's events so far went to the handlers."""
-        for row in self.rows.values():
-            row.handed += row.unsent
-            row.unsent = 0
-
     # ----- failures and the end -----
 
     def recover(self, exc: Exception, plan: Plan, out: StepOutput) -> None:
         """A failed step fails the requests in the batch; a fresh generator serves the rest."""
         already = {failure.ticket for failure in out.failures}
-        failed = (self.tickets() | {admit.request.ticket for admit in plan.admits}) - already
+        failed = (self.book.tickets() | {admit.request.ticket for admit in plan.admits}) - already
         self._errors.error(
             "step", "engine step failed (%d requests failed)", len(failed), exc_info=exc
         )
@@ -367,14 +270,14 @@ class Batch:
         out.events[:] = [e for e in out.events if e.ticket not in failed]
         out.failures.extend(RowFailure(t, FailureKind.INTERNAL, message) for t in sorted(failed))
         for row in list(self.rows.values()):
-            self._drop(row)
+            self.book.drop(row)
         self._generator.close()
         self._generator = self._new_generator()
 
     def end_all(self, out: StepOutput) -> None:
         """Every row ends with `abort` (shutdown)."""
         for row in list(self.rows.values()):
-            self._drop(row)
+            self.book.drop(row)
             out.events.append(RowEvent(row.ticket, None, FINISH_ABORT))
 
     def close(self) -> None:

@@ -378,7 +378,7 @@ class EngineLoop:
         if out:
             due = output_due(out, due, bool(self.batch.rows))
             if due:
-                self.batch.handed_over()
+                self.batch.book.handed_over()
             self._sink.put(out, due)
         if self.store.keep_pending() and not self.batch.rows:
             self._sink.put(StepOutput(kv_events=self.store.take_events()), due=True)

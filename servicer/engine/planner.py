@@ -87,7 +87,7 @@ class Planner:
             for ticket in scheduler.withdraw(take.aborts):
                 out.events.append(RowEvent(ticket, None, FINISH_ABORT))
                 self._store.forget(ticket)
-            plan.aborts = sorted(take.aborts & batch.tickets())
+            plan.aborts = sorted(take.aborts & batch.book.tickets())
         if plan.stop:
             return plan, hits
         view = batch.view()
