@@ -1,0 +1,458 @@
+"""A tiny Qwen2-VL demo checkpoint in mlx-vlm's on-disk format, built locally from a seed.
+
+The vision counterpart of ``demo_model``: tests and ``demo:vlm`` need a real vision-language
+model but must never download one. The family is ``qwen2_vl``: mlx-vlm serves it, and the
+smg router's own preprocessor knows it by ``model_type`` whatever the served name is (a
+name like ``demo:vlm`` included; qwen2_5_vl it would only know by a name holding "qwen" and
+"vl"). The router preprocesses qwen2_vl itself (``mm_inputs``) even when workers advertise
+an ``mm_processor``: its anchor is not one it leaves to a worker (../shared/DESIGN.md).
+
+What is built (nothing is trained here):
+
+- the language model is the ``llama`` demo model's trained weights (``demo_model``) moved
+  into Qwen2-VL's text stack: the same sizes, RMSNorm, SwiGLU, tied embeddings, and rotary
+  embeddings that multimodal RoPE reduces to for text positions; the q/k/v biases Qwen2
+  has and llama lacks are zeros. So greedy text is as varied as the text demo's.
+- the tokenizer is that model's, with the family's vision tokens appended as special
+  tokens (``<|vision_start|>``, ``<|vision_end|>``, ``<|vision_pad|>``, ``<|image_pad|>``,
+  ``<|video_pad|>``) and embedding rows for them drawn at the trained rows' scale.
+- the vision tower (patch size 14, 2x2 merge, as the real family) is random, from a
+  seeded numpy generator, scaled so that its output tokens have the trained text
+  embeddings' RMS: the image shifts the continuation without drowning the prompt.
+
+Usage: ``python -m servicer.demo_vlm [--seed 0] [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from servicer import demo_model
+from servicer.demo_model import BOS_TOKEN, EOS_TOKEN, MODEL_MAX_LENGTH, PAD_TOKEN
+
+log = logging.getLogger(__name__)
+
+MODEL_TYPE = "qwen2_vl"
+DEMO_VLM_SEED = 0
+TEXT_KIND = "llama"  # the demo_model kind whose weights become the language model
+# Bump whenever anything that changes the built files changes (configs, tokens, init);
+# the text model's own demo_model.RECIPE_VERSION is part of the build name too.
+VLM_RECIPE_VERSION = "v1"
+
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+VISION_PAD = "<|vision_pad|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+# Appended after the text demo's vocabulary, in this order (Qwen2-VL's own order).
+VISION_TOKENS = (VISION_START, VISION_END, VISION_PAD, IMAGE_PAD, VIDEO_PAD)
+# What the chat template renders for one image, unexpanded: the processor (mlx-vlm's or
+# the router's) repeats IMAGE_PAD once per merged patch.
+IMAGE_ANCHOR = VISION_START + IMAGE_PAD + VISION_END
+
+# The text demo's template, plus content given as a list of parts (text, image). Kept as
+# minimal Jinja as the text demo's so the router's minijinja renders it identically.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' or part['type'] == 'image_url' %}"
+    + IMAGE_ANCHOR
+    + "{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# Questions from the demo corpus's chats, asked about an image in the tests.
+TEST_PROMPTS: tuple[str, ...] = ("Describe a quiet place.", "What do bees make?")
+
+# The image processor: Qwen2-VL's (CLIP normalisation, 14-pixel patches, 2x2 merge, two
+# temporal frames per patch), with pixel bounds kept small: 4 to 64 image tokens.
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+TEMPORAL_PATCH_SIZE = 2
+MIN_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2 * 4  # 56 x 56
+MAX_PIXELS = (PATCH_SIZE * MERGE_SIZE) ** 2 * 64  # 224 x 224
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+# Text sizes come from the text demo's config; these are the vision tower's.
+VISION_CONFIG: Mapping[str, Any] = {
+    "model_type": MODEL_TYPE,
+    "depth": 2,
+    "embed_dim": 64,
+    "num_heads": 2,
+    "mlp_ratio": 2,  # an int: transformers validates Qwen2VLVisionConfig strictly
+    "in_channels": 3,
+    "in_chans": 3,
+    "patch_size": PATCH_SIZE,
+    "spatial_patch_size": PATCH_SIZE,
+    "spatial_merge_size": MERGE_SIZE,
+    "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-6,
+}
+
+_REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+)
+# E[gelu(z)^2] for z ~ N(0, 1): sizes the merger's last layer (see _vision_weights).
+_GELU_SECOND_MOMENT = 0.4252
+
+
+def build_name(seed: int = DEMO_VLM_SEED) -> str:
+    """Directory name of a cached build; changes whenever this recipe or the text one does."""
+    text = f"{TEXT_KIND}-{demo_model.RECIPE_VERSION}"
+    return f"demo-vlm-{MODEL_TYPE}-s{seed}-{VLM_RECIPE_VERSION}-{text}"
+
+
+def is_finished_build(path: Path) -> bool:
+    # Builds appear by atomic rename, so a directory holding every file is complete.
+    path = Path(path)
+    return path.is_dir() and all((path / name).is_file() for name in _REQUIRED_FILES)
+
+
+def build_vlm(path: Path, seed: int = DEMO_VLM_SEED, text_model: Path | None = None) -> Path:
+    """Build the demo vision-language model into directory `path` and return `path`.
+
+    `text_model` is a finished ``llama`` demo build to take the language model from; by
+    default the cached one (built on first use) for the default seed, else one built for
+    `seed` in a temporary directory. Like ``demo_model.build_model``: atomic, and a
+    finished build at `path` is returned untouched. Needs no network and no mlx-vlm.
+    """
+    path = Path(path)
+    if is_finished_build(path):
+        return path
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
+        raise FileExistsError(f"{path} exists and is not a finished demo VLM build")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        if text_model is not None:
+            _build_into(tmp, seed, Path(text_model))
+        elif seed == demo_model.DEMO_SEED:
+            _build_into(tmp, seed, demo_model.demo_model_path(TEXT_KIND))
+        else:
+            text_dir = tmp / ".text"
+            demo_model.build_model(text_dir, TEXT_KIND, seed)
+            _build_into(tmp, seed, text_dir)
+            shutil.rmtree(text_dir)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache should be readable
+        try:
+            os.rename(tmp, path)  # replaces a missing or empty directory only
+        except OSError:
+            if not is_finished_build(path):  # else another process won the race: fine
+                raise FileExistsError(
+                    f"{path} exists and is not a finished demo VLM build"
+                ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def demo_vlm_path(cache_dir: Path | None = None) -> Path:
+    """Path of the cached demo vision-language model, building it on first use.
+
+    The cache is the text demo's (``MLX_GRPC_WORKER_CACHE`` or ~/.cache/mlx-grpc-worker),
+    which also holds the text model it is made from. Safe across processes.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else demo_model.default_cache_dir()
+    target = cache_dir / build_name(DEMO_VLM_SEED)
+    if is_finished_build(target):
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if is_finished_build(target):  # another process built it while we waited
+            return target
+        log.info("building the demo vision-language model into %s (first use)", target)
+        text_model = demo_model.demo_model_path(TEXT_KIND, cache_dir)
+        return build_vlm(target, DEMO_VLM_SEED, text_model)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _write_tokenizer(out: Path, text_model: Path) -> tuple[dict[str, int], int]:
+    """The text demo's tokenizer with the vision tokens appended.
+
+    Returns every special token's id and the vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(text_model / "tokenizer.json"))
+    base = tokenizer.get_vocab_size()
+    tokenizer.add_special_tokens([AddedToken(tok, special=True) for tok in VISION_TOKENS])
+    ids = {tok: tokenizer.token_to_id(tok) for tok in (*demo_model.SPECIAL_TOKENS, *VISION_TOKENS)}
+    if [ids[tok] for tok in VISION_TOKENS] != list(range(base, base + len(VISION_TOKENS))):
+        raise RuntimeError(f"vision tokens did not get the ids after the text vocabulary: {ids}")
+    tokenizer.save(str(out / "tokenizer.json"))
+    extra = [*demo_model.SPECIAL_TOKENS[3:], *VISION_TOKENS]
+    demo_model._write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "additional_special_tokens": extra,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": MODEL_MAX_LENGTH,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    demo_model._write_json(
+        out / "special_tokens_map.json",
+        {
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "additional_special_tokens": extra,
+        },
+    )
+    # mlx-vlm's Qwen2-VL processor reads the template from here.
+    demo_model._write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    return ids, tokenizer.get_vocab_size()
+
+
+def _image_processor_config() -> dict[str, Any]:
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": list(CLIP_MEAN),
+        "image_std": list(CLIP_STD),
+        "patch_size": PATCH_SIZE,
+        "merge_size": MERGE_SIZE,
+        "temporal_patch_size": TEMPORAL_PATCH_SIZE,
+        "min_pixels": MIN_PIXELS,
+        "max_pixels": MAX_PIXELS,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+    }
+
+
+def _model_config(
+    text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int, seed: int
+) -> dict:
+    heads = text_config["num_attention_heads"]
+    head_dim = text_config["hidden_size"] // heads
+    if text_config.get("head_dim", head_dim) != head_dim or head_dim % 8:
+        raise ValueError("the text model's head_dim must be hidden_size / heads, a multiple of 8")
+    # Multimodal RoPE splits the head's frequencies over (t, h, w) as 1/4, 3/8, 3/8 (the
+    # real checkpoints' [16, 24, 24] for a 128-wide head).
+    quarter = head_dim // 8
+    mrope_section = [quarter, (head_dim // 2 - quarter) // 2, (head_dim // 2 - quarter) // 2]
+    return {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": MODEL_TYPE,
+        # The language model's fields sit at the top level, as in Qwen2-VL's own config.
+        "hidden_size": text_config["hidden_size"],
+        "num_hidden_layers": text_config["num_hidden_layers"],
+        "intermediate_size": text_config["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": text_config["num_key_value_heads"],
+        "max_position_embeddings": text_config["max_position_embeddings"],
+        "rope_theta": text_config["rope_theta"],
+        "rms_norm_eps": text_config["rms_norm_eps"],
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "rope_scaling": {"type": "mrope", "mrope_section": mrope_section},
+        "vocab_size": vocab_size,
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": ids[EOS_TOKEN],
+        "pad_token_id": ids[PAD_TOKEN],
+        "vision_start_token_id": ids[VISION_START],
+        "vision_end_token_id": ids[VISION_END],
+        "vision_token_id": ids[VISION_PAD],
+        "image_token_id": ids[IMAGE_PAD],
+        "video_token_id": ids[VIDEO_PAD],
+        "vision_config": {**VISION_CONFIG, "hidden_size": text_config["hidden_size"]},
+        "torch_dtype": "float32",
+        # Ignored by loaders; records which recipe produced the weights.
+        "demo_build": {
+            "kind": "vlm",
+            "seed": seed,
+            "version": VLM_RECIPE_VERSION,
+            "text": {"kind": TEXT_KIND, "version": demo_model.RECIPE_VERSION},
+        },
+    }
+
+
+def _text_weights(text_model: Path, text_config: Mapping[str, Any], vocab: int, rng) -> dict:
+    """The text demo's weights under Qwen2-VL's names, with zero q/k/v biases and
+    embedding rows for the appended tokens."""
+    import mlx.core as mx
+    import numpy as np
+
+    source = {
+        name: np.array(value.astype(mx.float32))
+        for name, value in mx.load(str(text_model / "model.safetensors")).items()
+    }
+    out: dict[str, np.ndarray] = {}
+    for name, value in source.items():
+        if not name.startswith("model."):
+            raise ValueError(f"unexpected tensor {name!r} in the text model (tied embeddings?)")
+        out[f"language_model.{name}"] = value
+    hidden = text_config["hidden_size"]
+    head_dim = hidden // text_config["num_attention_heads"]
+    widths = {
+        "q_proj": text_config["num_attention_heads"] * head_dim,
+        "k_proj": text_config["num_key_value_heads"] * head_dim,
+        "v_proj": text_config["num_key_value_heads"] * head_dim,
+    }
+    for layer in range(text_config["num_hidden_layers"]):
+        for proj, width in widths.items():
+            out[f"language_model.model.layers.{layer}.self_attn.{proj}.bias"] = np.zeros(
+                width, np.float32
+            )
+    name = "language_model.model.embed_tokens.weight"
+    embed = out[name]
+    scale = float(np.sqrt(np.mean(embed**2)))
+    extra = rng.standard_normal((vocab - embed.shape[0], hidden)) * scale
+    out[name] = np.concatenate([embed, extra.astype(np.float32)])
+    return out
+
+
+def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
+    """Random vision tower weights, shaped as mlx-vlm's Qwen2-VL VisionModel holds them.
+
+    Linear layers get N(0, 1/fan_in) weights and small biases, so every activation stays
+    near unit scale; the merger's last layer is scaled so the image tokens come out with
+    RMS `feature_rms` (the text embeddings'), for post-LayerNorm inputs.
+    """
+    import numpy as np
+
+    width = config["embed_dim"]
+    hidden = config["hidden_size"]
+    mlp = int(width * config["mlp_ratio"])
+    merged = width * config["spatial_merge_size"] ** 2
+    patch, frames, channels = (
+        config["patch_size"],
+        config["temporal_patch_size"],
+        config["in_channels"],
+    )
+
+    def linear(prefix: str, fan_out: int, fan_in: int, gain: float = 1.0, bias: bool = True):
+        weights = {
+            f"{prefix}.weight": rng.standard_normal((fan_out, fan_in)) * (gain / math.sqrt(fan_in))
+        }
+        if bias:
+            weights[f"{prefix}.bias"] = rng.standard_normal(fan_out) * 0.02
+        return weights
+
+    def layer_norm(prefix: str, size: int):
+        return {f"{prefix}.weight": np.ones(size), f"{prefix}.bias": np.zeros(size)}
+
+    out: dict[str, Any] = {}
+    # MLX's Conv3d layout: (out, frames, height, width, in); a patch is the (flattened)
+    # normalised pixels, about unit scale, so fan-in scaling keeps the output there.
+    fan_in = frames * patch * patch * channels
+    out["vision_tower.patch_embed.proj.weight"] = rng.standard_normal(
+        (width, frames, patch, patch, channels)
+    ) / math.sqrt(fan_in)
+    for block in range(config["depth"]):
+        prefix = f"vision_tower.blocks.{block}"
+        out |= layer_norm(f"{prefix}.norm1", width)
+        out |= layer_norm(f"{prefix}.norm2", width)
+        out |= linear(f"{prefix}.attn.qkv", 3 * width, width)
+        out |= linear(f"{prefix}.attn.proj", width, width, gain=0.5)
+        out |= linear(f"{prefix}.mlp.fc1", mlp, width)
+        out |= linear(f"{prefix}.mlp.fc2", width, mlp, gain=0.5)
+    out |= layer_norm("vision_tower.merger.ln_q", width)
+    out |= linear("vision_tower.merger.mlp.0", merged, merged)
+    gain = feature_rms / math.sqrt(_GELU_SECOND_MOMENT)
+    out |= linear("vision_tower.merger.mlp.2", hidden, merged, gain=gain)
+    return {name: np.asarray(value, np.float32) for name, value in out.items()}
+
+
+def _build_into(out: Path, seed: int, text_model: Path) -> None:
+    import json
+
+    import mlx.core as mx
+    import numpy as np
+
+    if not demo_model.is_finished_build(text_model):
+        raise FileNotFoundError(f"{text_model} is not a finished demo model build")
+    text_config = json.loads((text_model / "config.json").read_text(encoding="utf-8"))
+    if text_config.get("model_type") != TEXT_KIND or not text_config.get("tie_word_embeddings"):
+        raise ValueError(f"{text_model} is not a {TEXT_KIND} demo build with tied embeddings")
+
+    ids, vocab_size = _write_tokenizer(out, text_model)
+    config = _model_config(text_config, ids, vocab_size, seed)
+    text_rng, vision_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence([seed, 0x71E]).spawn(2)
+    )
+    weights = _text_weights(text_model, text_config, config["vocab_size"], text_rng)
+    embed = weights["language_model.model.embed_tokens.weight"]
+    feature_rms = float(np.sqrt(np.mean(embed**2)))
+    weights |= _vision_weights(config["vision_config"], feature_rms, vision_rng)
+    mx.save_safetensors(
+        str(out / "model.safetensors"),
+        {name: mx.array(weights[name]) for name in sorted(weights)},
+        metadata={"format": "mlx"},
+    )
+    demo_model._write_json(out / "config.json", config)
+    demo_model._write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids[BOS_TOKEN],
+            "eos_token_id": ids[EOS_TOKEN],
+            "pad_token_id": ids[PAD_TOKEN],
+        },
+    )
+    demo_model._write_json(out / "preprocessor_config.json", _image_processor_config())
+    # Present so that mlx-vlm never looks for them on the hub.
+    demo_model._write_json(out / "processor_config.json", {"processor_class": "Qwen2VLProcessor"})
+    video = {**_image_processor_config(), "video_processor_type": "Qwen2VLVideoProcessor"}
+    del video["image_processor_type"]
+    demo_model._write_json(out / "video_preprocessor_config.json", video)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=DEMO_VLM_SEED, help="only with --out")
+    parser.add_argument("--out", type=Path, help="build here instead of the shared cache")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    if args.out is not None:
+        path = build_vlm(args.out, args.seed)
+    else:
+        if args.seed != DEMO_VLM_SEED:
+            parser.error("--seed needs --out (the cache holds only the default seed)")
+        path = demo_vlm_path()
+    print(path)
+    print(f"ready in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
