@@ -124,6 +124,17 @@ def test_every_layout_path_exists():
     assert "proto/vllm_engine.proto" in listed
 
 
+def test_the_layout_names_every_module():
+    listed = set(_layout_paths())
+    modules = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "servicer").rglob("*.py")
+        if "proto" not in path.relative_to(ROOT / "servicer").parts
+    )
+    unnamed = [m for m in modules if m not in listed]
+    assert not unnamed, f"README's Layout does not name: {unnamed}"
+
+
 def test_every_worker_command_line_parses():
     commands = _command_lines()
     # The quick start, the router, the vLLM face, the features, a fleet, mx.distributed.
