@@ -104,3 +104,19 @@ def test_the_compiled_grammar_stays_on_this_side_of_a_process(demo_dir: Path, co
     assert (matcher.compiled, len(built)) == (1, 1)
     factory.processor(crossed.constraint)
     assert (matcher.compiled, len(built)) == (2, 2)
+
+
+def test_a_tokenizer_llguidance_cannot_read_leaves_the_engine_serving(monkeypatch):
+    """In the engine process the factory builds its llguidance tokenizer at load; one that
+    llguidance cannot read (qwen2 and qwen3_5 in the family matrix) must leave structured
+    output unavailable, with the reason, not fail the engine's start."""
+    from servicer.engine.constraints import GrammarFactory
+
+    def unreadable(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no byte tokens")
+
+    monkeypatch.setattr(servicer.grammar, "llg_tokenizer", unreadable)
+    monkeypatch.setattr(GrammarFactory, "build_at_load", True)
+    factory = GrammarFactory(object(), 64, 0)  # the engine starts
+    with pytest.raises(ValueError, match="structured output is unavailable"):
+        factory.processor(Constraint("regex", "a+"))

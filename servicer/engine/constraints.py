@@ -97,7 +97,9 @@ class GrammarFactory:
         self._eos = eos
         self._checker: GrammarChecker | None = None
         if self.build_at_load:
-            self._tokenizer()
+            # A tokenizer llguidance cannot read leaves structured output unavailable (the
+            # requests that ask for it fail alone); the model serves on.
+            self._checker = GrammarChecker(hf_tokenizer, vocab_size, eos)
 
     def processor(self, constraint: Constraint) -> GrammarProcessor:
         compiled = constraint.compiled
@@ -111,5 +113,6 @@ class GrammarFactory:
         if self._checker is None:
             self._checker = GrammarChecker(self._hf_tokenizer, self._vocab_size, self._eos)
         tokenizer = self._checker.tokenizer
-        assert tokenizer is not None, "the server's GrammarChecker refuses every grammar then"
+        if tokenizer is None:
+            raise ValueError(self._checker.unavailable)
         return tokenizer
