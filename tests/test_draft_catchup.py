@@ -16,7 +16,7 @@ from spec_support import Job, drive, generator_kwargs, passages, plain_generator
 from support import ServerThread, generate, wait_until
 
 from servicer.demo_model import TEST_PROMPTS, demo_model_path
-from servicer.engine.speculation import SpeculationConfig, SpeculativeBatchGenerator
+from servicer.engine.speculation import SpeculationConfig, SpeculativeRunner
 from servicer.engine.speculation.draft_model import DraftModel
 
 STREAMS = 4
@@ -101,7 +101,7 @@ def test_a_lagging_row_catches_up_a_chunk_a_step_then_drafts():
     ]
     plain = drive(plain_generator(model), jobs)
     source = DraftModel(model)
-    generator = SpeculativeBatchGenerator(
+    generator = SpeculativeRunner(
         model,
         source=source,
         speculation=SpeculationConfig(costed=False),

@@ -18,7 +18,7 @@ from servicer.engine import fused_prefill
 from servicer.engine.cache_kinds import make_row_cache
 from servicer.engine.runner import BatchRunner
 from servicer.engine.sampling import SeededSampler
-from servicer.engine.speculation import PromptLookup, SpeculationConfig, SpeculativeBatchGenerator
+from servicer.engine.speculation import PromptLookup, SpeculationConfig, SpeculativeRunner
 from servicer.messages import SamplingSpec
 
 
@@ -89,7 +89,7 @@ def test_fused_steps_beside_speculation(kind_model):
         return out
 
     plain = drive(plain_generator(model, prefill_step_size=32), jobs())
-    generator = SpeculativeBatchGenerator(
+    generator = SpeculativeRunner(
         model,
         source=PromptLookup(),
         speculation=SpeculationConfig(costed=False, max_rows=16),

@@ -26,7 +26,7 @@ from servicer.engine.cache_kinds import grouped, make_row_cache
 from servicer.engine.row_groups import MAX_GROUPS, MIN_SPLIT_SLOTS, RowGroups, choose_group
 from servicer.engine.runner import BatchRunner
 from servicer.engine.sampling import SeededSampler
-from servicer.engine.speculation import PromptLookup, SpeculationConfig, SpeculativeBatchGenerator
+from servicer.engine.speculation import PromptLookup, SpeculationConfig, SpeculativeRunner
 from servicer.messages import SamplingSpec
 
 
@@ -101,8 +101,8 @@ def repeating_jobs(tokenizer: Any, seed: int) -> list[Job]:
     return out
 
 
-def speculating_in_groups(model: Any, costed: bool) -> SpeculativeBatchGenerator:
-    generator = SpeculativeBatchGenerator(
+def speculating_in_groups(model: Any, costed: bool) -> SpeculativeRunner:
+    generator = SpeculativeRunner(
         model,
         source=PromptLookup(),
         speculation=SpeculationConfig(costed=costed, max_rows=16),

@@ -26,7 +26,7 @@ from servicer.engine.sampling import SeededSampler
 from servicer.engine.speculation import (
     PromptLookup,
     SpeculationConfig,
-    SpeculativeBatchGenerator,
+    SpeculativeRunner,
     speculation_supported,
 )
 from servicer.engine.speculation.draft_model import DraftModel, check_draft_compatible
@@ -51,13 +51,13 @@ def other_draft() -> Any:
     return perturbed_copy(demo_model_path("llama"))
 
 
-def speculating(model: Any, source: str | Any, **config: Any) -> SpeculativeBatchGenerator:
+def speculating(model: Any, source: str | Any, **config: Any) -> SpeculativeRunner:
     if source == "ngram":
         source = PromptLookup()
     elif source == "self":
         source = DraftModel(model)
     config.setdefault("costed", False)  # draft whenever a row can: these test exactness
-    return SpeculativeBatchGenerator(
+    return SpeculativeRunner(
         model, source=source, speculation=SpeculationConfig(**config), **generator_kwargs()
     )
 
@@ -204,7 +204,7 @@ def test_every_cache_kind_is_supported_and_others_are_named():
         supported, reason = speculation_supported(model)
         assert not supported and "ChunkedKVCache" in reason
         with pytest.raises(ValueError, match="ChunkedKVCache"):
-            SpeculativeBatchGenerator(model, source=PromptLookup())
+            SpeculativeRunner(model, source=PromptLookup())
     hybrid, _ = load(str(demo_model_path("hybrid")))
     with pytest.raises(ValueError, match="ArraysCache"):
         DraftModel(hybrid)

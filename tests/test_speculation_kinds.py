@@ -27,7 +27,7 @@ from servicer.engine.sampling import SeededSampler
 from servicer.engine.speculation import (
     PromptLookup,
     SpeculationConfig,
-    SpeculativeBatchGenerator,
+    SpeculativeRunner,
 )
 from servicer.messages import SamplingSpec
 
@@ -62,10 +62,10 @@ def random_jobs(tokenizer: Any, seed: int, batch: int, **extra: Any) -> list[Job
     return jobs
 
 
-def speculating(model: Any, source: Any, **config: Any) -> SpeculativeBatchGenerator:
+def speculating(model: Any, source: Any, **config: Any) -> SpeculativeRunner:
     config.setdefault("costed", False)  # draft whenever a row can: these test exactness
     config.setdefault("max_rows", 16)
-    return SpeculativeBatchGenerator(
+    return SpeculativeRunner(
         model, source=source, speculation=SpeculationConfig(**config), **generator_kwargs()
     )
 

@@ -25,7 +25,7 @@ from test_speculation_kinds import (
 )
 
 from servicer.engine.sampling import SeededSampler
-from servicer.engine.speculation import PromptLookup, SpeculationConfig, SpeculativeBatchGenerator
+from servicer.engine.speculation import PromptLookup, SpeculationConfig, SpeculativeRunner
 from servicer.messages import SamplingSpec
 
 BOS = 2  # Gemma writes garbage without it
@@ -98,7 +98,7 @@ def test_real_gemma_greedy_identical_across_the_window(gemma: tuple[Any, Any]) -
         ]
 
     plain = drive(plain_generator(model), jobs())
-    generator = SpeculativeBatchGenerator(
+    generator = SpeculativeRunner(
         model,
         source=PromptLookup(),
         speculation=SpeculationConfig(costed=False, max_rows=8),

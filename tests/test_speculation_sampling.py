@@ -14,7 +14,7 @@ from spec_support import passages, replicated_batch, two_sample_chi_square
 from servicer.demo_model import demo_model_path
 from servicer.engine.sampling import RandomKeys, _Sampler
 from servicer.engine.speculation import PromptLookup, SpeculationConfig, Speculator
-from servicer.engine.speculation.batch import SpeculativeGenerationBatch
+from servicer.engine.speculation.batch import SpeculativeDecodeBatch
 from servicer.engine.speculation.draft_model import DraftModel
 from servicer.messages import SamplingSpec
 
@@ -35,7 +35,7 @@ def first_tokens(model: Any, prompt: list[int], source: Any, seed: int) -> tuple
     batch = replicated_batch(model, prompt, SAMPLES, sampler, max_tokens=4)
     if source is not None:
         speculator = Speculator(source, SpeculationConfig(max_rows=SAMPLES, k_max=2, costed=False))
-        spec = SpeculativeGenerationBatch.start(model, greedy_sampler, speculator)
+        spec = SpeculativeDecodeBatch.start(model, greedy_sampler, speculator)
         spec.extend(batch)
         batch = spec
     tokens: dict[int, list[int]] = {}

@@ -5,7 +5,7 @@ can share the pure modules here (`prefix.keys` names a prompt's blocks on both s
 
 Who owns what:
 - The engine thread owns its `EngineLoop` and everything in it: the model and sampling
-  (`parts`), the `Batch` and its BatchGenerator, the `Scheduler`, the `PrefixStore` with its
+  (`parts`), the `Batch` and its `BatchRunner`, the `Scheduler`, the `PrefixStore` with its
   index, RAM tier, `DiskLink` and every counter (the disk tier's too). No other thread reads
   them: the loop publishes `EngineFigures` with its output when they change, and everyone
   else reads the latest published ones.

@@ -298,7 +298,7 @@ def bytes_of(layer: Any) -> Bytes:
 def make_row_cache(
     model: nn.Module, bits: int = 8, group_size: int = 64, dequantize: bool = False
 ) -> list[Any]:
-    """One request's per-layer caches for ``BatchGenerator.insert(caches=...)`` with
+    """One request's per-layer caches for ``BatchRunner.insert(caches=...)`` with
     --kv-bits: a ``QuantizedRowCache`` (with `dequantize`, a ``DequantizingRowCache``: for a
     model whose attention takes plain arrays only, see `check_quantization`) for each layer
     the table quantizes (plain full attention); every other kind as ``make_prompt_cache``

@@ -1,6 +1,6 @@
 """Embeddings: a prompt's pooled final hidden state, from the loaded model's inner transformer
 (the final norm's output), on the engine thread beside generation. A forward here uses no
-cache at all, so the BatchGenerator's caches are never touched.
+cache at all, so the batch's caches are never touched.
 
 Prompts of one step go through together, right-padded: in a causal model a real position
 never sees the padding after it, so its hidden state is exact. A long prompt goes through in

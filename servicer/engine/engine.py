@@ -1,4 +1,4 @@
-"""The engine: one thread that owns every MLX object and steps a BatchGenerator.
+"""The engine: one thread that owns every MLX object and steps its own batch.
 
 `Engine` is the handle other threads hold: requests and aborts go into its inbox, and each
 hand-off comes back through its sink (the handler side's `Outbox`) as one `StepOutput`. The

@@ -36,7 +36,7 @@ from .speculation import (
     PromptLookup,
     SpeculationConfig,
     SpeculationCounters,
-    SpeculativeBatchGenerator,
+    SpeculativeRunner,
     check_draft_compatible,
     draft_supported,
     speculation_supported,
@@ -367,7 +367,7 @@ def new_generator(
     if speculation is None:
         generator = BatchRunner(model, **kwargs)
     else:
-        generator = SpeculativeBatchGenerator(
+        generator = SpeculativeRunner(
             model,
             source=speculation.source(),
             speculation=speculation.config,

@@ -1,4 +1,4 @@
-"""A quantized KV cache that batches: mlx-lm's BatchGenerator with keys and values kept as
+"""A quantized KV cache that batches: the engine's batch (or mlx-lm's) with keys and values kept as
 MLX quantized tuples ``(packed uint32, scales, biases)``.
 
 mlx-lm 0.32 has ``QuantizedKVCache`` (one sequence) and ``BatchKVCache`` (a left-padded batch in
@@ -23,7 +23,7 @@ no ``bits`` attribute to send mlx-lm's attention down the quantized path, so the
 attention runs unchanged on keys and values that went through quantization. The cost: each
 forward dequantizes each layer's whole held KV (``quantization`` reads the settings of either).
 
-Use: ``BatchGenerator.insert(prompts, caches=[make_row_cache(model, bits, group_size) ...])``
+Use: ``BatchRunner.insert(prompts, caches=[make_row_cache(model, bits, group_size) ...])``
 (``cache_kinds.make_row_cache``: which layers are quantized is the cache kinds' answer).
 The per-row ``QuantizedRowCache.merge`` builds the batch cache, so the batch is quantized
 wherever the rows are; other layer kinds (recurrent, sliding window) stay full precision.
@@ -212,7 +212,7 @@ def _row_kv(cache: Any, group_size: int, bits: int) -> KV | None:
 
 class BatchQuantizedKVCache(QuantizedAttention, _BaseCache):
     """``BatchKVCache`` (left-padded rows, one write index, per-row ``offset``) whose keys and
-    values are quantized tuples. Same operations and semantics, so ``BatchGenerator`` drives it
+    values are quantized tuples. Same operations and semantics, so a batch drives it
     as it drives ``BatchKVCache``; ``bits``/``group_size`` make mlx-lm's attention quantized."""
 
     step = KVCache.step  # grow as mlx-lm's caches do

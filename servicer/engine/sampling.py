@@ -1,6 +1,6 @@
 """Samplers, logits processors, stop matchers and logprobs, built with mlx-lm's helpers.
 
-BatchGenerator samples the whole batch in one call only when every row holds the same
+The decoding batch samples the whole batch in one call only when every row holds the same
 sampler object, and runs logits processors row by row as soon as any row has one. So
 equal sampling settings share one sampler object, and neutral penalties build nothing.
 """

@@ -1,10 +1,10 @@
 """Speculative decoding inside the engine's continuous batch (engine thread only)."""
 
-from .batch import SpeculativeGenerationBatch, Speculator
+from .batch import SpeculativeDecodeBatch, Speculator
 from .config import SpeculationConfig, SpeculationCounters
 from .draft_model import DraftModel, check_draft_compatible, draft_supported
 from .drafts import DraftSource
-from .generator import SpeculativeBatchGenerator
+from .generator import SpeculativeRunner
 from .ngram import PromptLookup
 from .support import speculation_supported
 
@@ -14,8 +14,8 @@ __all__ = [
     "PromptLookup",
     "SpeculationConfig",
     "SpeculationCounters",
-    "SpeculativeBatchGenerator",
-    "SpeculativeGenerationBatch",
+    "SpeculativeDecodeBatch",
+    "SpeculativeRunner",
     "Speculator",
     "check_draft_compatible",
     "draft_supported",

@@ -50,7 +50,7 @@ class _Verified:
     used_keys: list[int] = field(default_factory=list)  # draws each row kept
 
 
-class SpeculativeGenerationBatch(DecodeBatch):
+class SpeculativeDecodeBatch(DecodeBatch):
     """The decoding batch with drafts.
 
     Each step, for every row: the pending token (sampled last step, not yet run) plus up to
@@ -76,10 +76,10 @@ class SpeculativeGenerationBatch(DecodeBatch):
     @classmethod
     def start(
         cls, model: Any, fallback_sampler: Any, speculator: Speculator
-    ) -> SpeculativeGenerationBatch:
+    ) -> SpeculativeDecodeBatch:
         """An empty batch, as the runner starts with."""
         batch = cls.empty(model, fallback_sampler, speculator=speculator)
-        assert isinstance(batch, SpeculativeGenerationBatch)
+        assert isinstance(batch, SpeculativeDecodeBatch)
         return batch
 
     def extend(self, batch: DecodeBatch) -> None:

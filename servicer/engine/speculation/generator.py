@@ -7,13 +7,13 @@ from typing import Any
 from ...messages import SpeculationFigures
 from ..decode_batch import DecodeBatch
 from ..runner import BatchRunner
-from .batch import SpeculativeGenerationBatch, Speculator
+from .batch import SpeculativeDecodeBatch, Speculator
 from .config import ModeClock, SpeculationConfig, SpeculationCounters
 from .drafts import DraftSource
 from .support import padding_inert, speculation_supported
 
 
-class SpeculativeBatchGenerator(BatchRunner):
+class SpeculativeRunner(BatchRunner):
     """A batch runner whose decoding batch speculates.
 
     Prompts that finish their prefill build a plain DecodeBatch, which the speculating batch
@@ -50,9 +50,7 @@ class SpeculativeBatchGenerator(BatchRunner):
             modes=ModeClock(window=config.mode_window, first_gap=config.mode_gap),
             padding_inert=padding_inert(self.model),
         )
-        self._speculating = SpeculativeGenerationBatch.start(
-            self.model, self.sampler, self._speculator
-        )
+        self._speculating = SpeculativeDecodeBatch.start(self.model, self.sampler, self._speculator)
         return self._speculating
 
     def _next(self, chunk: int) -> Any:
