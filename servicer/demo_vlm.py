@@ -48,7 +48,7 @@ DEMO_VLM_SEED = 0
 TEXT_KIND = "llama"  # the demo_model kind whose weights become the language model
 # Bump whenever anything that changes the built files changes (configs, tokens, init);
 # the text model's own demo_model.RECIPE_VERSION is part of the build name too.
-VLM_RECIPE_VERSION = "v1"
+VLM_RECIPE_VERSION = "v2"
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
@@ -311,13 +311,11 @@ def _model_config(
 def _text_weights(text_model: Path, text_config: Mapping[str, Any], vocab: int, rng) -> dict:
     """The text demo's weights under Qwen2-VL's names, with zero q/k/v biases and
     embedding rows for the appended tokens."""
-    import mlx.core as mx
     import numpy as np
+    from safetensors.numpy import load_file
 
-    source = {
-        name: np.array(value.astype(mx.float32))
-        for name, value in mx.load(str(text_model / "model.safetensors")).items()
-    }
+    # The text demo is float32 (its recipe writes it so): numpy reads it as it is.
+    source = load_file(str(text_model / "model.safetensors"))
     out: dict[str, np.ndarray] = {}
     for name, value in source.items():
         if not name.startswith("model."):
@@ -398,8 +396,8 @@ def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
 def _build_into(out: Path, seed: int, text_model: Path) -> None:
     import json
 
-    import mlx.core as mx
     import numpy as np
+    from safetensors.numpy import save_file
 
     if not demo_model.is_finished_build(text_model):
         raise FileNotFoundError(f"{text_model} is not a finished demo model build")
@@ -416,9 +414,9 @@ def _build_into(out: Path, seed: int, text_model: Path) -> None:
     embed = weights["language_model.model.embed_tokens.weight"]
     feature_rms = float(np.sqrt(np.mean(embed**2)))
     weights |= _vision_weights(config["vision_config"], feature_rms, vision_rng)
-    mx.save_safetensors(
+    save_file(
+        {name: np.ascontiguousarray(weights[name], dtype=np.float32) for name in sorted(weights)},
         str(out / "model.safetensors"),
-        {name: mx.array(weights[name]) for name in sorted(weights)},
         metadata={"format": "mlx"},
     )
     demo_model._write_json(out / "config.json", config)
