@@ -322,5 +322,4 @@ class EngineCapabilities(Wire, frozen=True):
 
     admission: Admission
     has_thinking: bool  # the tokenizer marks a reasoning section
-    block_size: int  # tokens per prefix-store block (0: no prefix reuse)
     embedding_size: int = 0  # the model's hidden size when it can embed (0: it cannot)

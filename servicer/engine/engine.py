@@ -237,7 +237,7 @@ class EngineLoop:
             parts.loaded.model, self._lockstep is not None, config.prefill_step_size
         )
         self.capabilities = EngineCapabilities(
-            parts.admission, parts.has_thinking, self.store.block_size, self.embedder.size
+            parts.admission, parts.has_thinking, self.embedder.size
         )
         self.planner = Planner(
             config,

@@ -291,7 +291,7 @@ def _prefix_store(
     if max_bytes is None:
         # Ranks must evict alike, so a distributed engine does not size it per machine.
         max_bytes = 1 << 30 if shared else min(admission.limit_bytes // 4, 1 << 30)
-    block = config.prompt_cache_block
+    block = config.block_size  # the handlers name blocks by the same setting
     interval = config.prompt_cache_snapshot_interval
     if interval is None:
         interval = snapshot_interval(admission.memory, block)
