@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,26 +241,34 @@ def build_model(path: Path, kind: str = DEMO_MODEL_KIND, seed: int = DEMO_SEED) 
     `path` never holds a partial build. If `path` already holds a finished build it is
     returned untouched. Note: this reseeds MLX's global random generator.
     """
-    path = Path(path)
     recipe = _recipe(kind)
-    if is_finished_build(path):
+    return build_atomically(
+        path, is_finished_build, lambda tmp: _build_into(tmp, kind, recipe, seed), "demo model"
+    )
+
+
+def build_atomically(
+    path: Path, finished: Callable[[Path], bool], build_into: Callable[[Path], None], what: str
+) -> Path:
+    """`build_into` a temporary sibling of `path`, then rename it into place: `path` never
+    holds a partial build, and a `finished` one there is returned untouched."""
+    path = Path(path)
+    if finished(path):
         return path
     if path.exists() and not (path.is_dir() and not any(path.iterdir())):
         # Fail before spending a build on a rename that cannot succeed.
-        raise FileExistsError(f"{path} exists and is not a finished demo model build")
+        raise FileExistsError(f"{path} exists and is not a finished {what} build")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
-        _build_into(tmp, kind, recipe, seed)
+        build_into(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache should be readable
         try:
             # rename(2) replaces a missing or empty directory, and fails on a non-empty one.
             os.rename(tmp, path)
         except OSError:
-            if not is_finished_build(path):  # else another process won the race: fine
-                raise FileExistsError(
-                    f"{path} exists and is not a finished demo model build"
-                ) from None
+            if not finished(path):  # else another process won the race: fine
+                raise FileExistsError(f"{path} exists and is not a finished {what} build") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
@@ -272,15 +280,27 @@ def demo_model_path(kind: str = DEMO_MODEL_KIND, cache_dir: Path | None = None) 
     Safe across processes: builders serialise on a lock file in the cache directory.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / build_name(kind, DEMO_SEED)
-    if is_finished_build(target):
+    return cached_build(
+        cache_dir / build_name(kind, DEMO_SEED),
+        is_finished_build,
+        lambda target: build_model(target, kind, DEMO_SEED),
+        f"the {kind} demo model",
+    )
+
+
+def cached_build(
+    target: Path, finished: Callable[[Path], bool], build: Callable[[Path], Path], what: str
+) -> Path:
+    """`target` in the model cache, built on first use by `build`; builders in several
+    processes serialise on a lock file beside it."""
+    if finished(target):
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f".{target.name}.lock", "w") as lock:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-        if not is_finished_build(target):
-            log.info("building the %s demo model into %s (first use, about 30 s)", kind, target)
-        return build_model(target, kind, DEMO_SEED)
+        if not finished(target):  # else another process built it while we waited
+            log.info("building %s into %s (first use)", what, target)
+        return build(target)
 
 
 # --------------------------------------------------------------------------- building

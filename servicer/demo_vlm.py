@@ -26,13 +26,10 @@ Usage: ``python -m servicer.demo_vlm [--seed 0] [--out DIR]``.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import math
-import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -145,14 +142,8 @@ def build_vlm(path: Path, seed: int = DEMO_VLM_SEED, text_model: Path | None = N
     `seed` in a temporary directory. Like ``demo_model.build_model``: atomic, and a
     finished build at `path` is returned untouched. Needs no network and no mlx-vlm.
     """
-    path = Path(path)
-    if is_finished_build(path):
-        return path
-    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
-        raise FileExistsError(f"{path} exists and is not a finished demo VLM build")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
+
+    def build_into(tmp: Path) -> None:
         if text_model is not None:
             _build_into(tmp, seed, Path(text_model))
         elif seed == demo_model.DEMO_SEED:
@@ -162,17 +153,8 @@ def build_vlm(path: Path, seed: int = DEMO_VLM_SEED, text_model: Path | None = N
             demo_model.build_model(text_dir, TEXT_KIND, seed)
             _build_into(tmp, seed, text_dir)
             shutil.rmtree(text_dir)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache should be readable
-        try:
-            os.rename(tmp, path)  # replaces a missing or empty directory only
-        except OSError:
-            if not is_finished_build(path):  # else another process won the race: fine
-                raise FileExistsError(
-                    f"{path} exists and is not a finished demo VLM build"
-                ) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return demo_model.build_atomically(path, is_finished_build, build_into, "demo VLM")
 
 
 def demo_vlm_path(cache_dir: Path | None = None) -> Path:
@@ -182,17 +164,16 @@ def demo_vlm_path(cache_dir: Path | None = None) -> Path:
     which also holds the text model it is made from. Safe across processes.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else demo_model.default_cache_dir()
-    target = cache_dir / build_name(DEMO_VLM_SEED)
-    if is_finished_build(target):
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-        if is_finished_build(target):  # another process built it while we waited
-            return target
-        log.info("building the demo vision-language model into %s (first use)", target)
-        text_model = demo_model.demo_model_path(TEXT_KIND, cache_dir)
-        return build_vlm(target, DEMO_VLM_SEED, text_model)
+
+    def build(target: Path) -> Path:
+        return build_vlm(target, DEMO_VLM_SEED, demo_model.demo_model_path(TEXT_KIND, cache_dir))
+
+    return demo_model.cached_build(
+        cache_dir / build_name(DEMO_VLM_SEED),
+        is_finished_build,
+        build,
+        "the demo vision-language model",
+    )
 
 
 # --------------------------------------------------------------------------- building
