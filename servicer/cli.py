@@ -24,6 +24,7 @@ from .faces import parse_protocols
 from .faults import ENV_VAR as FAULTS_ENV_VAR
 from .faults import FaultPlan
 from .handlers import HandlerOptions
+from .media import MediaPolicy
 from .model_files import ModelSpec
 from .server import ServerConfig, run_follower, run_worker
 
@@ -90,10 +91,62 @@ def _size_text(value: int) -> str:
     raise AssertionError("a scale of 1 divides every value")
 
 
+def _add_media_flags(parser: argparse.ArgumentParser) -> None:
+    """Images of a vision model's requests (vLLM face): where they may come from, how many and
+    how large."""
+    media = MediaPolicy()
+    parser.add_argument(
+        "--allowed-media-hosts",
+        type=lambda text: tuple(h.strip() for h in text.split(",") if h.strip()),
+        default=media.allowed_hosts,
+        help="image URLs over http(s) are fetched from these hosts only (comma-separated names, "
+        "*.suffix, * for any public host, IPs or CIDRs; a loopback, private or link-local "
+        "address only when listed itself; default: none, data: URLs only)",
+    )
+    parser.add_argument(
+        "--media-dir",
+        type=Path,
+        default=media.media_dir,
+        help="file:// image URLs are read from under this directory only (default: none)",
+    )
+    parser.add_argument(
+        "--max-images",
+        type=_positive,
+        default=media.max_images,
+        help="most images a request may carry (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-image-bytes",
+        type=_size,
+        default=media.max_bytes,
+        help=f"largest image file (default {_size_text(media.max_bytes)})",
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=_positive,
+        default=media.max_pixels,
+        help="largest image, width x height (default %(default)s)",
+    )
+    parser.add_argument(
+        "--media-fetch-timeout",
+        type=_non_negative,
+        default=media.fetch_timeout_s,
+        help="seconds a request's images may take to fetch (default %(default)s)",
+    )
+    parser.add_argument(
+        "--encoder-cache-size",
+        type=_size,
+        default=_default(EngineConfig, "encoder_cache_bytes"),
+        help="image features kept for images seen again (default "
+        f"{_size_text(_default(EngineConfig, 'encoder_cache_bytes'))})",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="mlx-grpc-worker",
         description="Serve an MLX model over the SMG router's mlx.grpc.engine.MlxEngine gRPC API.",
+        allow_abbrev=False,  # a prefix of one flag is never read as another
     )
     parser.add_argument(
         "--model",
@@ -128,6 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how Embed pools the model's hidden states: last (the last token's) or mean "
         "(default %(default)s)",
     )
+    _add_media_flags(parser)
     parser.add_argument(
         "--completion-batch-size",
         type=_positive,
@@ -428,6 +482,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         draft_model=args.draft_model,
         speculation=SpeculationConfig(k_max=args.speculate_k, max_rows=args.speculate_max_batch),
         step_timeout_s=args.step_timeout,
+        encoder_cache_bytes=args.encoder_cache_size,
         faults=FaultPlan.parse(faults) if (faults := os.environ.get(FAULTS_ENV_VAR)) else None,
     )
     handlers = HandlerOptions(
@@ -438,6 +493,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prepend_bos=args.prepend_bos,
         max_load_wait_s=args.max_load_wait,
         embedding_pooling=args.embedding_pooling,
+        media=MediaPolicy(
+            allowed_hosts=args.allowed_media_hosts,
+            media_dir=args.media_dir,
+            max_bytes=args.max_image_bytes,
+            max_pixels=args.max_image_pixels,
+            max_images=args.max_images,
+            fetch_timeout_s=args.media_fetch_timeout,
+        ),
     )
     return ServerConfig(
         model=ModelSpec(args.model, args.served_model_name),

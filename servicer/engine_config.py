@@ -97,6 +97,8 @@ class EngineConfig:
     # A step (with its plan and hand-off) running longer than max(this, 8x the longest step
     # so far) is a stall: the worker fails every request and exits (0: no watchdog).
     step_timeout_s: float = 120.0
+    # A vision model's image features kept by image key, for an image seen again (bytes).
+    encoder_cache_bytes: int = 256 << 20
     faults: FaultPlan | None = None  # testing only
 
     @property

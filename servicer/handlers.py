@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import grpc
@@ -22,9 +22,11 @@ from .codec import TextCodec
 from .engine_calls import EngineCalls
 from .engine_handle import EngineHandle
 from .faces import MLX_FACE, VLLM_FACE, Face
+from .images import ImagePreparer, expand, has_media
 from .kv_events import KvEventHub
 from .lifecycle import Lifecycle, Phase
 from .loads import LoadFigures, Throughput, load_figures
+from .media import MediaPolicy
 from .messages import (
     FINISH_STOP,
     EmbedRequest,
@@ -123,6 +125,7 @@ class HandlerOptions:
     # own deadline) instead of being refused.
     max_load_wait_s: float = 120.0
     embedding_pooling: str = "last"  # Embed: "last" token's hidden state or their "mean"
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # what images may be fetched
 
 
 async def wait_for_model(
@@ -340,6 +343,7 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         self._embedding_size = 0
         self._calls = EngineCalls()  # embeds and flushes waiting for the engine
         self._once = RateLimitedLog(log, float("inf"))  # says each thing once
+        self.images: ImagePreparer | None = None  # a vision model's image fetch and processing
 
     # ----- lifecycle, driven by the server -----
 
@@ -350,6 +354,8 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         self._limits = Limits.for_model(
             files.info, self._options.max_prompt_tokens, prepend_bos=self._options.prepend_bos
         )
+        if files.vision is not None:
+            self.images = ImagePreparer(files.model_dir, files.vision, self._options.media)
 
     def attach(
         self,
@@ -440,16 +446,21 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
                 text_ids = self._codec.encode(request.text)
             else:
                 text_ids = await asyncio.to_thread(self._codec.encode, request.text)
-        args = (
-            request,
-            next(self._tickets),
-            self._limits,
-            text_ids,
-            self._options.stream_interval,
-            self._block_size,
-            self._options.stream_window_ms / 1000,
-        )
         try:
+            expand_images = None
+            if self.images is not None and has_media(request):
+                images, spec = await self.images.prepare(request), self.images.spec
+                expand_images = lambda ids: expand(ids, spec, images)  # noqa: E731
+            args = (
+                request,
+                next(self._tickets),
+                self._limits,
+                text_ids,
+                self._options.stream_interval,
+                self._block_size,
+                self._options.stream_window_ms / 1000,
+                expand_images,
+            )
             if request.sampling_params.WhichOneof("constraint") is None:
                 return build_request(*args)
             return await asyncio.to_thread(build_request, *args)

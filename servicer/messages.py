@@ -87,6 +87,30 @@ class Constraint(Wire, frozen=True, gc=True, dict=True):
         return self.__dict__.get("compiled")
 
 
+class Tensor(Wire, frozen=True):
+    """An array's bytes (C order), shape and numpy dtype name, for crossing to the engine."""
+
+    data: bytes
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class ImageInput(Wire, frozen=True):
+    """One image of a prompt, processed for the model's vision encoder: its placeholder run
+    `prompt[offset : offset + length]`, the encoder's inputs, and `key`, a hash of exactly
+    those inputs (the encoder cache's and the prefix store's name for the image)."""
+
+    offset: int
+    length: int
+    key: bytes
+    pixel_values: Tensor
+    extra: tuple[tuple[str, Tensor], ...] = ()  # model-specific inputs (image_grid_thw)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 class GenerationRequest(Wire):
     """One validated request, ready for the engine to admit."""
 
@@ -114,6 +138,15 @@ class GenerationRequest(Wire):
     # Stop strings: the engine ends the row (finish `stop`) once its decoded text, counted
     # from the `min_tokens`-th token, holds one (the handlers trim the text they send).
     stop_strings: tuple[str, ...] = ()
+    # Its images in prompt order, and the prompt as the prefix store names it: each image
+    # token replaced by an id drawn from the image's key (empty: the prompt itself).
+    images: tuple[ImageInput, ...] = ()
+    keyed_prompt: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def store_prompt(self) -> list[int]:
+        """The prompt as the prefix store sees it: two images never share a block name."""
+        return self.keyed_prompt or self.prompt
 
     @property
     def cache_tokens(self) -> int:
@@ -251,6 +284,7 @@ class ModelInfo:
     # post-processor that adds it): the model expects it at the start of every prompt.
     adds_bos: bool = False
     hidden_size: int = 0  # from config.json: the size of Embed's vectors (0: not said)
+    supports_vision: bool = False  # its images are served (images.vision_spec)
 
 
 class PrefixCacheStats(Wire, frozen=True):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .images import VisionSpec, vision_refusal, vision_spec
 from .messages import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ DEFAULT_DEMO_KIND = "llama"
 # Config keys that name the context length, in order of preference.
 _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "n_ctx")
 _FALLBACK_CONTEXT = 4096
+VLM_DEMO_KIND = "vlm"  # demo:vlm, the tiny vision-language demo (demo_vlm)
+VLM_DEMO_FAMILY = "gemma3"
 
 
 class ModelLoadError(RuntimeError):
@@ -56,6 +59,7 @@ class ModelFiles:
 
     info: ModelInfo
     tokenizer: Any  # the Hugging Face tokenizer (text input, decoded text, stop strings)
+    vision: VisionSpec | None = None  # how its prompts hold images (None: text only)
 
     @property
     def model_dir(self) -> Path:
@@ -66,11 +70,16 @@ def resolve_model_dir(spec: ModelSpec) -> Path:
     """A local directory holding the model: the path itself, the demo model (built on first
     use), or a hub snapshot (downloaded on first use)."""
     kind = spec.demo_kind
+    if kind == VLM_DEMO_KIND:
+        from .demo_vlm import demo_vlm_path
+
+        return demo_vlm_path(family=VLM_DEMO_FAMILY)
     if kind is not None:
         from .demo_model import available_kinds, demo_model_path
 
         if kind not in available_kinds():
-            raise ModelLoadError(f"unknown demo model {kind!r}; known: {available_kinds()}")
+            known = [*available_kinds(), VLM_DEMO_KIND]
+            raise ModelLoadError(f"unknown demo model {kind!r}; known: {known}")
         return demo_model_path(kind)
     assert spec.model is not None
     path = Path(spec.model).expanduser()
@@ -171,7 +180,14 @@ def read_model_files(spec: ModelSpec, model_dir: Path) -> ModelFiles:
     bos = info.bos_token_id
     if bos is not None and adds_bos(tokenizer, bos):
         info = replace(info, adds_bos=True)
-    return ModelFiles(info, tokenizer)
+    vision = None
+    refusal = vision_refusal(config)
+    if refusal is not None:
+        log.warning("%s", refusal)
+    else:
+        vision = vision_spec(config, tokenizer)
+        info = replace(info, supports_vision=vision is not None)
+    return ModelFiles(info, tokenizer, vision)
 
 
 def adds_bos(tokenizer: Any, bos: int) -> bool:

@@ -16,8 +16,15 @@ from typing import Any
 
 import grpc
 
-from .engine.prefix.keys import block_keys
-from .messages import Constraint, GenerationRequest, ModelInfo, PenaltySpec, SamplingSpec
+from .engine.prefix.keys import block_keys, image_keyed
+from .messages import (
+    Constraint,
+    GenerationRequest,
+    ImageInput,
+    ModelInfo,
+    PenaltySpec,
+    SamplingSpec,
+)
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -38,6 +45,10 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+# A prompt's ids -> the ids with its images' placeholder runs in, and the images placed.
+ExpandImages = Callable[[list[int]], tuple[list[int], tuple[ImageInput, ...]]]
 
 
 def _invalid(message: str) -> RequestError:
@@ -328,6 +339,43 @@ def _top_logprobs(params: Params) -> int | None:
     return params.logprobs
 
 
+def _max_tokens(params: Params, room: int) -> int:
+    """Tokens the request may generate: its max_tokens clamped to the context's room (the row
+    then ends `length`), the room when unset."""
+    max_tokens = room
+    if params.HasField("max_tokens"):
+        if params.max_tokens == 0:
+            raise _invalid("max_tokens must be at least 1")
+        max_tokens = min(params.max_tokens, room)
+    if params.min_tokens > max_tokens:
+        raise _invalid(f"min_tokens ({params.min_tokens}) is above max_tokens ({max_tokens})")
+    return max_tokens
+
+
+def _thinking_budget(params: Params, limits: Limits) -> int | None:
+    if not _has(params, "thinking_budget"):
+        return None
+    if not limits.has_thinking:
+        raise _invalid("thinking_budget: this model has no reasoning-section markers")
+    return params.thinking_budget
+
+
+def _with_images(
+    prompt: list[int], expand_images: ExpandImages | None, limits: Limits
+) -> tuple[list[int], tuple[ImageInput, ...], list[int]]:
+    """The prompt with its images' placeholder runs, the images, and the prompt as the prefix
+    store names it (empty: no images)."""
+    if expand_images is None:
+        return prompt, (), []
+    prompt, images = expand_images(prompt)
+    if len(prompt) > limits.prompt_limit:
+        raise _invalid(
+            f"the prompt has {len(prompt)} tokens with its images' placeholders; this worker "
+            f"accepts at most {limits.prompt_limit}"
+        )
+    return prompt, images, image_keyed(prompt, [(i.offset, i.length, i.key) for i in images])
+
+
 def build_request(
     request: Any,
     ticket: int,
@@ -336,6 +384,7 @@ def build_request(
     stream_interval: int = 1,
     block_size: int = 0,
     stream_window_s: float = 0.0,
+    expand_images: ExpandImages | None = None,
 ) -> tuple[GenerationRequest, TextOptions | None]:
     """Validate and normalise; raises RequestError with the status to send.
 
@@ -343,28 +392,19 @@ def build_request(
     least time between two chunks (both after the first token; the finish never waits). A unary
     call needs its handler only for the first token (time-to-first-token metric) and the
     finish, unless it watches for stop strings. `block_size`: name the prompt's blocks for
-    prefix reuse (0: the worker keeps no prefixes)."""
+    prefix reuse (0: the worker keeps no prefixes). `expand_images`: the request's images,
+    fetched and processed, put in its prompt (None: a request with media is refused)."""
     if not request.request_id:
         raise _invalid("request_id is empty")
-    refuse_media(request)
+    if expand_images is None:
+        refuse_media(request)
     prompt, bos_added = prompt_ids(request, limits, text_ids)
+    prompt, images, keyed = _with_images(prompt, expand_images, limits)
     params = request.sampling_params
-    room = limits.context_length - len(prompt)
-    max_tokens = room
-    if params.HasField("max_tokens"):
-        if params.max_tokens == 0:
-            raise _invalid("max_tokens must be at least 1")
-        max_tokens = min(params.max_tokens, room)  # clamped to the context; ends `length`
-    if params.min_tokens > max_tokens:
-        raise _invalid(f"min_tokens ({params.min_tokens}) is above max_tokens ({max_tokens})")
+    max_tokens = _max_tokens(params, limits.context_length - len(prompt))
     sample_count(params)
     top_logprobs = _top_logprobs(params)
     grammar = constraint(params, limits.check_grammar)
-    thinking_budget = None
-    if _has(params, "thinking_budget"):
-        if not limits.has_thinking:
-            raise _invalid("thinking_budget: this model has no reasoning-section markers")
-        thinking_budget = params.thinking_budget
     stop = {t for t in params.stop_token_ids if t < limits.vocab_size}
     if not params.ignore_eos or grammar is not None:  # a finished grammar ends with EOS
         stop.update(limits.eos_token_ids)
@@ -379,12 +419,14 @@ def build_request(
         stop_token_ids=frozenset(stop),
         top_logprobs=top_logprobs,
         constraint=grammar,
-        thinking_budget=thinking_budget,
+        thinking_budget=_thinking_budget(params, limits),
         tokens_per_handoff=stream_interval if request.stream or text is not None else sys.maxsize,
         handoff_window_s=stream_window_s,
-        block_keys=block_keys(prompt, block_size) if block_size else (),
+        block_keys=block_keys(keyed or prompt, block_size) if block_size else (),
         bos_added=bos_added,
         min_tokens=params.min_tokens,
         stop_strings=text.stops if text is not None else (),
+        images=images,
+        keyed_prompt=keyed,
     )
     return job, text

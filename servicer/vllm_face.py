@@ -16,6 +16,7 @@ import grpc
 
 from . import __version__
 from .handlers import MlxEngineServicer
+from .images import media_info
 from .kv_events import SubscriberLagged
 from .metadata import SERVER_TYPE
 from .proto import common_pb2, mlx_engine_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
@@ -64,6 +65,7 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
             bos_token_id=info.bos_token_id,
             max_req_input_len=info.max_req_input_len,
             embedding_size=info.embedding_size,
+            supports_vision=self._handlers.images is not None,
         )
 
     async def GetServerInfo(
@@ -77,6 +79,7 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
             data_parallel_size=1,
             block_size=handlers.kv_events.block_size,
             max_num_seqs=handlers.max_running_requests,
+            **media_info(handlers.images),
         )
 
     async def GetLoads(

@@ -30,6 +30,7 @@ from .rows import Row, RowBook
 from .runner import BatchRunner
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
+from .vision import ImageSpan, VisionEncoder
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +60,12 @@ class Batch:
         wants_logprobs: bool = True,
         new_row: Callable[[], list[Any]] | None = None,
         cost: StepCost | None = None,
+        vision: VisionEncoder | None = None,
     ) -> None:
         """`new_row`: a request's empty caches (quantized ones with --kv-bits); None: the
         generator makes mlx-lm's."""
         self._new_row = new_row
+        self._vision = vision
         self._new_generator = new_generator
         self._generator = new_generator()
         self._sampling = sampling
@@ -107,44 +110,49 @@ class Batch:
     def insert(self, admits: list[Admit], hits: list[Hit | None], out: StepOutput) -> None:
         """Admitted requests into the generator, with their reused prefixes (whose pins their
         rows take over). A request whose own parts cannot be built fails alone."""
-        sampling = self._sampling
         parts = []
         for admit, hit in zip(admits, hits, strict=True):
-            request = admit.request
             try:
-                chain = sampling.processors(request)
-                segments = self._segments(request, admit.cached_tokens)
-                parts.append((admit, hit, chain, segments))
+                parts.append(self._prepare(admit, hit))
             except Exception as exc:
                 message = f"preparing the request failed: {type(exc).__name__}: {exc}"
-                out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, message))
+                out.failures.append(RowFailure(admit.request.ticket, FailureKind.INTERNAL, message))
                 if hit is not None:
                     hit.release()
         if not parts:
             return
-        requests = [admit.request for admit, _, _, _ in parts]
+        sampling = self._sampling
+        requests = [part.admit.request for part in parts]
         try:
             uids = self._generator.insert_segments(
-                [segments for _, _, _, segments in parts],
+                [part.segments for part in parts],
                 max_tokens=[r.max_tokens for r in requests],
-                caches=[self._cache_for(hit) for _, hit, _, _ in parts],
-                all_tokens=[a.request.prompt[: a.cached_tokens] for a, _, _, _ in parts],
+                caches=[self._cache_for(part.hit) for part in parts],
+                all_tokens=[p.admit.request.prompt[: p.admit.cached_tokens] for p in parts],
                 samplers=[sampling.sampler(r.sampling) for r in requests],
-                logits_processors=[chain for _, _, chain, _ in parts],
+                logits_processors=[part.chain for part in parts],
                 stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
+                images=[part.images for part in parts],
             )
         except BaseException:
-            for _, hit, _, _ in parts:
-                if hit is not None:
-                    hit.release()
+            for part in parts:
+                if part.hit is not None:
+                    part.hit.release()
             raise
-        for uid, (admit, hit, chain, _) in zip(uids, parts, strict=True):
-            grammar = next((p for p in chain if isinstance(p, GrammarProcessor)), None)
+        for uid, part in zip(uids, parts, strict=True):
+            admit = part.admit
+            grammar = next((p for p in part.chain if isinstance(p, GrammarProcessor)), None)
             left = len(admit.request.prompt) - admit.cached_tokens
-            pins = hit.pins if hit is not None else None
+            pins = part.hit.pins if part.hit is not None else None
             row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, pins=pins)
             row.text = sampling.stop_text(admit.request)
             self.book.add(row)
+
+    def _prepare(self, admit: Admit, hit: Hit | None) -> _Prepared:
+        request, cached = admit.request, admit.cached_tokens
+        chain = self._sampling.processors(request)
+        segments = self._segments(request, cached)
+        return _Prepared(admit, hit, chain, segments, image_spans(self._vision, request, cached))
 
     def _cache_for(self, hit: Hit | None) -> list[Any] | None:
         if hit is not None:
@@ -246,14 +254,16 @@ class Batch:
     def _finish(self, row: Row, response: Any) -> None:
         self.book.drop(row)
         if response.prompt_cache is not None:
-            self._prefix.keep_later(response.all_tokens, response.prompt_cache, snapshot=True)
+            tokens = store_tokens(row, response.all_tokens)
+            self._prefix.keep_later(tokens, response.prompt_cache, snapshot=True)
 
     def _snapshot_prefills(self, progress: list[Any]) -> None:
         """Keep the blocks of prompts whose prefill just reached a snapshot point or their last
         token."""
         done = [p.uid for p in progress if p.end_of_segment and not p.end_of_prompt]
         if done:
-            for cache, tokens in self._generator.extract_cache(done).values():
+            for uid, (cache, tokens) in self._generator.extract_cache(done).items():
+                tokens = store_tokens(self.rows[uid], tokens)
                 self._prefix.keep_later(tokens, cache, snapshot=True)
 
     # ----- failures and the end -----
@@ -304,3 +314,39 @@ def check_same_prefix(cached: int, expected: int) -> None:
     """A follower's prefix lookup must agree with rank 0's."""
     if cached != expected:
         raise LockstepBroken("the ranks' prefix caches disagree")
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """An admitted request's parts, built before it joins the generator."""
+
+    admit: Admit
+    hit: Hit | None
+    chain: list[Any]
+    segments: list[list[int]]
+    images: list[ImageSpan]
+
+
+def image_spans(
+    vision: VisionEncoder | None, request: GenerationRequest, cached: int
+) -> list[ImageSpan]:
+    """The request's images past its reused prefix, their features computed now (from the
+    encoder cache, or the encoder): a failure fails this request alone."""
+    if not request.images:
+        return []
+    if vision is None:
+        raise ValueError("this engine serves no images")
+    return [
+        ImageSpan(image.offset, image.end, vision.features(image))
+        for image in request.images
+        if image.end > cached
+    ]
+
+
+def store_tokens(row: Row, tokens: list[int]) -> list[int]:
+    """A row's tokens as the prefix store names them (its image tokens keyed by image)."""
+    request = row.admit.request
+    if not request.keyed_prompt:
+        return tokens
+    n = len(request.prompt)
+    return request.keyed_prompt[: len(tokens)] + tokens[n:]

@@ -410,6 +410,7 @@ def _new_batch(
             counters,
             parts.fused_prefill,
             parts.group_rows,
+            parts.vision,
         )
 
     return Batch(
@@ -420,6 +421,7 @@ def _new_batch(
         wants_logprobs=leads,
         new_row=parts.new_row,
         cost=cost,
+        vision=parts.vision,
     )
 
 

@@ -41,6 +41,7 @@ from .speculation import (
     draft_supported,
     speculation_supported,
 )
+from .vision import VisionEncoder, VisionUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class EngineParts:
     new_row: Callable[[], list[Any]] | None = None
     fused_prefill: bool = False  # a prefill chunk rides in the decoding rows' forward
     group_rows: bool = False  # decoding rows of very different lengths attend in groups
+    vision: VisionEncoder | None = None  # a vision-language model's image side
 
 
 def build_parts(
@@ -133,7 +135,25 @@ def build_parts(
         new_row,
         fused,
         groups_rows,
+        _vision(config, info, loaded, shared),
     )
+
+
+def _vision(
+    config: EngineConfig, info: ModelInfo, loaded: LoadedModel, shared: bool
+) -> VisionEncoder | None:
+    """The image side of a model whose files say it serves images; it must load, or the
+    engine does not start (the handlers already advertise images)."""
+    if not info.supports_vision:
+        return None
+    if shared:
+        raise ModelLoadError("images are not served with --distributed yet")
+    try:
+        vision = VisionEncoder.load(Path(info.model_dir), loaded.model, config.encoder_cache_bytes)
+    except VisionUnavailable as exc:
+        raise ModelLoadError(f"cannot serve the images of {info.model_dir}: {exc}") from exc
+    log.info("serving images: %s's vision encoder loaded with mlx-vlm", info.model_type)
+    return vision
 
 
 def _quantized_rows(config: EngineConfig, loaded: LoadedModel) -> Callable[[], list[Any]] | None:
@@ -358,12 +378,14 @@ def new_generator(
     counters: SpeculationCounters | None = None,
     fuse_prefill: bool = False,
     group_rows: bool = False,
+    vision: VisionEncoder | None = None,
 ) -> BatchRunner:
     """The engine's batch runner, speculating when `speculation` says so (its `counters` go
     on across runners), putting a prefill chunk into the decoding rows' forward with
     `fuse_prefill`, and decoding rows of very different lengths in attention groups with
     `group_rows` (a model `enable_fused_prefill` covers, both)."""
     kwargs = generator_settings(config, stream)
+    kwargs["vision"] = vision
     if speculation is None:
         generator = BatchRunner(model, **kwargs)
     else:

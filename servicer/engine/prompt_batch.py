@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
 from .decode_batch import DecodeBatch, extend_caches, merge_caches
+from .vision import ImageSpan, VisionEncoder, chunk_embeddings
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class PromptRow:
     sampler: Any
     processors: Sequence[Any]
     stop: StopSequences
+    images: list[ImageSpan] = field(default_factory=list)  # those past its cached prefix
     done: int = 0  # prompt tokens through the model
     total: int = field(init=False)
 
@@ -72,8 +74,9 @@ class PromptProgress:
 class PromptBatch:
     """Rows in prefill, by position, with their merged caches."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, vision: VisionEncoder | None = None) -> None:
         self.model = model
+        self.vision = vision  # a vision-language model's image side
         self.rows: list[PromptRow] = []
         self.prompt_cache: list[Any] = []
 
@@ -121,6 +124,7 @@ class PromptBatch:
             raise ValueError(f"{len(chunks)} chunks for {len(self.rows)} prompts")
         if not chunks:
             return
+        starts = [len(row.tokens) for row in self.rows]
         for row, chunk in zip(self.rows, chunks, strict=True):
             row.tokens += chunk
         lengths = [len(c) for c in chunks]
@@ -133,7 +137,16 @@ class PromptBatch:
                 cache.prepare(lengths=lengths, right_padding=padding)
         else:
             inputs = mx.array(chunks)
-        self.model(inputs, cache=self.prompt_cache)
+        embeddings = None
+        if self.vision is not None:
+            images = [row.images for row in self.rows]
+            embeddings = chunk_embeddings(self.vision, inputs, starts, lengths, images)
+        if embeddings is None:
+            self.model(inputs, cache=self.prompt_cache)
+        else:
+            self.model(inputs, cache=self.prompt_cache, input_embeddings=embeddings)
+        for row in self.rows:  # features no chunk needs again
+            row.images = [span for span in row.images if span.end > len(row.tokens)]
         mx.eval([c.state for c in self.prompt_cache])
         mx.clear_cache()
         if padded:

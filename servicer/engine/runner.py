@@ -24,6 +24,7 @@ from .decode_batch import DecodeBatch, DecodeResponse
 from .fused_prefill import FusingModel
 from .prefill import PrefillWork
 from .prompt_batch import PromptBatch, PromptProgress, PromptRow
+from .vision import ImageSpan, VisionEncoder
 
 DEFAULT_MAX_TOKENS = 128
 CLEAR_EVERY = 512  # decode steps between frees of MLX's buffer cache
@@ -42,8 +43,10 @@ class BatchRunner:
         stream: mx.Stream | None = None,
         max_kv_size: int | None = None,
         sampler: Any = None,
+        vision: VisionEncoder | None = None,
     ) -> None:
         self.model = model
+        self.vision = vision
         self.sampler = sampler or greedy_sampler
         self.prefill_step_size = prefill_step_size  # a step's chunk unless `next` is told one
         self.prefill_batch_size = prefill_batch_size
@@ -52,7 +55,7 @@ class BatchRunner:
         self._stream = stream or mx.new_stream(mx.default_device())
         self._next_uid = 0
         self.waiting: deque[PromptRow] = deque()
-        self.prefill = PromptBatch(model)
+        self.prefill = PromptBatch(model, vision)
         self.decoding: DecodeBatch = self._new_decode_batch()
         self.fuse_prefill = False
         self.fused_steps = 0
@@ -99,6 +102,7 @@ class BatchRunner:
         samplers: list[Any] | None = None,
         logits_processors: list[Sequence[Any] | None] | None = None,
         stop_sequences: list[StopSequences] | None = None,
+        images: list[list[ImageSpan]] | None = None,
     ) -> list[int]:
         """Requests wait for prefill, each prompt in segments (prefill stops at each segment's
         end, for a snapshot); their uids."""
@@ -110,6 +114,7 @@ class BatchRunner:
             "samplers": samplers or [None] * n,
             "logits_processors": logits_processors or [()] * n,
             "stop_sequences": stop_sequences or [StopSequences()] * n,
+            "images": images or [[] for _ in range(n)],
         }
         for name, values in options.items():
             if len(values) != n:
@@ -139,6 +144,7 @@ class BatchRunner:
                     self.sampler if sampler is None else sampler,
                     tuple(options["logits_processors"][i] or ()),
                     options["stop_sequences"][i],
+                    options["images"][i],
                 )
             )
         self.waiting.extend(rows)
@@ -246,7 +252,8 @@ class BatchRunner:
             return False
         if not 0 < len(self.decoding) < self.completion_batch_size:
             return False
-        return not self.prefill.rows[0].starting  # its first token is not due yet
+        row = self.prefill.rows[0]
+        return not row.starting and not row.images  # no first token due, no image ahead
 
     def _fused_step(self, chunk: int) -> tuple[list[PromptProgress], list[DecodeResponse]]:
         row = self.prefill.rows[0]

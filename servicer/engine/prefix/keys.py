@@ -27,3 +27,19 @@ def block_keys(tokens: list[int], block_size: int) -> tuple[bytes, ...]:
         parent = block_key(parent, tokens[start : start + block_size])
         keys.append(parent)
     return tuple(keys)
+
+
+# Image tokens' ids in the store's view: above any vocabulary, below 2**31 (KV events' ids).
+IMAGE_ID_BASE = 1 << 30
+
+
+def image_keyed(prompt: list[int], images: list[tuple[int, int, bytes]]) -> list[int]:
+    """`prompt` with each image's placeholder run (offset, length, key) replaced by ids drawn
+    from the image's key and the position in it: the same prompt with another image names
+    other blocks from the image on; the same image names the same ones."""
+    keyed = list(prompt)
+    for offset, length, key in images:
+        for i in range(length):
+            digest = hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=4).digest()
+            keyed[offset + i] = IMAGE_ID_BASE | (int.from_bytes(digest, "little") >> 2)
+    return keyed

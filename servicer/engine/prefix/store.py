@@ -227,7 +227,7 @@ class PrefixStore(DiskRequests):
     # ----- finding -----
 
     def match(self, request: GenerationRequest) -> Match:
-        return self.index.match(request.prompt, request.block_keys)
+        return self.index.match(request.store_prompt, request.block_keys)
 
     def fetch(self, request: GenerationRequest, from_disk: bool = False) -> Hit | None:
         """A private cache for the longest reusable prefix in RAM (None: a miss, also when
@@ -297,9 +297,10 @@ class PrefixStore(DiskRequests):
         """Where a prompt's prefill should stop for a snapshot (positions after `start`)."""
         if self.layout.cuttable:
             return []
-        shared = self.index.shared_length(request.prompt, request.block_keys)
+        prompt = request.store_prompt
+        shared = self.index.shared_length(prompt, request.block_keys)
         return snapshot_points(
-            request.prompt,
+            prompt,
             start,
             self.snapshot_interval,
             shared,

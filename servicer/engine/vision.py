@@ -1,0 +1,171 @@
+"""A vision-language model's image side (engine thread only): mlx-vlm's vision tower and
+projector compute each image's features, kept by image key in a bounded cache, and a prefill
+chunk's input embeddings carry them in the images' placeholder runs.
+
+The language model stays mlx-lm's (it loads a VLM checkpoint's text stack for the families
+here), so an image row prefills and decodes in the same batch, caches and prefix store as a
+text row: only its chunks that cover image tokens go in as embeddings.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..messages import ImageInput, Tensor
+
+log = logging.getLogger(__name__)
+
+# Families whose merge is "the image's features replace its placeholder tokens' embeddings",
+# with a language model mlx-lm loads and standard positions. Others are refused at start.
+MERGE_ONLY_FAMILIES = frozenset({"gemma3", "llava", "mistral3", "pixtral"})
+DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
+
+
+class VisionUnavailable(ValueError):
+    """The checkpoint's images cannot be served (why, for the start-up error)."""
+
+
+def to_mx(tensor: Tensor) -> mx.array:
+    array = np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype)).reshape(tensor.shape)
+    return mx.array(array)
+
+
+@dataclass(slots=True)
+class _Entry:
+    features: mx.array
+    nbytes: int
+
+
+class VisionEncoder:
+    """Image features by image key, and input embeddings with them in place."""
+
+    def __init__(
+        self, vlm: Any, image_token_id: int, cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES
+    ) -> None:
+        self._vlm = vlm
+        self.image_token_id = image_token_id
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._held = 0
+        self.encoded = 0  # images put through the encoder
+        self.reused = 0  # images whose features came from the cache
+
+    @classmethod
+    def load(cls, model_dir: Path, text_model: Any, cache_bytes: int) -> VisionEncoder:
+        """mlx-vlm's model of the checkpoint without its language layers (the text model,
+        mlx-lm's, has them), its token embedding shared with `text_model`'s."""
+        try:
+            from mlx_vlm.utils import load_config, load_model
+        except ImportError as exc:
+            raise VisionUnavailable(
+                "serving images needs mlx-vlm: pip install 'mlx-grpc-worker[vision]'"
+            ) from exc
+        config = load_config(model_dir)
+        family = config.get("model_type", "")
+        if family not in MERGE_ONLY_FAMILIES:
+            raise VisionUnavailable(f"images are not supported for model type {family!r} yet")
+        image_token_id = config.get("image_token_index", config.get("image_token_id"))
+        if not isinstance(image_token_id, int):
+            raise VisionUnavailable("the model's config names no image token")
+        try:
+            vlm = load_model(model_dir, lazy=True)
+        except Exception as exc:
+            raise VisionUnavailable(f"mlx-vlm could not load {model_dir}: {exc}") from exc
+        language = vlm.language_model
+        language.model.layers = []  # the text model's own run; never loaded twice
+        language.pop("lm_head", None)
+        embed = _embedding_of(text_model)
+        if embed is not None:
+            language.model.embed_tokens = embed
+        mx.eval(vlm.parameters())
+        return cls(vlm, image_token_id, cache_bytes)
+
+    def features(self, image: ImageInput) -> mx.array:
+        """The embeddings of the image's placeholder run ([length, hidden]), as the model's
+        own merge puts them there."""
+        entry = self._cache.get(image.key)
+        if entry is not None:
+            self._cache.move_to_end(image.key)
+            self.reused += 1
+            return entry.features
+        ids = mx.full((1, image.length), self.image_token_id, dtype=mx.int32)
+        extra = {name: to_mx(tensor) for name, tensor in image.extra}
+        merged = self._vlm.get_input_embeddings(
+            ids, to_mx(image.pixel_values), mask=mx.ones((1, image.length)), **extra
+        )
+        features = merged.inputs_embeds[0]
+        if features.shape[0] != image.length:
+            raise ValueError(
+                f"the encoder made {features.shape[0]} image embeddings for {image.length} tokens"
+            )
+        mx.eval(features)
+        self.encoded += 1
+        self._keep(image.key, features)
+        return features
+
+    def _keep(self, key: bytes, features: mx.array) -> None:
+        nbytes = features.nbytes
+        if nbytes > self.cache_bytes:
+            return
+        self._cache[key] = _Entry(features, nbytes)
+        self._held += nbytes
+        while self._held > self.cache_bytes:
+            _, gone = self._cache.popitem(last=False)
+            self._held -= gone.nbytes
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token embeddings of `inputs` ([batch, length]) as the model's merge starts them."""
+        return self._vlm.get_input_embeddings(inputs).inputs_embeds
+
+
+def _embedding_of(text_model: Any) -> Any:
+    """The token embedding module of an mlx-lm text model (None: not found where expected)."""
+    for path in (("language_model", "model"), ("model",)):
+        module = text_model
+        for name in path:
+            module = getattr(module, name, None)
+        embed = getattr(module, "embed_tokens", None)
+        if embed is not None:
+            return embed
+    log.info("the text model's token embedding was not found; the encoder keeps its own")
+    return None
+
+
+class ImageSpan:
+    """One image of a row's prompt, its features once computed (the row holds them until its
+    prefill is past the image)."""
+
+    __slots__ = ("end", "features", "offset")
+
+    def __init__(self, offset: int, end: int, features: mx.array) -> None:
+        self.offset, self.end, self.features = offset, end, features
+
+
+def chunk_embeddings(
+    encoder: VisionEncoder,
+    inputs: mx.array,
+    starts: list[int],
+    lengths: list[int],
+    images: list[list[ImageSpan]],
+) -> mx.array | None:
+    """The input embeddings of a padded chunk whose row i covers prompt positions
+    `starts[i]` to `starts[i] + lengths[i]` (None: no row's chunk touches an image)."""
+    pieces = []
+    for i, (start, n, spans) in enumerate(zip(starts, lengths, images, strict=True)):
+        for span in spans:
+            a, b = max(span.offset, start), min(span.end, start + n)
+            if a < b:
+                pieces.append((i, a - start, span.features[a - span.offset : b - span.offset]))
+    if not pieces:
+        return None
+    h = encoder.embed(inputs)
+    for i, at, features in pieces:
+        h[i, at : at + features.shape[0]] = features.astype(h.dtype)
+    return h
