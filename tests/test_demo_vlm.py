@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from servicer import demo_model
+from servicer import demo_model, demo_vlm_gemma3
 from servicer.demo_vlm import (
     CHAT_TEMPLATE,
+    FAMILIES,
     IMAGE_ANCHOR,
     IMAGE_PAD,
     MODEL_TYPE,
@@ -21,9 +23,11 @@ from servicer.demo_vlm import (
     VISION_PAD,
     VISION_START,
     VISION_TOKENS,
+    VLM_RECIPE_VERSION,
     build_name,
     build_vlm,
     demo_vlm_path,
+    get_family,
     is_finished_build,
 )
 
@@ -78,6 +82,9 @@ def loaded(built: Path):
 
 def test_cache_layout(built: Path) -> None:
     assert built.name == build_name()
+    # The qwen2_vl name predates the families, and stays (caches are keyed on it).
+    name = f"demo-vlm-qwen2_vl-s0-{VLM_RECIPE_VERSION}-llama-{demo_model.RECIPE_VERSION}"
+    assert build_name() == build_name(family="qwen2_vl") == name
     assert built.parent == demo_model.default_cache_dir()
     assert MODEL_TYPE in built.name and demo_model.RECIPE_VERSION in built.name
     assert is_finished_build(built)
@@ -149,8 +156,10 @@ def _prompt(processor, config, question: str) -> str:
     return apply_chat_template(processor, config, question, num_images=1)
 
 
-def _greedy(model, processor, prompt: str, image) -> tuple[list[int], int]:
-    """32 greedy tokens (EOS not stopping them) and the prompt's image-token count."""
+def _greedy(
+    model, processor, prompt: str, image, max_tokens: int = GREEDY_TOKENS
+) -> tuple[list[int], int]:
+    """Greedy tokens (EOS not stopping them) and the prompt's image-token count."""
     import mlx.core as mx
     from mlx_vlm.generate import generate_step
     from mlx_vlm.utils import prepare_inputs
@@ -167,12 +176,15 @@ def _greedy(model, processor, prompt: str, image) -> tuple[list[int], int]:
             model,
             inputs["pixel_values"],
             inputs.get("attention_mask"),
-            max_tokens=GREEDY_TOKENS,
+            max_tokens=max_tokens,
             temperature=0.0,
             **extra,
         )
     ]
-    image_tokens = int(mx.sum(input_ids == model.config.image_token_id).item())
+    image_token_id = getattr(model.config, "image_token_id", None)
+    if image_token_id is None:  # gemma3's name for it
+        image_token_id = model.config.image_token_index
+    image_tokens = int(mx.sum(input_ids == image_token_id).item())
     return tokens, image_tokens
 
 
@@ -232,3 +244,214 @@ def test_language_model_is_the_text_demo(loaded, text_model: Path) -> None:
         steps = vlm_step(mx.array([ids]), model, None, None, max_tokens=16, temperature=0.0)
         expected = text_step(mx.array(ids), text, max_tokens=16)
         assert [int(t) for t, _ in steps] == [int(t) for t, _ in expected]
+
+
+# --------------------------------------------------------------------------- gemma3
+
+GEMMA3_TOKENS = 20
+
+
+@pytest.fixture(scope="session")
+def gemma3_text_model() -> Path:
+    return demo_model.demo_model_path(demo_vlm_gemma3.TEXT_KIND)
+
+
+@pytest.fixture(scope="session")
+def gemma3_built() -> Path:
+    return demo_vlm_path(family="gemma3")
+
+
+@pytest.fixture(scope="module")
+def gemma3_loaded(gemma3_built: Path):
+    mlx_vlm = pytest.importorskip("mlx_vlm", reason=NO_MLX_VLM)
+    return mlx_vlm.load(str(gemma3_built))
+
+
+@pytest.fixture(scope="module")
+def gemma3_images():
+    """Two solid colours and noise, none of them the vision tower's size."""
+    import numpy as np
+    from PIL import Image
+
+    noise = np.random.default_rng(2).integers(0, 256, (48, 64, 3), np.uint8)
+    return (
+        Image.new("RGB", (64, 48), (220, 30, 30)),
+        Image.new("RGB", (64, 48), (20, 40, 230)),
+        Image.fromarray(noise),
+    )
+
+
+def test_families() -> None:
+    assert FAMILIES == ("qwen2_vl", "gemma3")
+    assert get_family().model_type == MODEL_TYPE
+    assert get_family("gemma3") is demo_vlm_gemma3.FAMILY
+    assert get_family("gemma3").tokens_per_image == demo_vlm_gemma3.MM_TOKENS_PER_IMAGE
+    assert get_family("gemma3").image_token == demo_vlm_gemma3.IMAGE_TOKEN
+    with pytest.raises(ValueError, match="unknown demo VLM family"):
+        get_family("llava")
+
+
+def test_gemma3_cache_layout(gemma3_built: Path) -> None:
+    assert gemma3_built.name == build_name(family="gemma3") != build_name()
+    assert gemma3_built.parent == demo_model.default_cache_dir()
+    assert gemma3_built.name.startswith("demo-vlm-gemma3-s0-")
+    assert gemma3_built.name.endswith(f"-gemma3-{demo_model.RECIPE_VERSION}")
+    assert is_finished_build(gemma3_built, family="gemma3")
+    assert demo_vlm_path(family="gemma3") == gemma3_built
+
+
+def test_gemma3_builds_are_deterministic(
+    gemma3_built: Path, gemma3_text_model: Path, tmp_path: Path
+) -> None:
+    first = build_vlm(tmp_path / "a", text_model=gemma3_text_model, family="gemma3")
+    second = build_vlm(tmp_path / "b", text_model=gemma3_text_model, family="gemma3")
+    assert _digests(first) == _digests(second) == _digests(gemma3_built)
+    assert "video_preprocessor_config.json" not in _digests(first)
+    other = build_vlm(tmp_path / "c", seed=1, text_model=gemma3_text_model, family="gemma3")
+    assert _digests(other)["model.safetensors"] != _digests(first)["model.safetensors"]
+    # Each family takes its own text kind.
+    with pytest.raises(ValueError, match="not a gemma3 demo build"):
+        build_vlm(tmp_path / "d", text_model=demo_model.demo_model_path(TEXT_KIND), family="gemma3")
+
+
+def test_building_imports_no_mlx(gemma3_text_model: Path, tmp_path: Path) -> None:
+    """The builder writes with safetensors' numpy API: no MLX outside the engine."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from servicer.demo_vlm import build_vlm\n"
+        f"build_vlm({str(tmp_path / 'g')!r}, text_model={str(gemma3_text_model)!r},"
+        " family='gemma3')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert is_finished_build(tmp_path / "g", family="gemma3")
+
+
+def test_gemma3_config_and_tokens(gemma3_built: Path, gemma3_text_model: Path) -> None:
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    g = demo_vlm_gemma3
+    config = json.loads((gemma3_built / "config.json").read_text())
+    tokenizer = Tokenizer.from_file(str(gemma3_built / "tokenizer.json"))
+    ids = {tok: tokenizer.token_to_id(tok) for tok in g.VISION_TOKENS}
+    base = demo_model.VOCAB_SIZE
+    assert ids == {g.BOI_TOKEN: base, g.EOI_TOKEN: base + 1, g.IMAGE_TOKEN: base + 2}
+    assert config["model_type"] == "gemma3"
+    assert config["vocab_size"] == config["text_config"]["vocab_size"] == base + 3
+    assert config["image_token_index"] == ids[g.IMAGE_TOKEN]
+    assert (config["boi_token_index"], config["eoi_token_index"]) == (base, base + 1)
+    # N image tokens pool the vision tower's patches evenly.
+    n = g.MM_TOKENS_PER_IMAGE
+    assert config["mm_tokens_per_image"] == config["text_config"]["mm_tokens_per_image"] == n
+    vision = config["vision_config"]
+    patches = vision["image_size"] // vision["patch_size"]
+    assert patches % math.isqrt(n) == 0 and math.isqrt(n) ** 2 == n
+    assert tokenizer.encode(g.IMAGE_ANCHOR, add_special_tokens=False).ids == [ids[g.BOI_TOKEN]]
+    expanded = tokenizer.encode(g.IMAGE_SEQUENCE, add_special_tokens=False).ids
+    assert expanded.count(ids[g.IMAGE_TOKEN]) == n
+    processor = json.loads((gemma3_built / "processor_config.json").read_text())
+    assert processor["image_seq_length"] == n
+    # The language model is the text demo's, tensor for tensor (plus three embedding rows).
+    weights = load_file(str(gemma3_built / "model.safetensors"))
+    text = load_file(str(gemma3_text_model / "model.safetensors"))
+    for name, value in text.items():
+        ours = weights[f"language_model.{name}"]
+        assert (ours[: len(value)] == value).all(), name
+    assert weights["multi_modal_projector.mm_input_projection_weight"].shape == (
+        vision["hidden_size"],
+        config["text_config"]["hidden_size"],
+    )
+
+
+def test_gemma3_chat_template_renders_one_anchor_per_image(gemma3_built: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gemma3_built))
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"},
+                {"type": "text", "text": "Compare"},
+                {"type": "image_url", "image_url": {"url": "data:,"}},
+            ],
+        },
+        {"role": "assistant", "content": "Both are blue."},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    anchor = demo_vlm_gemma3.IMAGE_ANCHOR
+    assert anchor == "<start_of_image>"
+    assert text == (
+        f"<|begin|><|user|>{anchor}Compare{anchor}<|end|>"
+        "<|assistant|>Both are blue.<|end|><|assistant|>"
+    )
+    assert get_family("gemma3").chat_template == tokenizer.chat_template
+
+
+def test_gemma3_processor_expands_each_anchor(gemma3_loaded, gemma3_images) -> None:
+    g = demo_vlm_gemma3
+    model, processor = gemma3_loaded
+    assert type(processor).__module__ == "mlx_vlm.models.gemma3.processing_gemma3"
+    assert processor.image_token_id == model.config.image_token_index
+    text = f"<|begin|><|user|>{g.IMAGE_ANCHOR}Compare{g.IMAGE_ANCHOR}<|end|><|assistant|>"
+    out = processor(text=text, images=list(gemma3_images[:2]))
+    decoded = processor.tokenizer.decode(out["input_ids"][0].tolist())
+    assert decoded == text.replace(g.IMAGE_ANCHOR, g.IMAGE_SEQUENCE)
+    assert out["input_ids"][0].tolist().count(processor.image_token_id) == 2 * g.MM_TOKENS_PER_IMAGE
+    assert tuple(out["pixel_values"].shape) == (2, 3, g.IMAGE_SIZE, g.IMAGE_SIZE)
+
+
+def _chat(question: str) -> str:
+    return f"<|begin|><|user|>{question}<|end|><|assistant|>"
+
+
+def test_gemma3_loads_as_text_model_with_mlx_lm(
+    gemma3_loaded, gemma3_built: Path, gemma3_text_model: Path
+) -> None:
+    """mlx-lm loads the VLM checkpoint as its text model: greedy tokens equal mlx-vlm's
+    without an image, and the text demo's own."""
+    import mlx_lm
+    from mlx_vlm import stream_generate
+
+    model, processor = gemma3_loaded
+    text, tokenizer = mlx_lm.load(str(gemma3_built))
+    assert type(text).__module__ == "mlx_lm.models.gemma3"
+    demo, demo_tokenizer = mlx_lm.load(str(gemma3_text_model))
+    prompts = [*demo_model.TEST_PROMPTS[:2], *(_chat(q) for q in TEST_PROMPTS)]
+    for prompt in prompts:
+        expected = [
+            r.token
+            for r in mlx_lm.stream_generate(text, tokenizer, prompt, max_tokens=GEMMA3_TOKENS)
+        ]
+        assert len(set(expected)) >= 4, tokenizer.decode(expected)
+        demo_tokens = mlx_lm.stream_generate(demo, demo_tokenizer, prompt, max_tokens=GEMMA3_TOKENS)
+        assert [r.token for r in demo_tokens] == expected
+        results = list(
+            stream_generate(model, processor, prompt, max_tokens=GEMMA3_TOKENS, temperature=0.0)
+        )
+        # mlx-vlm's last result repeats the last token when it stops at the length.
+        assert [r.token for r in results][:GEMMA3_TOKENS] == expected, prompt
+
+
+@pytest.mark.parametrize("question", TEST_PROMPTS)
+def test_gemma3_greedy_output_depends_on_the_image(
+    gemma3_loaded, gemma3_images, question: str
+) -> None:
+    g = demo_vlm_gemma3
+    model, processor = gemma3_loaded
+    for prompt in (_chat(g.IMAGE_ANCHOR + question), _chat(question + g.IMAGE_ANCHOR)):
+        outputs = []
+        for image in gemma3_images:
+            tokens, image_tokens = _greedy(model, processor, prompt, image, GEMMA3_TOKENS)
+            assert image_tokens == g.MM_TOKENS_PER_IMAGE
+            assert len(set(tokens)) >= 4, processor.tokenizer.decode(tokens)
+            outputs.append(tuple(tokens))
+        assert len(set(outputs)) >= 2, [processor.tokenizer.decode(t) for t in outputs]
+        # Greedy is deterministic.
+        again, _ = _greedy(model, processor, prompt, gemma3_images[2], GEMMA3_TOKENS)
+        assert tuple(again) == outputs[2]
