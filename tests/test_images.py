@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import importlib.util
 import io
 from collections.abc import Iterator
@@ -86,7 +87,8 @@ def test_blocks_are_named_by_the_image_from_the_image_on():
 # ----- through the real server (mlx-vlm and the tiny gemma3 VLM) -----
 
 needs_vlm = pytest.mark.skipif(
-    importlib.util.find_spec("mlx_vlm") is None, reason="mlx-vlm is not installed (the vision extra)"
+    importlib.util.find_spec("mlx_vlm") is None,
+    reason="mlx-vlm is not installed (the vision extra)",
 )
 
 
@@ -167,19 +169,28 @@ def expanded(vlm_dir, prompt: list[int]) -> list[int]:
     return out
 
 
+@functools.cache
+def _loaded(path: str):
+    from mlx_vlm import load
+
+    return load(path)
+
+
 def mlx_vlm_greedy(vlm_dir, prompt: list[int], raw_images: list[bytes], n: int) -> list[int]:
     """mlx-vlm's own single-sequence greedy generation on the worker's expanded prompt, with the
     pixel values its own processor makes."""
     import mlx.core as mx
-    from mlx_vlm import load
     from mlx_vlm.generate import generate_step
     from PIL import Image
 
-    model, processor = load(str(vlm_dir))
-    pictures = [Image.open(io.BytesIO(raw)).convert("RGB") for raw in raw_images]
-    pixels = processor.image_processor(images=pictures, return_tensors="np")["pixel_values"]
+    model, processor = _loaded(str(vlm_dir))
+    pixels = None
+    if raw_images:
+        pictures = [Image.open(io.BytesIO(raw)).convert("RGB") for raw in raw_images]
+        found = processor.image_processor(images=pictures, return_tensors="np")["pixel_values"]
+        pixels = mx.array(found)
     ids = mx.array([prompt])
-    steps = generate_step(ids, model, mx.array(pixels), mx.ones_like(ids), max_tokens=n)
+    steps = generate_step(ids, model, pixels, mx.ones_like(ids), max_tokens=n)
     return [int(token) for token, _ in steps]
 
 
@@ -205,3 +216,93 @@ def test_an_image_answer_equals_mlx_vlms_and_depends_on_the_image(vlm_face, vlm_
         assert list(done.output_ids) == mlx_vlm_greedy(vlm_dir, full, [raw], 12)
         outputs.append(list(done.output_ids))
     assert outputs[0] != outputs[1]
+
+
+@needs_vlm
+def test_image_and_text_rows_batched_each_equal_their_own_generation(vlm_face, vlm_dir):
+    """Three image requests (two images alike) and two text requests at once: each answer is
+    mlx-vlm's single-sequence one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    question = chat_ids(vlm_dir, "What do bees make?")
+    texts = [chat_ids(vlm_dir, q, images=0) for q in ("Describe a quiet place.", "Hello there.")]
+    raws = [png(10), png(11), png(10)]
+    jobs = [image_request(question, [data_url(raw)], max_tokens=10) for raw in raws]
+    jobs += [image_request(t, [], max_tokens=10) for t in texts]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: complete(vlm_face, job), jobs))
+    for raw, answer in zip(raws, answers, strict=False):
+        want = mlx_vlm_greedy(vlm_dir, expanded(vlm_dir, question), [raw], 10)
+        assert list(answer.output_ids) == want
+    for text, answer in zip(texts, answers[3:], strict=True):
+        assert list(answer.output_ids) == mlx_vlm_greedy(vlm_dir, text, [], 10)
+
+
+@needs_vlm
+def test_another_image_misses_from_the_image_on_and_the_same_image_hits_past_it(vlm_face, vlm_dir):
+    """Blocks of 4 tokens: the second image's request reuses only what precedes the image;
+    the first image again reuses the prompt past it, and the answers stay mlx-vlm's."""
+    prompt = chat_ids(vlm_dir, "Tell me about the sea and the sky.")
+    full = expanded(vlm_dir, prompt)
+    image_at = full.index(514)
+    first, second = png(20), png(21)
+    cold = complete(vlm_face, image_request(prompt, [data_url(first)]))
+    other = complete(vlm_face, image_request(prompt, [data_url(second)]))
+    again = complete(vlm_face, image_request(prompt, [data_url(first)]))
+    assert other.cached_tokens <= image_at
+    assert again.cached_tokens > image_at + 4
+    assert list(again.output_ids) == list(cold.output_ids)
+    assert list(cold.output_ids) == mlx_vlm_greedy(vlm_dir, full, [first], 12)
+    assert list(other.output_ids) == mlx_vlm_greedy(vlm_dir, full, [second], 12)
+
+
+@needs_vlm
+def test_n_seeds_stop_strings_and_logprobs_work_on_an_image_request(vlm_face, vlm_dir):
+    prompt = chat_ids(vlm_dir, "Describe a quiet place.")
+    url = data_url(png(30))
+    job = image_request(prompt, [url], n=2, temperature=0.8, seed=7, max_tokens=8, logprobs=2)
+    responses = list(vlm_face.Generate(job, timeout=120))
+    completes = {r.complete.index: r.complete for r in responses}
+    assert sorted(completes) == [0, 1]
+    again = list(
+        vlm_face.Generate(
+            image_request(prompt, [url], n=2, temperature=0.8, seed=7, max_tokens=8, logprobs=2),
+            timeout=120,
+        )
+    )
+    assert [list(r.complete.output_ids) for r in again] == [
+        list(completes[r.complete.index].output_ids) for r in again
+    ]
+    assert all(
+        len(c.output_logprobs.token_logprobs) == len(c.output_ids) for c in completes.values()
+    )
+
+
+@needs_vlm
+@pytest.mark.parametrize(
+    ("urls", "code", "says"),
+    [
+        (["data:image/png;base64,AAAA"], grpc.StatusCode.INVALID_ARGUMENT, "image 0"),
+        (["http://127.0.0.1:1/x.png"], grpc.StatusCode.INVALID_ARGUMENT, "image 0"),
+        (["file:///etc/passwd"], grpc.StatusCode.INVALID_ARGUMENT, "image 0"),
+        ([data_url(png(1))] * 9, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many images"),
+    ],
+)
+def test_bad_images_are_refused_before_the_first_message(vlm_face, vlm_dir, urls, code, says):
+    prompt = chat_ids(vlm_dir, "Hi.", images=len(urls))
+    with pytest.raises(grpc.RpcError) as caught:
+        complete(vlm_face, image_request(prompt, urls))
+    assert caught.value.code() == code
+    assert says in caught.value.details()
+    # the worker goes on serving
+    ok = complete(vlm_face, image_request(prompt[:1] + prompt[-3:], [], max_tokens=2))
+    assert ok.output_ids
+
+
+@needs_vlm
+def test_anchor_and_image_counts_must_agree(vlm_face, vlm_dir):
+    prompt = chat_ids(vlm_dir, "Hi.", images=2)
+    with pytest.raises(grpc.RpcError) as caught:
+        complete(vlm_face, image_request(prompt, [data_url(png(1))]))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more image anchors than its 1 images" in caught.value.details()
