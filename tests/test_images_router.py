@@ -1,0 +1,142 @@
+"""Images end to end through the real SMG router: OpenAI chat requests with image_url parts
+(data: URLs, and http URLs from a local server the worker is allowed to fetch from) reach the
+worker as media references; each answer equals mlx-vlm's own greedy generation."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import importlib.util
+import threading
+from collections.abc import Iterator
+
+import pytest
+from conftest import demo_config
+from support import SMG, Router, ServerThread
+from test_images import chat_ids, data_url, expanded, mlx_vlm_greedy, png
+
+from servicer.media import MediaPolicy
+from servicer.proto import mlx_engine_pb2
+
+pytestmark = [
+    pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("mlx_vlm") is None, reason="mlx-vlm (the vision extra) is absent"
+    ),
+]
+
+QUESTION = "What do bees make?"
+
+
+@pytest.fixture(scope="module")
+def vlm_dir():
+    from servicer.demo_vlm import demo_vlm_path
+
+    return demo_vlm_path(family="gemma3")
+
+
+@pytest.fixture(scope="module")
+def images_site() -> Iterator[tuple[str, dict[str, bytes]]]:
+    """A local HTTP server holding two PNGs: its base URL and the files."""
+    files = {"/a.png": png(41), "/b.png": png(42)}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = files.get(self.path)
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", files
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def worker(vlm_dir) -> Iterator[ServerThread]:
+    config = demo_config(vlm_dir, prompt_cache_block=4)
+    handlers = dataclasses.replace(config.handlers, media=MediaPolicy(allowed_hosts=("127.0.0.1",)))
+    config = dataclasses.replace(config, protocols=("mlx", "vllm"), handlers=handlers)
+    with ServerThread(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def router(worker, tmp_path_factory) -> Iterator[tuple[Router, str]]:
+    running = Router([worker.address], tmp_path_factory.mktemp("router") / "smg.log")
+    try:
+        yield running, running.wait_until_serving()
+    finally:
+        running.close()
+
+
+def _chat(router: tuple[Router, str], url: str, **body) -> dict:
+    running, model = router
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
+    request = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 12,
+        "temperature": 0,
+        **body,
+    }
+    response = running.client.post("/v1/chat/completions", json=request)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _expected_text(vlm_dir, raw: bytes) -> str:
+    from transformers import AutoTokenizer
+
+    tokens = mlx_vlm_greedy(vlm_dir, expanded(vlm_dir, chat_ids(vlm_dir, QUESTION)), [raw], 12)
+    return AutoTokenizer.from_pretrained(str(vlm_dir)).decode(tokens, skip_special_tokens=True)
+
+
+def test_a_data_url_image_answers_as_mlx_vlm_does(router, vlm_dir):
+    raw = png(40)
+    reply = _chat(router, data_url(raw))
+    assert reply["choices"][0]["message"]["content"] == _expected_text(vlm_dir, raw)
+
+
+def test_an_http_image_from_an_allowed_host_answers_as_mlx_vlm_does(router, vlm_dir, images_site):
+    base, files = images_site
+    answers = {
+        name: _chat(router, base + name)["choices"][0]["message"]["content"] for name in files
+    }
+    for name, raw in files.items():
+        assert answers[name] == _expected_text(vlm_dir, raw)
+
+
+def test_the_same_image_again_is_a_hit_past_the_image(router, vlm_dir):
+    url = data_url(png(43))
+    first = _chat(router, url)
+    again = _chat(router, url)
+    image_end = expanded(vlm_dir, chat_ids(vlm_dir, QUESTION)).index(514) + 4
+    cached = (again["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert cached > image_end
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+
+
+def test_the_mlx_face_stays_text_only(vlm_dir, tmp_path):
+    """Behind a worker answering MlxEngine only, the router refuses an image itself: the MLX
+    wire has no field for one."""
+    assert "media_refs" not in mlx_engine_pb2.GenerateRequest.DESCRIPTOR.fields_by_name
+    with ServerThread(demo_config(vlm_dir)) as mlx_only:
+        running = Router([mlx_only.address], tmp_path / "smg.log")
+        try:
+            model = running.wait_until_serving()
+            content = [{"type": "image_url", "image_url": {"url": data_url(png(44))}}]
+            body = {"model": model, "messages": [{"role": "user", "content": content}]}
+            response = running.client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 400, response.text
+        finally:
+            running.close()
