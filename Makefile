@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
+	# Images (the vision extra): mlx-vlm without its server, audio and video stack.
+	$(BIN)/pip install --quiet --no-deps "mlx-vlm>=0.7.10,<0.8" && $(BIN)/pip install --quiet requests
 	touch $(STAMP)
 
 serve: $(STAMP)
