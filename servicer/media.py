@@ -132,19 +132,6 @@ class DecodedImage:
     height: int
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def media_pool() -> ThreadPoolExecutor:
-    """The shared fetch+decode pool (POOL_SIZE threads), made on first use."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="media")
-        return _pool
-
-
 async def fetch_images(
     urls: list[str], policy: MediaPolicy, *, executor: ThreadPoolExecutor | None = None
 ) -> list[DecodedImage]:
@@ -154,7 +141,7 @@ async def fetch_images(
         raise MediaError(policy.max_images, "limit", too_many)
     deadline = time.monotonic() + policy.fetch_timeout_s  # one deadline for the whole request
     loop = asyncio.get_running_loop()
-    pool = executor or media_pool()
+    pool = executor  # None: the loop's default executor
     jobs = [
         loop.run_in_executor(pool, _fetch_one, i, u, policy, deadline) for i, u in enumerate(urls)
     ]
