@@ -306,3 +306,25 @@ def test_anchor_and_image_counts_must_agree(vlm_face, vlm_dir):
         complete(vlm_face, image_request(prompt, [data_url(png(1))]))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "more image anchors than its 1 images" in caught.value.details()
+
+
+@needs_vlm
+def test_kv_events_never_name_an_image_block_by_its_placeholder_ids(vlm_face, vlm_dir):
+    """The router hashes a request's token ids, in which every image's placeholders look alike:
+    the worker's events name image blocks by ids drawn from the image (above any vocabulary),
+    so no request's ids can match them, while blocks before the image stay routable."""
+    from servicer.proto import common_pb2
+
+    prompt = chat_ids(vlm_dir, "A question about a picture.")
+    full = expanded(vlm_dir, prompt)
+    image_at = full.index(514)
+    complete(vlm_face, image_request(prompt, [data_url(png(50))], max_tokens=2))
+    events = vlm_face.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=30)
+    snapshot = next(events)
+    events.cancel()
+    blocks = [b for e in snapshot.events if e.HasField("stored") for b in e.stored.blocks]
+    image_blocks = [b for b in blocks if any(t >= IMAGE_ID_BASE for t in b.token_ids)]
+    assert image_blocks
+    assert all(514 not in b.token_ids for b in blocks)
+    assert any(list(b.token_ids) == full[:4] for b in blocks)
+    assert image_at >= 4
