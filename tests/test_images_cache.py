@@ -5,6 +5,7 @@ exactly as a worker without any prompt cache."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -87,7 +88,7 @@ def test_image_and_text_requests_answer_as_without_any_cache(vlm_dir, seed):
             stub = vgrpc.VllmEngineStub(channel)
             with ThreadPoolExecutor(4) as pool:
                 try:
-                    answers[name] = list(pool.map(lambda job: _run(stub, job), jobs))
+                    answers[name] = list(pool.map(functools.partial(_run, stub), jobs))
                 except grpc.RpcError as error:
                     pytest.fail(f"{name}: {error.code()} {error.details()}")
     for job, cached, cold in zip(jobs, answers["cached"], answers["cold"], strict=True):
