@@ -1,9 +1,10 @@
 """Tiny vision-language demo checkpoints in mlx-vlm's on-disk format, built locally from a seed.
 
 The vision counterpart of ``demo_model``: tests and ``demo:vlm`` need a real vision-language
-model but must never download one. Two families share one build (``Family`` says what
-differs): ``qwen2_vl`` (the default, below) and ``gemma3`` (``servicer.demo_vlm_gemma3``,
-built from the ``gemma3`` text demo; it also loads as a text model with mlx-lm).
+model but must never download one. The families share one build (``Family`` says what
+differs): ``qwen2_vl`` (the default, below), ``gemma3`` (``servicer.demo_vlm_gemma3``,
+built from the ``gemma3`` text demo) and ``mistral3`` (``servicer.demo_vlm_mistral3``, from
+the ``llama`` one); those two also load as text models with mlx-lm.
 
 The default family is ``qwen2_vl``: mlx-vlm serves it, and the smg router's own
 preprocessor knows it by ``model_type`` whatever the served name is (a name like
@@ -50,7 +51,11 @@ log = logging.getLogger(__name__)
 DEMO_VLM_SEED = 0
 DEFAULT_FAMILY = "qwen2_vl"
 # The families and the modules that describe them (each module's FAMILY).
-_FAMILY_MODULES = {"qwen2_vl": "servicer.demo_vlm", "gemma3": "servicer.demo_vlm_gemma3"}
+_FAMILY_MODULES = {
+    "qwen2_vl": "servicer.demo_vlm",
+    "gemma3": "servicer.demo_vlm_gemma3",
+    "mistral3": "servicer.demo_vlm_mistral3",
+}
 FAMILIES = tuple(_FAMILY_MODULES)
 
 MODEL_TYPE = "qwen2_vl"

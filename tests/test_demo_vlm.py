@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from servicer import demo_model, demo_vlm_gemma3
+from servicer import demo_model, demo_vlm_gemma3, demo_vlm_mistral3
 from servicer.demo_vlm import (
     CHAT_TEMPLATE,
     FAMILIES,
@@ -282,9 +282,10 @@ def gemma3_images():
 
 
 def test_families() -> None:
-    assert FAMILIES == ("qwen2_vl", "gemma3")
+    assert FAMILIES == ("qwen2_vl", "gemma3", "mistral3")
     assert get_family().model_type == MODEL_TYPE
     assert get_family("gemma3") is demo_vlm_gemma3.FAMILY
+    assert get_family("mistral3") is demo_vlm_mistral3.FAMILY
     assert get_family("gemma3").tokens_per_image == demo_vlm_gemma3.MM_TOKENS_PER_IMAGE
     assert get_family("gemma3").image_token == demo_vlm_gemma3.IMAGE_TOKEN
     with pytest.raises(ValueError, match="unknown demo VLM family"):
@@ -314,21 +315,23 @@ def test_gemma3_builds_are_deterministic(
         build_vlm(tmp_path / "d", text_model=demo_model.demo_model_path(TEXT_KIND), family="gemma3")
 
 
-def test_building_imports_no_mlx(gemma3_text_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["gemma3", "mistral3"])
+def test_building_imports_no_mlx(family: str, tmp_path: Path) -> None:
     """The builder writes with safetensors' numpy API: no MLX outside the engine."""
     import subprocess
     import sys
 
+    text_model = demo_model.demo_model_path(get_family(family).text_kind)
     code = (
         "import sys\n"
         "from servicer.demo_vlm import build_vlm\n"
-        f"build_vlm({str(tmp_path / 'g')!r}, text_model={str(gemma3_text_model)!r},"
-        " family='gemma3')\n"
+        f"build_vlm({str(tmp_path / 'g')!r}, text_model={str(text_model)!r},"
+        f" family={family!r})\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-    assert is_finished_build(tmp_path / "g", family="gemma3")
+    assert is_finished_build(tmp_path / "g", family=family)
 
 
 def test_gemma3_config_and_tokens(gemma3_built: Path, gemma3_text_model: Path) -> None:
@@ -454,4 +457,220 @@ def test_gemma3_greedy_output_depends_on_the_image(
         assert len(set(outputs)) >= 2, [processor.tokenizer.decode(t) for t in outputs]
         # Greedy is deterministic.
         again, _ = _greedy(model, processor, prompt, gemma3_images[2], GEMMA3_TOKENS)
+        assert tuple(again) == outputs[2]
+
+
+# --------------------------------------------------------------------------- mistral3
+
+MISTRAL3_TOKENS = 20
+M3 = demo_vlm_mistral3
+
+
+@pytest.fixture(scope="session")
+def mistral3_built() -> Path:
+    return demo_vlm_path(family="mistral3")
+
+
+@pytest.fixture(scope="module")
+def mistral3_loaded(mistral3_built: Path):
+    mlx_vlm = pytest.importorskip("mlx_vlm", reason=NO_MLX_VLM)
+    return mlx_vlm.load(str(mistral3_built))
+
+
+@pytest.fixture(scope="module")
+def mistral3_images():
+    """Two solid colours and noise at 64x48 (a 2x3 token grid, not resized), and noise at
+    112x112 (shrunk to 84x84: 3x3)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    return (
+        Image.new("RGB", (64, 48), (220, 30, 30)),
+        Image.new("RGB", (64, 48), (20, 40, 230)),
+        Image.fromarray(rng.integers(0, 256, (48, 64, 3), np.uint8)),
+        Image.fromarray(rng.integers(0, 256, (112, 112, 3), np.uint8)),
+    )
+
+
+def test_mistral3_cache_layout_and_determinism(
+    mistral3_built: Path, text_model: Path, tmp_path: Path
+) -> None:
+    assert mistral3_built.name == build_name(family="mistral3")
+    assert mistral3_built.name.startswith("demo-vlm-mistral3-s0-")
+    assert mistral3_built.name.endswith(f"-llama-{demo_model.RECIPE_VERSION}")
+    assert is_finished_build(mistral3_built, family="mistral3")
+    first = build_vlm(tmp_path / "a", text_model=text_model, family="mistral3")
+    second = build_vlm(tmp_path / "b", text_model=text_model, family="mistral3")
+    assert _digests(first) == _digests(second) == _digests(mistral3_built)
+    other = build_vlm(tmp_path / "c", seed=1, text_model=text_model, family="mistral3")
+    assert _digests(other)["model.safetensors"] != _digests(first)["model.safetensors"]
+    gemma3_text = demo_model.demo_model_path(demo_vlm_gemma3.TEXT_KIND)
+    with pytest.raises(ValueError, match="not a llama demo build"):
+        build_vlm(tmp_path / "d", text_model=gemma3_text, family="mistral3")
+
+
+def test_mistral3_config_and_tokens(mistral3_built: Path, text_model: Path) -> None:
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    config = json.loads((mistral3_built / "config.json").read_text())
+    tokenizer = Tokenizer.from_file(str(mistral3_built / "tokenizer.json"))
+    ids = {tok: tokenizer.token_to_id(tok) for tok in M3.VISION_TOKENS}
+    base = demo_model.VOCAB_SIZE
+    assert [ids[tok] for tok in M3.VISION_TOKENS] == [base, base + 1, base + 2]
+    assert config["model_type"] == "mistral3"
+    assert config["text_config"]["model_type"] == "mistral"
+    assert config["vocab_size"] == config["text_config"]["vocab_size"] == base + 3
+    assert config["image_token_index"] == ids[M3.IMAGE_TOKEN]
+    assert config["spatial_merge_size"] == 2 and config["vision_config"]["patch_size"] == 14
+    assert tokenizer.encode(M3.IMAGE_ANCHOR, add_special_tokens=False).ids == [base]
+    # Token grids: shrunk to fit 84 pixels (never enlarged), sides rounded up to 28.
+    assert M3.image_grid(112, 112) == M3.image_grid(84, 84) == (3, 3)
+    assert M3.image_grid(48, 64) == (2, 3) and M3.image_grid(10, 10) == (1, 1)
+    assert M3.image_grid(40, 200) == (1, 3)  # 16 x 84 after shrinking
+    assert M3.tokens_per_image(48, 64) == 8 and M3.tokens_per_image(112, 112) == 12
+    seq = tokenizer.encode(M3.image_sequence(2, 3), add_special_tokens=False).ids
+    assert seq == [base] * 3 + [base + 1] + [base] * 3 + [base + 2]
+    # The language model is the text demo's, tensor for tensor (plus three embedding rows).
+    weights = load_file(str(mistral3_built / "model.safetensors"))
+    text = load_file(str(text_model / "model.safetensors"))
+    for name, value in text.items():
+        assert (weights[f"language_model.{name}"][: len(value)] == value).all(), name
+    merger = weights["multi_modal_projector.patch_merger.merging_layer.weight"]
+    assert merger.shape == (64, 64 * 4)
+
+
+def test_mistral3_chat_template_renders_one_anchor_per_image(mistral3_built: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(mistral3_built))
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"},
+                {"type": "text", "text": "Compare"},
+                {"type": "image_url", "image_url": {"url": "data:,"}},
+            ],
+        },
+        {"role": "assistant", "content": "Both are blue."},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|begin|><|user|>[IMG]Compare[IMG]<|end|><|assistant|>Both are blue.<|end|><|assistant|>"
+    )
+    assert get_family("mistral3").chat_template == tokenizer.chat_template
+
+
+def test_mistral3_processor_expands_each_anchor(mistral3_loaded, mistral3_images) -> None:
+    model, processor = mistral3_loaded
+    assert type(processor).__module__ == "mlx_vlm.models.mistral3.processing_mistral3"
+    assert processor.image_token_id == model.config.image_token_index
+    text = f"<|begin|><|user|>{M3.IMAGE_ANCHOR}Compare{M3.IMAGE_ANCHOR}<|end|><|assistant|>"
+    out = processor(text=text, images=[mistral3_images[3], mistral3_images[2]])
+    decoded = processor.tokenizer.decode(out["input_ids"][0].tolist())
+    first, second = M3.image_sequence(3, 3), M3.image_sequence(2, 3)
+    assert first == "[IMG][IMG][IMG][IMG_BREAK]" * 2 + "[IMG][IMG][IMG][IMG_END]"
+    assert decoded == f"<|begin|><|user|>{first}Compare{second}<|end|><|assistant|>"
+    assert out["image_sizes"].tolist() == [[84, 84], [56, 84]]
+    assert tuple(out["pixel_values"].shape) == (2, 3, 84, 84)  # padded to the largest
+
+
+def _run_ids(ids: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each image's run: its first [IMG] to its [IMG_END], inclusive."""
+    image, brk, end = (demo_model.VOCAB_SIZE + i for i in range(3))
+    starts = [
+        i for i, t in enumerate(ids) if t == image and (i == 0 or ids[i - 1] not in (image, brk))
+    ]
+    return list(zip(starts, [i + 1 for i, t in enumerate(ids) if t == end], strict=True))
+
+
+def test_mistral3_input_embeddings(mistral3_loaded, mistral3_images) -> None:
+    """mlx-vlm's merge: image features replace the [IMG] tokens only; every other position
+    (breaks and ends too) keeps its token embedding, so one image's run embeds alone as in
+    the whole prompt. image_sizes is required; the text model's positions are plain RoPE."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_vlm.models.cache import KVCache
+
+    model, processor = mistral3_loaded
+    text = f"<|begin|><|user|>{M3.IMAGE_ANCHOR}Compare{M3.IMAGE_ANCHOR}<|end|><|assistant|>"
+    out = processor(text=text, images=[mistral3_images[3], mistral3_images[2]])
+    ids, pixels, sizes = out["input_ids"], out["pixel_values"], out["image_sizes"]
+    merged = model.get_input_embeddings(ids, pixels, image_sizes=sizes).inputs_embeds
+    plain = model.language_model.model.embed_tokens(ids)
+    row = ids[0].tolist()
+    for i, token in enumerate(row):
+        unchanged = bool(mx.array_equal(merged[0, i], plain[0, i]).item())
+        assert unchanged == (token != processor.image_token_id), (i, token)
+    runs = _run_ids(row)
+    assert [end - start for start, end in runs] == [12, 8]
+    for k, (start, end) in enumerate(runs):
+        height, width = sizes[k].tolist()
+        alone = model.get_input_embeddings(
+            ids[:, start:end], pixels[k : k + 1, :, :height, :width], image_sizes=[(height, width)]
+        ).inputs_embeds
+        assert mx.array_equal(alone[0], merged[0, start:end]).item(), k
+    with pytest.raises(TypeError):
+        model.get_input_embeddings(ids[:, slice(*runs[0])], pixels[:1])  # no image_sizes
+    # Plain 1-D RoPE: a prefill in two chunks over a cache equals the whole one.
+    language = model.language_model
+    assert all(type(layer.self_attn.rope) is nn.RoPE for layer in language.layers)
+    whole = language(ids, inputs_embeds=merged).logits
+    cache = [KVCache() for _ in language.layers]
+    parts = [
+        language(ids[:, s], inputs_embeds=merged[:, s], cache=cache).logits
+        for s in (slice(0, 10), slice(10, None))
+    ]
+    assert mx.allclose(mx.concatenate(parts, axis=1), whole, atol=1e-5).item()
+
+
+def test_mistral3_loads_as_text_model_with_mlx_lm(
+    mistral3_loaded, mistral3_built: Path, text_model: Path
+) -> None:
+    """mlx-lm loads the VLM checkpoint as its text model: greedy tokens equal mlx-vlm's
+    without an image, and the llama text demo's own."""
+    import mlx_lm
+    from mlx_vlm import stream_generate
+
+    model, processor = mistral3_loaded
+    text, tokenizer = mlx_lm.load(str(mistral3_built))
+    assert type(text).__module__ == "mlx_lm.models.mistral3"
+    assert type(text.language_model).__module__ == "mlx_lm.models.llama"
+    demo, demo_tokenizer = mlx_lm.load(str(text_model))
+    prompts = [*demo_model.TEST_PROMPTS[:2], *(_chat(q) for q in TEST_PROMPTS)]
+    for prompt in prompts:
+        expected = [
+            r.token
+            for r in mlx_lm.stream_generate(text, tokenizer, prompt, max_tokens=MISTRAL3_TOKENS)
+        ]
+        assert len(set(expected)) >= 4, tokenizer.decode(expected)
+        demo_tokens = mlx_lm.stream_generate(
+            demo, demo_tokenizer, prompt, max_tokens=MISTRAL3_TOKENS
+        )
+        assert [r.token for r in demo_tokens] == expected
+        results = list(
+            stream_generate(model, processor, prompt, max_tokens=MISTRAL3_TOKENS, temperature=0.0)
+        )
+        # mlx-vlm's last result repeats the last token when it stops at the length.
+        assert [r.token for r in results][:MISTRAL3_TOKENS] == expected, prompt
+
+
+@pytest.mark.parametrize("question", TEST_PROMPTS)
+def test_mistral3_greedy_output_depends_on_the_image(
+    mistral3_loaded, mistral3_images, question: str
+) -> None:
+    model, processor = mistral3_loaded
+    for prompt in (_chat(M3.IMAGE_ANCHOR + question), _chat(question + M3.IMAGE_ANCHOR)):
+        outputs = []
+        for image in mistral3_images:
+            tokens, image_tokens = _greedy(model, processor, prompt, image, MISTRAL3_TOKENS)
+            rows, cols = M3.image_grid(image.height, image.width)
+            assert image_tokens == rows * cols
+            assert len(set(tokens)) >= 4, processor.tokenizer.decode(tokens)
+            outputs.append(tuple(tokens))
+        assert len(set(outputs)) >= 3, [processor.tokenizer.decode(t) for t in outputs]
+        # Greedy is deterministic.
+        again, _ = _greedy(model, processor, prompt, mistral3_images[2], MISTRAL3_TOKENS)
         assert tuple(again) == outputs[2]
