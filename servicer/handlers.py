@@ -22,7 +22,7 @@ from .codec import TextCodec
 from .engine_calls import EngineCalls
 from .engine_handle import EngineHandle
 from .faces import MLX_FACE, VLLM_FACE, Face
-from .images import ImagePreparer, expand, has_media
+from .images import ImagePreparer, has_media
 from .kv_events import KvEventHub
 from .lifecycle import Lifecycle, Phase
 from .loads import LoadFigures, Throughput, load_figures
@@ -449,8 +449,7 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         try:
             expand_images = None
             if self.images is not None and has_media(request):
-                images, spec = await self.images.prepare(request), self.images.spec
-                expand_images = lambda ids: expand(ids, spec, images)  # noqa: E731
+                expand_images = await self.images.prepare(request)
             args = (
                 request,
                 next(self._tickets),

@@ -2,13 +2,19 @@
 an image (`VisionSpec`, from its files), the fetch and the model's own image processor in a
 thread pool (`ImagePreparer`), and the prompt with each image's anchor expanded into its
 placeholder run (`expand`), each image named by a hash of exactly what the encoder gets.
+
+For a family the router processes itself (Qwen2-VL: DESIGN.md, "Images through the router")
+the images come as the router's `mm_inputs` instead: pixel values, patch grids and their
+placeholder runs already in the prompt (`router_images`, then `place`, which checks them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,9 +25,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from .media import POOL_SIZE, MediaError, MediaPolicy, fetch_images
+from .media import POOL_SIZE, MediaError, MediaPolicy, fetch_images, grpc_status
 from .messages import ImageInput, Tensor
-from .validation import RequestError
+from .validation import ExpandImages, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +43,37 @@ def _invalid(message: str) -> RequestError:
 class VisionSpec:
     """How one image sits in a prompt of this model: the chat template renders `anchor` for
     it; the model's processor replaces that with `before` + `image_token_id` x n + `after`
-    (n: `tokens_per_image`, fixed by the model)."""
+    (n: `tokens_per_image`, fixed by the model; None: from each image's patch grid, t * h * w
+    / `merge`**2, as Qwen2-VL's). `router_processed`: the router processes this family's
+    images itself and sends them as mm_inputs, their runs already in the prompt, filled with
+    `image_token_id` or one of `placeholder_ids`."""
 
     family: str
     image_token_id: int
     anchor: tuple[int, ...]
     before: tuple[int, ...]
     after: tuple[int, ...]
-    tokens_per_image: int
+    tokens_per_image: int | None
+    merge: int = 1
+    router_processed: bool = False
+    placeholder_ids: tuple[int, ...] = ()
 
     def run(self, n: int) -> list[int]:
         return [*self.before, *([self.image_token_id] * n), *self.after]
+
+    def tokens(self, grid: Sequence[int] | None) -> int:
+        """The placeholder tokens of an image with this patch grid (t, h, w)."""
+        if self.tokens_per_image is not None:
+            return self.tokens_per_image
+        if grid is None or len(grid) != 3:
+            raise ValueError("the model's processor gave no image_grid_thw (t, h, w)")
+        t, h, w = (int(v) for v in grid)
+        if min(t, h, w) < 1 or h % self.merge or w % self.merge:
+            raise ValueError(f"the patch grid {(t, h, w)} does not fit a {self.merge}x merge")
+        return t * h * w // self.merge**2
+
+
+SERVED_FAMILIES = ("gemma3", "qwen2_vl")
 
 
 def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
@@ -58,6 +84,8 @@ def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     family = config.get("model_type", "")
     if family == "gemma3":
         return _gemma3_spec(config, tokenizer)
+    if family == "qwen2_vl":
+        return _qwen2_vl_spec(config, tokenizer)
     return None
 
 
@@ -66,7 +94,7 @@ def vision_refusal(config: dict[str, Any]) -> str | None:
     if not isinstance(config.get("vision_config"), dict):
         return None
     family = config.get("model_type", "")
-    if family != "gemma3":
+    if family not in SERVED_FAMILIES:
         return f"images are not supported for model type {family!r} yet; serving text only"
     import importlib.util
 
@@ -86,6 +114,24 @@ def _gemma3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
         return None
     gap = tuple(tokenizer.encode("\n\n", add_special_tokens=False))
     return VisionSpec("gemma3", image, (boi,), (*gap, boi), (eoi, *gap), count)
+
+
+def _qwen2_vl_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
+    """`<|vision_start|><|image_pad|><|vision_end|>` per image, its pad repeated once per
+    merged patch; the router may fill the runs with the config's vision_token_id instead."""
+    start = _token_id(tokenizer, "<|vision_start|>", config.get("vision_start_token_id"))
+    end = _token_id(tokenizer, "<|vision_end|>", config.get("vision_end_token_id"))
+    image = config.get("image_token_id")
+    if not isinstance(image, int):
+        image = _token_id(tokenizer, "<|image_pad|>", None)
+    merge = (config.get("vision_config") or {}).get("spatial_merge_size", 2)
+    if not all(isinstance(v, int) for v in (start, end, image, merge)):
+        return None
+    pad = config.get("vision_token_id")
+    others = (pad,) if isinstance(pad, int) and pad != image else ()
+    return VisionSpec(
+        "qwen2_vl", image, (start, image, end), (start,), (end,), None, merge, True, others
+    )
 
 
 def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:
@@ -188,17 +234,36 @@ class ImagePreparer:
         self.policy = policy
         self._pool = ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="images")
         self._processor = _image_processor(model_dir)
+        self.patch_width = _patch_width(self._processor)  # a flattened patch's values
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def prepare(self, request: Any) -> list[ProcessedImage]:
-        """The request's images (its media references), ready for `expand`."""
+    async def prepare(self, request: Any) -> ExpandImages:
+        """The request's images, ready to go into its prompt: its media references fetched
+        and processed here (their anchors to `expand`), or the router's mm_inputs (their
+        runs already in the prompt, to `place`) where the family is the router's to process."""
         if request.mm_inputs.ByteSize() or request.extra_mm_inputs:
-            raise _invalid(
-                "this worker processes images itself: it takes them as media references "
-                "(the router's --mm-processing auto or worker), not as mm_inputs"
+            if not self.spec.router_processed:
+                raise _invalid(
+                    "this worker processes images itself: it takes them as media references "
+                    "(the router's --mm-processing auto or worker), not as mm_inputs"
+                )
+            if request.extra_mm_inputs or request.media_refs.items:
+                raise _invalid(
+                    "a request's images come as one mm_inputs or as media references, not both"
+                )
+            sent = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self.router_images, request.mm_inputs
             )
+            return functools.partial(place, sent=sent)
+        images = await self._media(request)
+        return functools.partial(expand, spec=self.spec, images=images)
+
+    def router_images(self, mm: Any) -> RouterImages:
+        return router_images(mm, self.spec, self.patch_width, self.policy.max_images)
+
+    async def _media(self, request: Any) -> list[ProcessedImage]:
         refs = list(request.media_refs.items)
         for i, ref in enumerate(refs):
             if ref.modality != IMAGE_MODALITY:
@@ -217,10 +282,16 @@ class ImagePreparer:
     def _process(self, index: int, image: Any) -> ProcessedImage:
         try:
             out = self._processor(images=[image], return_tensors="np")
+            extra: tuple[tuple[str, Tensor], ...] = ()
+            grid = out.get("image_grid_thw")
+            if grid is not None:
+                grid = np.asarray(grid, dtype=np.int64).reshape(1, 3)
+                extra = (("image_grid_thw", tensor(grid)),)
+            tokens = self.spec.tokens(None if grid is None else grid[0].tolist())
         except Exception as exc:
             raise _invalid(f"image {index}: the model's processor refused it: {exc}") from None
         pixels = tensor(np.asarray(out["pixel_values"]))
-        return ProcessedImage(self.spec.tokens_per_image, image_key(pixels), pixels)
+        return ProcessedImage(tokens, image_key(pixels, extra), pixels, extra)
 
 
 def _image_processor(model_dir: Path) -> Any:
@@ -229,3 +300,131 @@ def _image_processor(model_dir: Path) -> Any:
     from transformers import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+
+
+def _patch_width(processor: Any) -> int | None:
+    """The values of one flattened patch a patch-grid processor makes (channels x frames x
+    patch x patch, Qwen2-VL's), None for other processors."""
+    sizes = [getattr(processor, n, None) for n in ("temporal_patch_size", "patch_size")]
+    if not all(isinstance(v, int) for v in sizes):
+        return None
+    frames, patch = sizes
+    return 3 * frames * patch * patch
+
+
+# ----- the router's mm_inputs -----
+
+# TensorData dtype names (as the router writes them, or numpy's) -> what the bytes are.
+_FLOATS = {"float32": "<f4", "fp32": "<f4", "f32": "<f4", "float16": "<f2", "fp16": "<f2"}
+_FLOATS |= {"f16": "<f2", "half": "<f2", "bfloat16": "bf16", "bf16": "bf16"}
+_INTS = {"int64": "<i8", "i64": "<i8", "long": "<i8", "int32": "<i4", "i32": "<i4"}
+
+
+@dataclass(frozen=True)
+class RouterImages:
+    """A request's images as the router sent them: processed, and where their placeholder
+    runs are in its prompt, filled with `token_id`."""
+
+    images: tuple[ProcessedImage, ...]
+    placeholders: tuple[tuple[int, int], ...]  # (offset, length) per image
+    token_id: int
+
+
+def _array(name: str, data: Any, kinds: dict[str, str]) -> np.ndarray:
+    """A TensorData's array: inline bytes only (the worker reads no shared memory or remote
+    handle), of a dtype in `kinds`, as many bytes as its shape says (bfloat16 as float32,
+    exactly)."""
+    payload = data.WhichOneof("payload")
+    if payload != "inline":
+        raise _invalid(
+            f"mm_inputs {name}: only inline tensors are accepted, not "
+            f"{payload or 'no payload'} (turn off the router's shared-memory transfer)"
+        )
+    dtype = kinds.get(data.dtype.lower().removeprefix("torch."))
+    if dtype is None:
+        raise _invalid(f"mm_inputs {name}: dtype {data.dtype!r} is not one of {sorted(kinds)}")
+    shape = tuple(int(n) for n in data.shape)
+    size = 2 if dtype == "bf16" else np.dtype(dtype).itemsize
+    if len(data.inline) != math.prod(shape) * size:
+        raise _invalid(
+            f"mm_inputs {name}: {len(data.inline)} bytes for shape {list(shape)} of {data.dtype}"
+        )
+    if dtype == "bf16":
+        bits = np.frombuffer(data.inline, "<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    return np.frombuffer(data.inline, dtype).reshape(shape)
+
+
+def router_images(
+    mm: Any, spec: VisionSpec, patch_width: int | None, max_images: int
+) -> RouterImages:
+    """The images of the router's `mm_inputs`: the concatenated pixel values (a row a patch)
+    split per image by its patch grid (`image_grid_thw`), each image's key our own hash of
+    its inputs; anything that does not add up is INVALID_ARGUMENT naming the image."""
+    if mm.modality not in (0, IMAGE_MODALITY):
+        raise _invalid(f"mm_inputs: only images are served (modality {mm.modality})")
+    if not mm.HasField("pixel_values") or "image_grid_thw" not in mm.model_specific_tensors:
+        raise _invalid("mm_inputs needs pixel_values and model_specific_tensors image_grid_thw")
+    pixels = _array("pixel_values", mm.pixel_values, _FLOATS)
+    grids = _array("image_grid_thw", mm.model_specific_tensors["image_grid_thw"], _INTS)
+    if grids.ndim != 2 or grids.shape[1] != 3:
+        raise _invalid(f"mm_inputs image_grid_thw: shape {list(grids.shape)}, not [images, 3]")
+    count = grids.shape[0]
+    if count > max_images:
+        too_many = f"too many images: {count} in the request, limit {max_images}"
+        raise RequestError(grpc_status("limit"), too_many)
+    if len(mm.mm_placeholders) != count:
+        raise _invalid(f"mm_inputs has {len(mm.mm_placeholders)} placeholders for {count} images")
+    patches = [int(np.prod(g)) for g in grids]
+    width = patch_width if patch_width is not None else (pixels.shape[-1] if pixels.ndim else 0)
+    if pixels.ndim != 2 or pixels.shape != (sum(patches), width):
+        raise _invalid(
+            f"mm_inputs pixel_values: shape {list(pixels.shape)}, not [{sum(patches)}, {width}] "
+            "(the patches of every image's grid, a row each)"
+        )
+    token = mm.im_token_id if mm.HasField("im_token_id") else spec.image_token_id
+    if token not in (spec.image_token_id, *spec.placeholder_ids):
+        raise _invalid(f"mm_inputs im_token_id {token} is not this model's image token")
+    images, start = [], 0
+    for i, (grid, n) in enumerate(zip(grids, patches, strict=True)):
+        try:
+            tokens = spec.tokens(grid.tolist())
+        except ValueError as exc:
+            raise _invalid(f"image {i}: {exc}") from None
+        values = tensor(pixels[start : start + n].astype(pixels.dtype, copy=False))
+        extra = (("image_grid_thw", tensor(grid.astype(np.int64).reshape(1, 3))),)
+        images.append(ProcessedImage(tokens, image_key(values, extra), values, extra))
+        start += n
+    placeholders = tuple((int(p.offset), int(p.length)) for p in mm.mm_placeholders)
+    return RouterImages(tuple(images), placeholders, token)
+
+
+def place(prompt: list[int], sent: RouterImages) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """The router's images at their placeholders in `prompt` (already expanded, unchanged):
+    each placeholder a run of exactly its image's tokens, in order, and no image token
+    elsewhere; otherwise INVALID_ARGUMENT naming the image."""
+    placed: list[ImageInput] = []
+    end = 0
+    for i, ((offset, length), image) in enumerate(zip(sent.placeholders, sent.images, strict=True)):
+        if offset < end or offset + length > len(prompt):
+            raise _invalid(
+                f"image {i}: placeholder ({offset}, {length}) overlaps the one before or runs "
+                f"past the prompt's {len(prompt)} tokens"
+            )
+        if length != image.tokens:
+            raise _invalid(
+                f"image {i}: its placeholder has {length} tokens, its patch grid makes "
+                f"{image.tokens}"
+            )
+        if any(t != sent.token_id for t in prompt[offset : offset + length]):
+            raise _invalid(
+                f"image {i}: placeholder ({offset}, {length}) is not a run of image tokens "
+                f"({sent.token_id}) in the prompt"
+            )
+        placed.append(ImageInput(offset, length, image.key, image.pixel_values, image.extra))
+        end = offset + length
+    if prompt.count(sent.token_id) != sum(length for _, length in sent.placeholders):
+        raise _invalid(f"the prompt has image tokens ({sent.token_id}) outside its placeholders")
+    if placed and placed[-1].end >= len(prompt):
+        raise _invalid("the prompt ends inside an image: put text after the last image")
+    return prompt, tuple(placed)

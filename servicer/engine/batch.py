@@ -30,7 +30,7 @@ from .rows import Row, RowBook
 from .runner import BatchRunner
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
-from .vision import ImageSpan, VisionEncoder
+from .vision import ImageSpan, RowRope, VisionEncoder
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +133,7 @@ class Batch:
                 logits_processors=[part.chain for part in parts],
                 stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
                 images=[part.images for part in parts],
+                ropes=[part.rope for part in parts],
             )
         except BaseException:
             for part in parts:
@@ -152,7 +153,9 @@ class Batch:
         request, cached = admit.request, admit.cached_tokens
         chain = self._sampling.processors(request)
         segments = self._segments(request, cached)
-        return _Prepared(admit, hit, chain, segments, image_spans(self._vision, request, cached))
+        images = image_spans(self._vision, request, cached)
+        rope = self._vision.row_rope(request) if self._vision is not None else None
+        return _Prepared(admit, hit, chain, segments, images, rope)
 
     def _cache_for(self, hit: Hit | None) -> list[Any] | None:
         if hit is not None:
@@ -325,6 +328,7 @@ class _Prepared:
     chain: list[Any]
     segments: list[list[int]]
     images: list[ImageSpan]
+    rope: RowRope | None = None
 
 
 def image_spans(

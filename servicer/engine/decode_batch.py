@@ -80,7 +80,10 @@ class DecodeResponse:
 class DecodeBatch:
     """The rows that decode, by position: their caches (one batch cache per layer), tokens,
     samplers, logits processors, stop matchers and length limits. A new batch runs its rows'
-    first forward at once (their last prompt token), so their first token is sampled."""
+    first forward at once (their last prompt token), so their first token is sampled.
+
+    On a model with multimodal RoPE (`rope`, mrope.py) each row has a delta on its cache
+    offset (an image row's) or None (standard positions), set for every forward (`forward`)."""
 
     Response = DecodeResponse
     # Makes a joining batch's layers into row groups (row_groups), once set.
@@ -98,8 +101,12 @@ class DecodeBatch:
         logits_processors: list[Sequence[Any]],
         stop_sequences: list[StopSequences],
         max_tokens: list[int],
+        rope: Any = None,
+        deltas: list[int | None] | None = None,
     ) -> None:
         self.model = model
+        self.rope = rope  # the model's RopePositions, where it has multimodal RoPE
+        self.deltas: list[int | None] = deltas if deltas is not None else [None] * len(uids)
         self.uids = uids
         self.prompt_cache = prompt_cache
         self.tokens = tokens
@@ -148,6 +155,8 @@ class DecodeBatch:
         self.logits_processors.extend(batch.logits_processors)
         self.max_tokens.extend(batch.max_tokens)
         self.stop_sequences.extend(batch.stop_sequences)
+        self.deltas.extend(batch.deltas)
+        self.rope = self.rope if self.rope is not None else batch.rope
         self._current_tokens = _joined(self._current_tokens, batch._current_tokens)
         self._current_logprobs = _rows(self._current_logprobs, batch._current_logprobs)
         self._next_tokens = _joined(self._next_tokens, batch._next_tokens)
@@ -169,6 +178,7 @@ class DecodeBatch:
         self.logits_processors = [self.logits_processors[i] for i in keep]
         self.max_tokens = [self.max_tokens[i] for i in keep]
         self.stop_sequences = [self.stop_sequences[i] for i in keep]
+        self.deltas = [self.deltas[i] for i in keep]
         assert self._next_tokens is not None or not keep
         self._next_tokens = self._next_tokens[mx.array(keep)] if keep else None
         self._next_logprobs = [self._next_logprobs[i] for i in keep]
@@ -179,6 +189,20 @@ class DecodeBatch:
     def extract_cache(self, i: int) -> list[Any]:
         """Row i's caches on their own."""
         return [cache.extract(i) for cache in self.prompt_cache]
+
+    @property
+    def positioned(self) -> bool:
+        """Whether some row takes multimodal RoPE positions (its forwards set them)."""
+        return self.rope is not None and any(d is not None for d in self.deltas)
+
+    def forward(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        """The model on `inputs` (a row each) over `cache` (the batch's by default), each row
+        at its positions."""
+        cache = self.prompt_cache if cache is None else cache
+        if not self.positioned:
+            return self.model(inputs, cache=cache)
+        with self.rope.forward(self.deltas):
+            return self.model(inputs, cache=cache)
 
     def _sampler(self, i: int) -> Any:
         sampler = self.samplers[i] if self.samplers else None
@@ -192,7 +216,7 @@ class DecodeBatch:
         self._current_tokens = inputs = self._next_tokens
         self._current_logprobs = self._next_logprobs
         assert inputs is not None
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        logits = self.forward(inputs[:, None])[:, -1, :]
         contexts: list[mx.array] = []
         if any(self.logits_processors):
             logits = self._run_processors(logits, inputs, contexts)

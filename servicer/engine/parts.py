@@ -109,22 +109,8 @@ def build_parts(
     new_row = _quantized_rows(config, loaded)
     row = new_row() if new_row is not None else make_prompt_cache(loaded.model)
     admission = _admission(config, loaded, speculation, row)
-    # One model over several ranks keeps mlx-lm's forwards: every rank must step alike.
-    fused = (
-        config.fuse_prefill
-        and not shared
-        and not missing_touch_points()
-        and enable_fused_prefill(loaded.model)
-    )
-    if fused:
-        log.info("fused prefill: a prompt's chunk goes through the decoding rows' forward")
-    # Ranks keep mlx-lm's forwards here too; the attention's class swap is fused prefill's.
-    groups_rows = (
-        config.group_rows
-        and not shared
-        and not missing_touch_points()
-        and enable_fused_prefill(loaded.model)
-    )
+    vision = _vision(config, info, loaded, shared)
+    fused, groups_rows = _packed_forwards(config, loaded, shared, vision)
     return EngineParts(
         loaded,
         sampling,
@@ -135,8 +121,28 @@ def build_parts(
         new_row,
         fused,
         groups_rows,
-        _vision(config, info, loaded, shared),
+        vision,
     )
+
+
+def _packed_forwards(
+    config: EngineConfig, loaded: LoadedModel, shared: bool, vision: VisionEncoder | None
+) -> tuple[bool, bool]:
+    """Whether a prefill chunk rides in the decoding rows' forward (fused prefill) and whether
+    decoding rows of very different lengths attend in groups: where asked and the model's
+    attention is covered. Not over several ranks (one model there keeps mlx-lm's forwards:
+    every rank must step alike), nor with multimodal RoPE, which sets one position entry per
+    row of a forward (a packed forward and row groups run rows apart)."""
+    if shared or (vision is not None and vision.rope is not None):
+        return False, False
+    fused = (
+        config.fuse_prefill and not missing_touch_points() and enable_fused_prefill(loaded.model)
+    )
+    if fused:
+        log.info("fused prefill: a prompt's chunk goes through the decoding rows' forward")
+    # The attention's class swap is fused prefill's.
+    groups = config.group_rows and not missing_touch_points() and enable_fused_prefill(loaded.model)
+    return fused, groups
 
 
 def _vision(

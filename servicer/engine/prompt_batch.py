@@ -9,6 +9,7 @@ are shorter (`prepare` / `finalize`, the cache kind's own).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
 from .decode_batch import DecodeBatch, extend_caches, merge_caches
-from .vision import ImageSpan, VisionEncoder, chunk_embeddings
+from .vision import ImageSpan, RowRope, VisionEncoder, chunk_embeddings
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class PromptRow:
     processors: Sequence[Any]
     stop: StopSequences
     images: list[ImageSpan] = field(default_factory=list)  # those past its cached prefix
+    rope: RowRope | None = None  # its prompt's multimodal RoPE (None: standard positions)
     done: int = 0  # prompt tokens through the model
     total: int = field(init=False)
 
@@ -141,10 +143,11 @@ class PromptBatch:
         if self.vision is not None:
             images = [row.images for row in self.rows]
             embeddings = chunk_embeddings(self.vision, inputs, starts, lengths, images)
-        if embeddings is None:
-            self.model(inputs, cache=self.prompt_cache)
-        else:
-            self.model(inputs, cache=self.prompt_cache, input_embeddings=embeddings)
+        with self._positions(starts, lengths):
+            if embeddings is None:
+                self.model(inputs, cache=self.prompt_cache)
+            else:
+                self.model(inputs, cache=self.prompt_cache, input_embeddings=embeddings)
         for row in self.rows:  # features no chunk needs again
             row.images = [span for span in row.images if span.end > len(row.tokens)]
         mx.eval([c.state for c in self.prompt_cache])
@@ -154,6 +157,21 @@ class PromptBatch:
                 cache.finalize()
             mx.eval([c.state for c in self.prompt_cache])
             mx.clear_cache()
+
+    def _positions(
+        self, starts: list[int], lengths: list[int]
+    ) -> contextlib.AbstractContextManager[Any]:
+        """The chunk's multimodal RoPE positions for the forward: each image row its prompt's
+        ids from `starts[i]` on, the other rows standard ones (nothing set where no row has
+        any, so a text batch runs exactly as without)."""
+        rope = self.vision.rope if self.vision is not None else None
+        if rope is None or all(row.rope is None for row in self.rows):
+            return contextlib.nullcontext()
+        rows = [
+            None if row.rope is None else row.rope.ids[:, start : start + n]
+            for row, start, n in zip(self.rows, starts, lengths, strict=True)
+        ]
+        return rope.forward(rows)
 
     def start_decoding(self, indices: list[int], fallback_sampler: Any) -> DecodeBatch:
         """The rows at `indices` (each with only its last token left) leave prefill as a
@@ -173,4 +191,6 @@ class PromptBatch:
             [row.processors for row in rows],
             [row.stop for row in rows],
             [row.max_tokens for row in rows],
+            rope=self.vision.rope if self.vision is not None else None,
+            deltas=[None if row.rope is None else row.rope.delta for row in rows],
         )

@@ -24,7 +24,7 @@ from .decode_batch import DecodeBatch, DecodeResponse
 from .fused_prefill import FusingModel
 from .prefill import PrefillWork
 from .prompt_batch import PromptBatch, PromptProgress, PromptRow
-from .vision import ImageSpan, VisionEncoder
+from .vision import ImageSpan, RowRope, VisionEncoder
 
 DEFAULT_MAX_TOKENS = 128
 CLEAR_EVERY = 512  # decode steps between frees of MLX's buffer cache
@@ -103,9 +103,10 @@ class BatchRunner:
         logits_processors: list[Sequence[Any] | None] | None = None,
         stop_sequences: list[StopSequences] | None = None,
         images: list[list[ImageSpan]] | None = None,
+        ropes: list[RowRope | None] | None = None,
     ) -> list[int]:
         """Requests wait for prefill, each prompt in segments (prefill stops at each segment's
-        end, for a snapshot); their uids."""
+        end, for a snapshot), with its images and multimodal RoPE, if any; their uids."""
         n = len(segments)
         options = {
             "max_tokens": max_tokens or [DEFAULT_MAX_TOKENS] * n,
@@ -115,6 +116,7 @@ class BatchRunner:
             "logits_processors": logits_processors or [()] * n,
             "stop_sequences": stop_sequences or [StopSequences()] * n,
             "images": images or [[] for _ in range(n)],
+            "ropes": ropes or [None] * n,
         }
         for name, values in options.items():
             if len(values) != n:
@@ -145,6 +147,7 @@ class BatchRunner:
                     tuple(options["logits_processors"][i] or ()),
                     options["stop_sequences"][i],
                     options["images"][i],
+                    options["ropes"][i],
                 )
             )
         self.waiting.extend(rows)
@@ -253,7 +256,7 @@ class BatchRunner:
         if not 0 < len(self.decoding) < self.completion_batch_size:
             return False
         row = self.prefill.rows[0]
-        return not row.starting and not row.images  # no first token due, no image ahead
+        return not (row.starting or row.images or row.rope or self.decoding.positioned)
 
     def _fused_step(self, chunk: int) -> tuple[list[PromptProgress], list[DecodeResponse]]:
         row = self.prefill.rows[0]

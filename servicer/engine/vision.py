@@ -4,7 +4,9 @@ chunk's input embeddings carry them in the images' placeholder runs.
 
 The language model stays mlx-lm's (it loads a VLM checkpoint's text stack for the families
 here), so an image row prefills and decodes in the same batch, caches and prefix store as a
-text row: only its chunks that cover image tokens go in as embeddings.
+text row: only its chunks that cover image tokens go in as embeddings. Qwen2-VL's text model
+also needs its images' positions (multimodal RoPE, mrope): the encoder enables them on the
+text model at load, and each image row carries its prompt's ids and rope delta (`RowRope`).
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..messages import ImageInput, Tensor
+from ..messages import GenerationRequest, ImageInput, Tensor
+from .mrope import RopePositions, enable_mrope, rope_index
 
 log = logging.getLogger(__name__)
 
 # Families whose merge is "the image's features replace its placeholder tokens' embeddings",
 # with a language model mlx-lm loads and standard positions. Others are refused at start.
 MERGE_ONLY_FAMILIES = frozenset({"gemma3", "llava", "mistral3", "pixtral"})
+# Families whose images also take multimodal RoPE positions in the text model (mrope.py).
+MROPE_FAMILIES = frozenset({"qwen2_vl"})
 DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
 
 
@@ -37,6 +42,16 @@ def to_mx(tensor: Tensor) -> mx.array:
     return mx.array(array)
 
 
+@dataclass(frozen=True, slots=True)
+class RowRope:
+    """An image row's multimodal RoPE: the (t, h, w) ids of its whole prompt [3, L] (a
+    prefill chunk takes its columns) and its delta (the positions from the prompt's end on
+    are the cache index plus it)."""
+
+    ids: np.ndarray
+    delta: int
+
+
 @dataclass(slots=True)
 class _Entry:
     features: mx.array
@@ -47,11 +62,18 @@ class VisionEncoder:
     """Image features by image key, and input embeddings with them in place."""
 
     def __init__(
-        self, vlm: Any, image_token_id: int, cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES
+        self,
+        vlm: Any,
+        image_token_id: int,
+        cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES,
+        rope: RopePositions | None = None,
+        merge: int = 1,
     ) -> None:
         self._vlm = vlm
         self.image_token_id = image_token_id
         self.cache_bytes = cache_bytes
+        self.rope = rope  # the text model's multimodal RoPE (None: standard positions)
+        self.merge = merge  # the vision tower's spatial merge (image tokens per grid cell)
         self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
         self._held = 0
         self.encoded = 0  # images put through the encoder
@@ -60,7 +82,8 @@ class VisionEncoder:
     @classmethod
     def load(cls, model_dir: Path, text_model: Any, cache_bytes: int) -> VisionEncoder:
         """mlx-vlm's model of the checkpoint without its language layers (the text model,
-        mlx-lm's, has them), its token embedding shared with `text_model`'s."""
+        mlx-lm's, has them), its token embedding shared with `text_model`'s; for a family
+        with multimodal RoPE, the text model's attentions take it from here on."""
         try:
             from mlx_vlm.utils import load_config, load_model
         except ImportError as exc:
@@ -69,11 +92,18 @@ class VisionEncoder:
             ) from exc
         config = load_config(model_dir)
         family = config.get("model_type", "")
-        if family not in MERGE_ONLY_FAMILIES:
+        if family not in MERGE_ONLY_FAMILIES | MROPE_FAMILIES:
             raise VisionUnavailable(f"images are not supported for model type {family!r} yet")
         image_token_id = config.get("image_token_index", config.get("image_token_id"))
         if not isinstance(image_token_id, int):
             raise VisionUnavailable("the model's config names no image token")
+        rope, merge = None, 1
+        if family in MROPE_FAMILIES:
+            merge = int((config.get("vision_config") or {}).get("spatial_merge_size", 2))
+            try:
+                rope = enable_mrope(text_model)
+            except ValueError as exc:
+                raise VisionUnavailable(str(exc)) from exc
         try:
             vlm = load_model(model_dir, lazy=True)
         except Exception as exc:
@@ -85,7 +115,17 @@ class VisionEncoder:
         if embed is not None:
             language.model.embed_tokens = embed
         mx.eval(vlm.parameters())
-        return cls(vlm, image_token_id, cache_bytes)
+        return cls(vlm, image_token_id, cache_bytes, rope, merge)
+
+    def row_rope(self, request: GenerationRequest) -> RowRope | None:
+        """The request's multimodal RoPE, from its whole prompt (a row that starts from a
+        cached prefix takes its ids from there on); None: standard positions (a model
+        without mrope, or a prompt without images)."""
+        if self.rope is None or not request.images:
+            return None
+        spans = [(i.offset, i.length, image_grid(i)) for i in request.images]
+        ids, delta = rope_index(request.prompt, spans, self.merge)
+        return RowRope(ids, delta)
 
     def features(self, image: ImageInput) -> mx.array:
         """The embeddings of the image's placeholder run ([length, hidden]), as the model's
@@ -123,6 +163,17 @@ class VisionEncoder:
     def embed(self, inputs: mx.array) -> mx.array:
         """Token embeddings of `inputs` ([batch, length]) as the model's merge starts them."""
         return self._vlm.get_input_embeddings(inputs).inputs_embeds
+
+
+def image_grid(image: ImageInput) -> tuple[int, int, int]:
+    """An image's patch grid (t, h, w), from its `image_grid_thw`."""
+    for name, value in image.extra:
+        if name == "image_grid_thw":
+            grid = np.frombuffer(value.data, dtype=np.dtype(value.dtype)).reshape(-1)
+            if grid.size == 3:
+                t, h, w = (int(v) for v in grid)
+                return t, h, w
+    raise ValueError("an image of this model needs its image_grid_thw (t, h, w)")
 
 
 def _embedding_of(text_model: Any) -> Any:

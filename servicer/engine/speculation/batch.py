@@ -226,7 +226,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
         inputs = mx.array(rows, dtype=mx.uint32)
         for layer in self.prompt_cache:
             layer.checkpoint([len(f) for f in fed])
-        logits = self.model(inputs, cache=self.prompt_cache)
+        logits = self.forward(inputs)
         logits, contexts = self._process(logits, inputs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         samplers = [self._sampler(i) for i in range(len(self.uids))]
@@ -276,7 +276,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
                 row[used - 1].finish_reason = finish
                 finished.append((i, row[used - 1]))
         _consume(samplers, step.used_keys)
-        roll_back(self.model, self.prompt_cache, step.fed, emitted, self.speculator.padding_inert)
+        roll_back(self.forward, self.prompt_cache, step.fed, emitted, self.speculator.padding_inert)
         self.speculator.source.accepted(kept_drafts)
         self.speculator.counters.record(drafted, accepted, emitted)
         self._next_tokens = mx.array(next_tokens, dtype=mx.uint32)
@@ -341,7 +341,8 @@ def roll_back(
     forward for all of them where the model honours per-row lengths (`padding_inert`), else
     one forward per replay length (a row padded past its length would be replayed again,
     forever). So a step runs at most k + 1 replays, and a replay that still leaves a row
-    uncut fails the step rather than loop."""
+    uncut fails the step rather than loop. `model`: the batch's forward (its rows at their
+    positions, `DecodeBatch.forward`)."""
     again = _cut(caches, kept)
     if not again:
         return
