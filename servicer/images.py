@@ -57,9 +57,23 @@ class VisionSpec:
     merge: int = 1
     router_processed: bool = False
     placeholder_ids: tuple[int, ...] = ()
+    # Pixtral's layout: the image in rows of `cell`-pixel tokens, each row ending in
+    # `row_break`, the last in `row_end` (both part of the image's run); 0: no rows.
+    cell: int = 0
+    row_break: int = 0
+    row_end: int = 0
 
     def run(self, n: int) -> list[int]:
         return [*self.before, *([self.image_token_id] * n), *self.after]
+
+    def rows_run(self, height: int, width: int) -> tuple[int, ...]:
+        """The run of an image `height` x `width` pixels as the processor sized it."""
+        rows, cols = height // self.cell, width // self.cell
+        if rows < 1 or cols < 1:
+            raise ValueError(f"an image of {height}x{width} pixels makes no {self.cell}-pixel cell")
+        run = [*([self.image_token_id] * cols), self.row_break] * rows
+        run[-1] = self.row_end
+        return tuple(run)
 
     def tokens(self, grid: Sequence[int] | None) -> int:
         """The placeholder tokens of an image with this patch grid (t, h, w)."""
@@ -73,7 +87,7 @@ class VisionSpec:
         return t * h * w // self.merge**2
 
 
-SERVED_FAMILIES = ("gemma3", "qwen2_vl")
+SERVED_FAMILIES = ("gemma3", "qwen2_vl", "mistral3")
 
 
 def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
@@ -86,6 +100,8 @@ def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
         return _gemma3_spec(config, tokenizer)
     if family == "qwen2_vl":
         return _qwen2_vl_spec(config, tokenizer)
+    if family == "mistral3":
+        return _mistral3_spec(config, tokenizer)
     return None
 
 
@@ -134,6 +150,29 @@ def _qwen2_vl_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     )
 
 
+def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
+    """`[IMG]` per image, replaced by the image's rows of `[IMG]`, each ending `[IMG_BREAK]`,
+    the last `[IMG_END]`; a cell is a patch merged `spatial_merge_size` times a side."""
+    image = config.get("image_token_index")
+    row_break = _token_id(tokenizer, "[IMG_BREAK]", None)
+    row_end = _token_id(tokenizer, "[IMG_END]", None)
+    patch = (config.get("vision_config") or {}).get("patch_size")
+    merge = config.get("spatial_merge_size", 1)
+    if not all(isinstance(v, int) for v in (image, row_break, row_end, patch, merge)):
+        return None
+    return VisionSpec(
+        "mistral3",
+        image,
+        (image,),
+        (),
+        (),
+        None,
+        cell=patch * merge,
+        row_break=row_break,
+        row_end=row_end,
+    )
+
+
 def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:
     found = tokenizer.convert_tokens_to_ids(token)
     if isinstance(found, int) and found != tokenizer.unk_token_id:
@@ -149,6 +188,7 @@ class ProcessedImage:
     key: bytes
     pixel_values: Tensor
     extra: tuple[tuple[str, Tensor], ...] = ()
+    run: tuple[int, ...] = ()  # its placeholder run when not image tokens alone (Pixtral's)
 
 
 def tensor(array: np.ndarray) -> Tensor:
@@ -180,10 +220,9 @@ def expand(
                 raise _invalid(f"the prompt has more image anchors than its {len(images)} images")
             image = images[len(placed)]
             offset = len(out) + len(spec.before)
-            out += spec.run(image.tokens)
-            placed.append(
-                ImageInput(offset, image.tokens, image.key, image.pixel_values, image.extra)
-            )
+            run = image.run or (spec.image_token_id,) * image.tokens
+            out += [*spec.before, *run, *spec.after]
+            placed.append(ImageInput(offset, len(run), image.key, image.pixel_values, image.extra))
             i += width
         else:
             out.append(prompt[i])
@@ -280,18 +319,29 @@ class ImagePreparer:
         return list(await asyncio.gather(*jobs))
 
     def _process(self, index: int, image: Any) -> ProcessedImage:
+        spec = self.spec
         try:
-            out = self._processor(images=[image], return_tensors="np")
+            if spec.cell:  # sized to whole cells of merged patches, as Pixtral's processor does
+                cell = {"height": spec.cell, "width": spec.cell}
+                out = self._processor(images=[image], return_tensors="np", patch_size=cell)
+            else:
+                out = self._processor(images=[image], return_tensors="np")
             extra: tuple[tuple[str, Tensor], ...] = ()
+            run: tuple[int, ...] = ()
             grid = out.get("image_grid_thw")
             if grid is not None:
                 grid = np.asarray(grid, dtype=np.int64).reshape(1, 3)
                 extra = (("image_grid_thw", tensor(grid)),)
-            tokens = self.spec.tokens(None if grid is None else grid[0].tolist())
+            sizes = out.get("image_sizes")
+            if spec.cell and sizes is not None:
+                sizes = np.asarray(sizes, dtype=np.int64).reshape(1, 2)
+                extra = (("image_sizes", tensor(sizes)),)
+                run = spec.rows_run(int(sizes[0, 0]), int(sizes[0, 1]))
+            tokens = len(run) if run else spec.tokens(None if grid is None else grid[0].tolist())
         except Exception as exc:
             raise _invalid(f"image {index}: the model's processor refused it: {exc}") from None
         pixels = tensor(np.asarray(out["pixel_values"]))
-        return ProcessedImage(tokens, image_key(pixels, extra), pixels, extra)
+        return ProcessedImage(tokens, image_key(pixels, extra), pixels, extra, run)
 
 
 def _image_processor(model_dir: Path) -> Any:

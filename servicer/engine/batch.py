@@ -341,7 +341,11 @@ def image_spans(
     if vision is None:
         raise ValueError("this engine serves no images")
     return [
-        ImageSpan(image.offset, image.end, vision.features(image))
+        ImageSpan(
+            image.offset,
+            image.end,
+            vision.features(image, request.prompt[image.offset : image.end]),
+        )
         for image in request.images
         if image.end > cached
     ]

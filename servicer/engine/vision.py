@@ -127,15 +127,16 @@ class VisionEncoder:
         ids, delta = rope_index(request.prompt, spans, self.merge)
         return RowRope(ids, delta)
 
-    def features(self, image: ImageInput) -> mx.array:
-        """The embeddings of the image's placeholder run ([length, hidden]), as the model's
-        own merge puts them there."""
+    def features(self, image: ImageInput, run: list[int]) -> mx.array:
+        """The embeddings of the image's placeholder run `run` ([length, hidden]), as the
+        model's own merge puts them there (a run may hold more than image tokens: Pixtral's
+        row breaks)."""
         entry = self._cache.get(image.key)
         if entry is not None:
             self._cache.move_to_end(image.key)
             self.reused += 1
             return entry.features
-        ids = mx.full((1, image.length), self.image_token_id, dtype=mx.int32)
+        ids = mx.array([run], dtype=mx.int32)
         extra = {name: to_mx(tensor) for name, tensor in image.extra}
         merged = self._vlm.get_input_embeddings(
             ids, to_mx(image.pixel_values), mask=mx.ones((1, image.length)), **extra
