@@ -140,3 +140,28 @@ def test_the_mlx_face_stays_text_only(vlm_dir, tmp_path):
             assert response.status_code == 400, response.text
         finally:
             running.close()
+
+
+def _routed_answer(model_dir, protocols: tuple[str, ...], tmp_path, url: str) -> dict:
+    """One worker of `model_dir` and a router in front: the reply to a chat with one image."""
+    config = dataclasses.replace(demo_config(model_dir), protocols=protocols)
+    with ServerThread(config) as running:
+        router = Router([running.address], tmp_path / "smg.log")
+        try:
+            return _chat((router, router.wait_until_serving()), url)
+        finally:
+            router.close()
+
+
+def test_mistral3_through_the_router_answers_as_mlx_vlm_does(tmp_path):
+    from test_images_mistral3 import reference
+    from transformers import AutoTokenizer
+
+    from servicer.demo_vlm import demo_vlm_path
+
+    model_dir = demo_vlm_path(family="mistral3")
+    raw = png(46, (64, 48))
+    reply = _routed_answer(model_dir, ("vllm",), tmp_path, data_url(raw))
+    tokens, _ = reference(model_dir, QUESTION, [raw], 12)
+    text = AutoTokenizer.from_pretrained(str(model_dir)).decode(tokens, skip_special_tokens=True)
+    assert reply["choices"][0]["message"]["content"] == text
