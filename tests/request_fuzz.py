@@ -13,6 +13,16 @@ one GenerateComplete. After every batch the worker must be alive and SERVING wit
 in flight, and a fixed greedy request must return the tokens it returned at the start, on both
 faces.
 
+A vision-language model (`--kinds vlm`, the demo Gemma 3 VLM; or a Gemma 3 checkpoint's
+directory) also gets vLLM-face Generate calls with image parts (media references, one anchor
+per image in the prompt): valid PNG/JPEG/WEBP/GIF/BMP data: URLs of random small sizes (a few
+fixed images reused, so that prefixes and features hit), undecodable, truncated and oversized
+images, schemes not allowed, too many images, anchors and images that do not pair up, other
+modalities and mm_inputs. Valid ones must be served (`prompt_tokens` counting each image's
+expansion); a bad one refused with the status its problem has (INVALID_ARGUMENT, or
+RESOURCE_EXHAUSTED for a limit) and, for one image, a message naming its index; and after every
+batch a fixed greedy image request must return its tokens too.
+
 `python tests/request_fuzz.py --seeds 20` (or `make fuzz-requests SEEDS=20`) prints what each
 RPC answered and every finding (seed, batch and request: `--first-seed S --seeds 1` draws the
 same requests again; `--trace PATH` writes every call as a JSON line); `--kinds gemma3,hybrid`
@@ -24,15 +34,23 @@ tests/test_request_fuzz.py runs one small seed in CI.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import dataclasses
+import functools
+import io
 import itertools
 import json
 import math
 import random
+import re
 import shlex
+import struct
 import sys
 import threading
 import time
+import urllib.parse
+import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +60,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
+import numpy as np
 from google.protobuf import text_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import WorkerProcess, wait_until
@@ -113,6 +132,7 @@ class Limits:
     context: int
     prompt_limit: int
     bos: int | None  # put before prompts that do not start with it (None: never)
+    vision: Vision | None = None  # how its prompts hold images (None: a text model)
 
     def final_prompt(
         self, ids: list[int], truncate: Any = UNSET, limit: int | None = None
@@ -147,6 +167,7 @@ class Draw:
         self.p_odd = rng.choice((0.0, 0.05, 0.15))
         self.bad: list[str] = []
         self.odd: list[str] = []
+        self.refusals: list[tuple[str, str]] = []  # (status, what its message says) per bad
 
     def one(self, options: Sequence[Option]) -> Any:
         value = self.rng.choice(options)
@@ -171,6 +192,12 @@ class Draw:
         value = self.one(options)
         (self.odd if odd else self.bad).append(f"{name}={short(value)}")
         return value
+
+    def refuse(self, why: str, code: str, says: str) -> None:
+        """A bad value whose refusal must have this status and a message matching `says`
+        (checked where every bad value of the request says so)."""
+        self.bad.append(why)
+        self.refusals.append((code, says))
 
     def chance(self, p: float) -> bool:
         return self.rng.random() < p
@@ -221,6 +248,10 @@ class Case:
     abort_after: int | None = None  # ... or sends Abort for its own id
     cancel_at_s: float | None = None  # ... or cancels after this long
     abort_at_s: float | None = None  # ... or sends Abort after this long
+    refusals: tuple[tuple[str, str], ...] = ()  # a refusal must be one of these (status, regex)
+    prompt_tokens: int | None = None  # Generate: what each GenerateComplete must count
+    label: str = ""  # what its images were (valid, or their first problem)
+    bad_images: frozenset[int] = frozenset()  # the indices a refusal may name
 
     @property
     def rpc(self) -> str:
@@ -498,6 +529,328 @@ def face_extras(d: Draw, request: Any, face: str) -> None:
             request.media_refs.items.add(url=d.text(0, 10))
 
 
+# ----- images (a vision-language model's vLLM face: kind vlm) -----
+
+IMAGE = common_pb2.IMAGE
+NOT_IMAGES = (common_pb2.MODALITY_UNSPECIFIED, common_pb2.AUDIO, common_pb2.VIDEO, 7)
+SIDE = 4096  # a square image SIDE x SIDE has the worker's --max-image-pixels default
+QUESTIONS = ("Describe this picture.", "What is in the image?", "Hi.")
+INVALID, LIMIT = "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"
+FIXED_IMAGES = (  # reused across requests (prefix and encoder cache hits): seed, size, mode, format
+    (0, (64, 48), "RGB", "PNG"),
+    (1, (32, 32), "RGB", "PNG"),
+    (2, (100, 30), "RGBA", "PNG"),
+    (3, (48, 64), "RGB", "JPEG"),
+    (4, (20, 20), "L", "JPEG"),
+)
+
+
+@dataclass(frozen=True)
+class Vision:
+    """How the model's prompts hold images (Gemma 3's way): the chat template renders one
+    `anchor` token per image, which the worker expands into `run` tokens; `vision_ids` are
+    the family's image tokens, kept out of random image prompts."""
+
+    anchor: int
+    anchor_text: str
+    placeholder: int
+    vision_ids: frozenset[int]
+    run: int
+    max_images: int
+    chats: tuple[tuple[int, ...], ...]  # the router's prompts, one anchor each
+
+    @classmethod
+    def load(cls, model_dir: Path, client: Client) -> Vision | None:
+        """The vision of a Gemma 3 checkpoint the worker serves images for (None: not one)."""
+        from transformers import AutoTokenizer
+
+        info = client.stubs["vllm"].GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=30)
+        config = json.loads((model_dir / "config.json").read_text())
+        if not info.supports_vision or config.get("model_type") != "gemma3":
+            return None
+        server = client.stubs["vllm"].GetServerInfo(
+            vllm_engine_pb2.GetServerInfoRequest(), timeout=30
+        )
+        limits = dict(item.partition("=")[::2] for item in server.mm_item_limits.split(","))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        names = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+        anchor, end, placeholder = tokenizer.convert_tokens_to_ids(list(names))
+        # What Gemma 3's processor puts for each anchor (its full_image_sequence).
+        sequence = f"\n\n{names[0]}{names[2] * config['mm_tokens_per_image']}{names[1]}\n\n"
+        run = len(tokenizer.encode(sequence, add_special_tokens=False))
+        chats = []
+        for question in QUESTIONS:
+            content = [{"type": "image"}, {"type": "text", "text": question}]
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+            )
+            chats.append(tuple(tokenizer.encode(text, add_special_tokens=False)))
+        ids = frozenset((anchor, end, placeholder))
+        return cls(anchor, names[0], placeholder, ids, run, int(limits["image"]), tuple(chats))
+
+
+def model_dir(kind: str) -> Path | None:
+    if "/" in kind:
+        return Path(kind)
+    if kind == "vlm":
+        from servicer.demo_vlm import demo_vlm_path
+
+        return demo_vlm_path(family="gemma3")
+    return None
+
+
+def encode_image(seed: int, size: tuple[int, int], mode: str = "RGB", fmt: str = "PNG") -> bytes:
+    """Random pixels (one grey for a big image), encoded."""
+    from PIL import Image
+
+    width, height = size
+    if width * height > 1 << 20:  # a big one: no random pixels to compress
+        image = Image.new("L", size, seed % 256)
+    else:
+        pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+        image = Image.fromarray(pixels).convert(mode)
+    out = io.BytesIO()
+    if fmt == "GIF":  # an animation: the worker takes its first frame
+        image.save(out, format="GIF", save_all=True, append_images=[image.rotate(90)])
+    else:
+        image.save(out, format=fmt)
+    return out.getvalue()
+
+
+fixed_image = functools.cache(encode_image)  # the same bytes each time
+
+
+def png_header(width: int, height: int, pixels: bytes | None = None) -> bytes:
+    """A PNG that says it is width x height, its pixel data `pixels` (default: a few zeros)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    data = zlib.compress(b"\0" * 64) if pixels is None else pixels
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
+    )
+
+
+def data_url(raw: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64," + base64.b64encode(raw).decode()
+
+
+def truncated(raw: bytes, d: Draw) -> bytes:
+    return raw[: d.rng.randint(12, len(raw) * 2 // 3)]
+
+
+def broken_lines(url: str) -> str:
+    """A base64 data URL with its payload in lines of 76 characters (as MIME writes it)."""
+    header, _, payload = url.partition(",")
+    return header + "," + "\n".join(payload[i : i + 76] for i in range(0, len(payload), 76))
+
+
+def fresh_image(d: Draw) -> str:
+    """A new image: random size, mode and format."""
+    fmt = d.one(("PNG", "PNG", "JPEG", "JPEG", "WEBP", "GIF", "BMP"))
+    modes = ("RGB", "L") if fmt in ("JPEG", "BMP") else ("RGB", "RGBA", "L", "LA", "P", "1")
+    size = d.one(((1, 1), lambda d: (d.rng.randint(1, 160), d.rng.randint(1, 160))))
+    raw = encode_image(d.rng.randrange(2**32), size, d.one(modes), fmt)
+    return data_url(raw, "image/" + fmt.lower())
+
+
+def fixed_url(d: Draw) -> str:
+    seed, size, mode, fmt = d.one(FIXED_IMAGES)
+    return data_url(fixed_image(seed, size, mode, fmt), "image/" + fmt.lower())
+
+
+GOOD_IMAGES: tuple[Option, ...] = (
+    fixed_url,
+    fixed_url,
+    fixed_url,
+    fixed_url,
+    fresh_image,
+    fresh_image,
+    lambda d: data_url(fixed_image(5, d.one(((1, 256), (256, 1))))),  # extreme aspect ratios
+    lambda d: data_url(fixed_image(0, (64, 48)), "image/jpeg"),  # a PNG said to be a JPEG
+    lambda d: "data:image/png," + urllib.parse.quote(fixed_image(1, (32, 32))),  # %-escaped bytes
+    lambda d: data_url(fixed_image(6, (24, 16), "I;16")),  # 16-bit grey
+    # just at the pixel limit (rarely: it is big to decode)
+    lambda d: data_url(fixed_image(7, (SIDE, SIDE))) if d.chance(0.1) else fixed_url(d),
+)
+ODD_IMAGES: tuple[Option, ...] = (
+    lambda d: "DATA:IMAGE/PNG;BASE64," + data_url(fixed_image(1, (32, 32)))[22:],
+    lambda d: data_url(fixed_image(1, (32, 32))).rstrip("="),  # no padding
+    lambda d: broken_lines(data_url(fixed_image(2, (100, 30), "RGBA"))),
+    lambda d: "data:image/png;name=a.png;base64," + data_url(fixed_image(0, (64, 48)))[22:],
+)
+# What is wrong, the status it gets, and the URL.
+BAD_IMAGES: tuple[tuple[str, str, Option], ...] = (
+    ("bad base64", INVALID, lambda d: "data:image/png;base64,*not base64*" + d.text(0, 4)),
+    ("bytes that are no image", INVALID, lambda d: data_url(d.rng.randbytes(d.one((1, 3, 300))))),
+    ("bytes that are no image", INVALID, "data:image/png;base64,AAAA"),
+    ("an empty image", INVALID, "data:image/png;base64,"),
+    ("a truncated PNG", INVALID, lambda d: data_url(truncated(fixed_image(0, (64, 48)), d))),
+    (
+        "a truncated JPEG",
+        INVALID,
+        lambda d: data_url(truncated(fixed_image(3, (48, 64), "RGB", "JPEG"), d), "image/jpeg"),
+    ),
+    ("not an image media type", INVALID, lambda d: "data:text/plain;" + fixed_url(d).split(";")[1]),
+    ("a data URL without a comma", INVALID, "data:image/png;base64"),
+    ("a TIFF", INVALID, lambda d: data_url(fixed_image(8, (16, 16), "RGB", "TIFF"), "image/tiff")),
+    ("an SVG", INVALID, "data:image/svg+xml,<svg xmlns='http://www.w3.org/2000/svg'/>"),
+    ("a 0x0 PNG", INVALID, lambda d: data_url(png_header(0, 0))),
+    ("corrupt pixel data", INVALID, lambda d: data_url(png_header(64, 64, b"\x78\x9cjunk"))),
+    ("a 100000x100000 PNG header", LIMIT, lambda d: data_url(png_header(100000, 100000))),
+    ("pixels over the limit", LIMIT, lambda d: data_url(fixed_image(9, (SIDE + 1, SIDE)))),
+    ("http to loopback, no hosts allowed", INVALID, "http://127.0.0.1:1/cat.png"),
+    ("https, no hosts allowed", INVALID, "https://example.com/cat.png"),
+    ("file:, no media dir", INVALID, lambda d: d.one(("file:///etc/passwd", "file:///tmp/a.png"))),
+    ("ftp:", INVALID, "ftp://127.0.0.1/cat.png"),
+    ("javascript:", INVALID, "javascript:alert(1)"),
+    ("no URL", INVALID, lambda d: d.one(("", "cat.png", "//example.com/cat.png", "data"))),
+)
+
+
+def plain_tokens(d: Draw, low: int, high: int) -> list[int]:
+    """Random ids, none of them an image token."""
+    assert d.limits.vision is not None
+    ids = d.limits.vision.vision_ids
+    return [8 + t % 400 if t in ids else t for t in d.tokens(low, high)]
+
+
+def image_url(d: Draw, index: int, p_bad: float, kinds: list[str], bad: set[int]) -> str:
+    """One image's URL; `kinds` gets what was wrong or odd with it, `bad` its index if bad."""
+    if d.chance(p_bad):
+        why, code, url = d.rng.choice(BAD_IMAGES)
+        d.refuse(f"image {index}: {why}", code, rf"\b(image|media) {index}\b")
+        kinds.append(why)
+        bad.add(index)
+        return url(d) if callable(url) else url
+    if d.chance(0.04):
+        url = d.one(ODD_IMAGES)
+        d.odd.append(f"image {index}: {short(url)}")
+        kinds.append("an odd data URL")
+        return url
+    return d.one(GOOD_IMAGES)
+
+
+def image_prompt(d: Draw, anchors: int) -> list[int]:
+    """A prompt with `anchors` image anchors: the router's chat prompt, or ids around them."""
+    vision = d.limits.vision
+    assert vision is not None
+    marks = [vision.anchor] * anchors
+    if d.chance(0.03):  # expanded, just at the prompt limit or past it
+        extra = 1 if d.limits.bos is not None else 0
+        size = d.limits.prompt_limit + d.one((0, 0, 1)) - extra - anchors * vision.run
+        ids = [8 + t % 400 for t in range(max(size, 1))]
+        for _ in range(anchors):
+            ids.insert(d.rng.randint(0, len(ids)), vision.anchor)
+        return ids
+    shape = d.one(("chat", "chat", "chat", "random", "random", "end", "start", "known"))
+    if shape == "chat":
+        chat = list(d.one(vision.chats))
+        at = chat.index(vision.anchor)
+        return chat[:at] + marks + chat[at + 1 :]
+    if shape == "end":  # an image the prompt's last token
+        return plain_tokens(d, 1, 30) + marks
+    if shape == "start":
+        return marks + plain_tokens(d, 1, 30)
+    if shape == "known":  # past the known prompt's prefix blocks
+        return KNOWN_GOOD_PROMPT[:256] + marks + plain_tokens(d, 0, 20)
+    ids = plain_tokens(d, 1, 60)
+    for _ in range(anchors):
+        ids.insert(d.rng.randint(0, len(ids)), vision.anchor)
+    return ids
+
+
+def mm_garbage(d: Draw, request: Any) -> None:
+    """The router's processed images, which this family never takes: garbage in them."""
+    mm = request.mm_inputs
+    assert d.limits.vision is not None
+    mm.im_token_id = d.one((d.limits.vision.placeholder, 1, 2**32 - 1))
+    if d.chance(0.5):
+        mm.pixel_values.shape.extend(d.one(([1, 3, 4, 4], [], [0], [2**32 - 1])))
+        mm.pixel_values.dtype = d.one(("float32", "bfloat16", "int8", "", "🙂"))
+        mm.pixel_values.inline = d.rng.randbytes(d.one((0, 3, 192)))
+    if d.chance(0.5):
+        mm.mm_placeholders.add(offset=d.one((0, 5, 2**32 - 1)), length=d.one((0, 4, 2**32 - 1)))
+    if d.chance(0.3):
+        mm.mm_hashes.append(d.text(0, 6))
+        mm.model_specific_tensors["image_grid_thw"].dtype = "int64"
+
+
+@dataclass
+class Images:
+    """What image_input made: the prompt the worker runs, each anchor expanded (None: text,
+    whose length only the worker knows), and what its images were (for the report)."""
+
+    prompt: list[int] | None
+    label: str
+    bad: frozenset[int]  # the indices of its bad images
+
+
+def image_input(d: Draw, request: Any) -> Images:
+    """Fill a vLLM-face request with images, their anchors and its prompt."""
+    vision = d.limits.vision
+    assert vision is not None
+    kinds: list[str] = []  # what was wrong or odd, for the report
+    bad: set[int] = set()
+    roll = d.rng.random()
+    if roll < 0.05:
+        count = d.rng.randint(vision.max_images + 1, vision.max_images + 4)
+        d.refuse(f"{count} images", LIMIT, "too many images")
+        kinds.append("too many images")
+        bad.update(range(vision.max_images, count))
+    elif roll < 0.12:
+        count = vision.max_images
+    else:
+        count = d.one((1, 1, 1, 1, 1, 2, 2, 3))
+    p_bad = d.one((0.0, 0.0, 0.0, 0.25, 0.6))
+    for index in range(count):
+        modality = IMAGE
+        if d.chance(0.03):
+            modality = d.one(NOT_IMAGES)
+            d.refuse(f"image {index}: modality {modality}", INVALID, rf"\bmedia {index}\b")
+            kinds.append("not an image modality")
+            bad.add(index)
+        url = image_url(d, index, p_bad, kinds, bad)
+        request.media_refs.items.add(modality=modality, url=url)
+    anchors = count
+    roll = d.rng.random()
+    if roll < 0.05:
+        anchors = count + d.rng.randint(1, 3)
+    elif roll < 0.1:
+        anchors = d.rng.randint(0, count - 1)
+    if anchors != count:
+        d.refuse(f"{anchors} anchors for {count} images", INVALID, "image anchors")
+        kinds.append(f"{'more' if anchors > count else 'fewer'} anchors than images")
+    if d.chance(0.02):
+        mm_garbage(d, request)
+        d.refuse("mm_inputs beside media references", INVALID, "mm_inputs|media references")
+        kinds.append("mm_inputs")
+    if d.chance(0.03):  # the anchor as text: the worker's tokenizer may make it the anchor
+        request.text = f"{vision.anchor_text} " * anchors + d.words(1, 12)
+        d.odd.append("anchors in a text prompt")
+        return Images(None, [*kinds, "anchors in a text prompt"][0], frozenset(bad))
+    ids = image_prompt(d, anchors)
+    if d.chance(0.03):  # an image's own tokens outside any image
+        ids.insert(d.rng.randint(0, len(ids)), d.one(sorted(vision.vision_ids - {vision.anchor})))
+        d.odd.append("a stray image token")
+        kinds.append("a stray image token")
+    request.tokenized.input_ids.extend(ids)
+    final, problem = d.limits.final_prompt(ids)
+    expanded = len(final) + anchors * (vision.run - 1)
+    if problem is not None:
+        d.bad.append(problem)
+    elif expanded > d.limits.prompt_limit:
+        d.refuse(f"a prompt of {expanded} tokens with its images", INVALID, "placeholders")
+        kinds.append("expanded past the prompt limit")
+    elif expanded > d.limits.prompt_limit - 4:
+        kinds.append("expanded to the prompt limit")
+    return Images([0] * expanded, kinds[0] if kinds else "valid", frozenset(bad))
+
+
 def bound_work(d: Draw, case: Case, stream: bool) -> None:
     """A request that may generate for long gets a client that ends it early; so do a few
     others (cancels and aborts mid-stream)."""
@@ -515,16 +868,24 @@ def bound_work(d: Draw, case: Case, stream: bool) -> None:
         case.cancel_at_s = d.rng.choice((0.0, 0.01, 0.05, 0.2, 0.5, 1.5))
 
 
-def generate_case(d: Draw, batch: Batch, face: str) -> Case:
+def generate_case(d: Draw, batch: Batch, face: str, images: bool = False) -> Case:
+    """`images`: a vision model's vLLM face, the request with image parts."""
     pb = FACES[face][0]
     request = pb.GenerateRequest(request_id=request_id(d, batch), stream=d.chance(0.6))
     params = request.sampling_params
-    truncate = d.pick(
-        "truncate_prompt_tokens", (UNSET,) * 6 + (-1, 1, 3, 50, 2**31 - 1), (0, -2, -(2**31))
-    )
-    prompt = prompt_input(d, request, truncate)
-    if truncate is not UNSET:
-        params.truncate_prompt_tokens = truncate
+    parts = None
+    if images:
+        d.p_bad = d.rng.choice((0.0, 0.0, 0.0, 0.02, 0.05))  # most bad values in the images
+        parts = image_input(d, request)
+        prompt = parts.prompt
+        count = len(request.media_refs.items)
+    else:
+        truncate = d.pick(
+            "truncate_prompt_tokens", (UNSET,) * 6 + (-1, 1, 3, 50, 2**31 - 1), (0, -2, -(2**31))
+        )
+        prompt = prompt_input(d, request, truncate)
+        if truncate is not UNSET:
+            params.truncate_prompt_tokens = truncate
     sampling_numbers(d, params)
     n = d.pick("n", (UNSET, UNSET, 0, 1, 2, 3, 4, 16), (17, 1000, 2**32 - 1))
     if n is not UNSET:
@@ -535,6 +896,14 @@ def generate_case(d: Draw, batch: Batch, face: str) -> Case:
     constraint(d, params, face)
     face_extras(d, request, face)
     case = Case(face, "Generate", request, d.expect, d.why, rows, most)
+    if parts is not None:
+        case.label = parts.label
+        # and any media face_extras put beside them
+        case.bad_images = parts.bad | set(range(count, len(request.media_refs.items)))
+        if len(d.refusals) == len(d.bad):  # every bad value is about the images
+            case.refusals = tuple(d.refusals)
+        if prompt is not None and case.expect != REFUSED:
+            case.prompt_tokens = len(prompt)
     bound_work(d, case, request.stream)
     return case
 
@@ -622,6 +991,10 @@ BUILDERS: tuple[tuple[Builder, int], ...] = (
     (flush_case, 1),
     (profile_case, 1),
 )
+# A vision model's also: vLLM-face Generate calls with image parts.
+IMAGE_BUILDERS: tuple[tuple[Builder, int], ...] = (
+    (partial(generate_case, face="vllm", images=True), 50),
+)
 
 
 def build_batch(
@@ -629,8 +1002,9 @@ def build_batch(
 ) -> list[Case]:
     """Random kinds of requests, shuffled; with `every_kind`, one of each first (so that a
     short run calls every RPC)."""
-    builders = [builder for builder, _ in BUILDERS]
-    weights = [weight for _, weight in BUILDERS]
+    kinds = BUILDERS + (IMAGE_BUILDERS if limits.vision is not None else ())
+    builders = [builder for builder, _ in kinds]
+    weights = [weight for _, weight in kinds]
     chosen = builders[:size] if every_kind else []
     chosen += rng.choices(builders, weights, k=size - len(chosen))
     cases = [builder(Draw(rng, limits), batch) for builder in chosen]
@@ -716,7 +1090,7 @@ class Client:
         except grpc.RpcError as error:
             result.notes.append(f"its Abort failed: {error.code().name} {error.details()}")
 
-    def greedy(self, face: str, prompt: list[int]) -> list[int]:
+    def greedy(self, face: str, prompt: list[int], urls: Sequence[str] = ()) -> list[int]:
         pb = FACES[face][0]
         request = pb.GenerateRequest(
             request_id=f"known-good-{next(self._ids)}",
@@ -725,6 +1099,8 @@ class Client:
                 temperature=0, max_tokens=KNOWN_GOOD_TOKENS, ignore_eos=True
             ),
         )
+        for url in urls:
+            request.media_refs.items.add(modality=IMAGE, url=url)
         responses = list(self.stubs[face].Generate(request, timeout=DEADLINE_S))
         return list(responses[-1].complete.output_ids)
 
@@ -763,6 +1139,12 @@ def judge(case: Case, result: Result, batch: Batch, vocab: int) -> list[str]:
         problems.append(f"a valid request refused: {code} {result.message!r}")
     if case.expect == REFUSED and code == "OK":
         problems.append(f"an invalid request accepted ({', '.join(case.why)})")
+    if case.refusals and code != "OK" and not neutral and not refused_as_drawn(case, result):
+        wanted = " or ".join(f"{want} /{says}/" for want, says in case.refusals)
+        problems.append(f"refused with {code} {result.message!r}, not {wanted}")
+    named = re.match(r"(?:image|media) (\d+):", result.message) if case.label else None
+    if named and int(named[1]) not in case.bad_images:  # whatever else was bad
+        problems.append(f"a refusal naming a good image: {code} {result.message!r}")
     if case.method == "Generate" and code == "OK":
         abortable = result.aborted_at is not None or rid in batch.aborted or rid in batch.shared
         problems += judge_generate(case, result, abortable, vocab)
@@ -773,6 +1155,14 @@ def judge(case: Case, result: Result, batch: Batch, vocab: int) -> list[str]:
         if any(b != a + 1 for a, b in itertools.pairwise(numbers)):
             problems.append(f"KV event batches out of sequence: {numbers[:10]}")
     return problems
+
+
+def refused_as_drawn(case: Case, result: Result) -> bool:
+    """Whether a refusal has the status of one of the request's bad values and a message that
+    says which (an image's index, for one image)."""
+    return any(
+        result.code == want and re.search(says, result.message) for want, says in case.refusals
+    )
 
 
 def finishes(result: Result) -> list[str]:
@@ -817,6 +1207,8 @@ def judge_generate(case: Case, result: Result, abortable: bool, vocab: int) -> l
                 note(f"completion_tokens {counted} but {sent} tokens sent", part.index)
             if case.max_tokens is not None and counted > case.max_tokens:
                 note(f"{counted} tokens, past max_tokens", part.index)
+            if case.prompt_tokens is not None and part.prompt_tokens != case.prompt_tokens:
+                note(f"prompt_tokens {part.prompt_tokens}, not {case.prompt_tokens}", part.index)
     problems = [f"rows {sorted(rows)}: {what}" for what, rows in found.items()]
     if sorted(completes.elements()) != list(range(case.rows)):
         problems.append(f"rows lost: completes {sorted(completes.elements())} of n={case.rows}")
@@ -834,6 +1226,9 @@ def describe(case: Case) -> str:
     if "text" in shown.DESCRIPTOR.fields_by_name and len(shown.text) > 100:
         note += f" [text: {len(shown.text)} characters, the first 100 shown]"
         shown.text = shown.text[:100]
+    for item in getattr(shown, "media_refs", vllm_engine_pb2.MediaRefs()).items:
+        if len(item.url) > 100:
+            item.url = f"{item.url[:60]}...({len(item.url)} chars)"
     if len(getattr(shown, "request_id", "")) > 100:
         note += f" [request_id: {len(shown.request_id)} characters, the first 100 shown]"
         shown.request_id = shown.request_id[:100]
@@ -854,6 +1249,7 @@ class Coverage:
     batches: int = 0
     expected: dict[str, int] = field(default_factory=dict)  # ok / refused / any
     statuses: dict[str, dict[str, int]] = field(default_factory=dict)  # rpc -> code -> calls
+    images: dict[str, dict[str, int]] = field(default_factory=dict)  # what -> code -> calls
     client_cancels: int = 0
     slowest_s: float = 0.0
     failures: list[str] = field(default_factory=list)
@@ -863,6 +1259,10 @@ class Coverage:
         self.expected[case.expect] = self.expected.get(case.expect, 0) + 1
         codes = self.statuses.setdefault(case.rpc, {})
         codes[result.code] = codes.get(result.code, 0) + 1
+        if case.label:
+            other = case.expect == REFUSED and not case.refusals
+            codes = self.images.setdefault(case.label + (", a bad field" if other else ""), {})
+            codes[result.code] = codes.get(result.code, 0) + 1
         self.client_cancels += result.cancelled and result.code == "CANCELLED"
         self.slowest_s = max(self.slowest_s, result.seconds)
 
@@ -870,11 +1270,16 @@ class Coverage:
 class Watch:
     """The worker between batches: alive, SERVING, idle, and still the same engine."""
 
-    def __init__(self, worker: WorkerProcess, client: Client) -> None:
+    def __init__(self, worker: WorkerProcess, client: Client, vision: Vision | None) -> None:
         self.worker = worker
         self.client = client
+        self.vision = vision
         self.prompt = KNOWN_GOOD_PROMPT  # its blocks are in the prefix store: requests share them
         self.baseline = client.greedy("mlx", self.prompt)
+        if vision is not None:  # and an image request, its image one the fuzz reuses
+            self.image_prompt = list(vision.chats[0])
+            self.image_urls = [data_url(fixed_image(*FIXED_IMAGES[0][:2]))]
+            self.image_baseline = client.greedy("vllm", self.image_prompt, self.image_urls)
         self._log_seen = 0
 
     def problems(self) -> list[str]:
@@ -897,6 +1302,10 @@ class Watch:
                 tokens = client.greedy(face, self.prompt)
                 if tokens != self.baseline:
                     problems.append(f"{face}: known-good greedy {tokens} != {self.baseline}")
+            if self.vision is not None:
+                tokens = client.greedy("vllm", self.image_prompt, self.image_urls)
+                if tokens != self.image_baseline:
+                    problems.append(f"known-good image greedy {tokens} != {self.image_baseline}")
         except grpc.RpcError as error:
             problems.append(f"the worker failed a check: {error.code().name} {error.details()}")
         return problems + self.logged_errors()
@@ -922,7 +1331,7 @@ def fuzz_seed(
 ) -> bool:
     """One seed's batches; False when the worker is gone."""
     rng = random.Random(f"{kind}/{seed}")
-    limits = client.limits()
+    limits = dataclasses.replace(client.limits(), vision=watch.vision)
     for number, start in enumerate(range(0, requests, BATCH)):
         batch = Batch(f"s{seed}b{number}")
         cases = build_batch(rng, limits, batch, min(BATCH, requests - start), number == 0)
@@ -976,7 +1385,9 @@ def fuzz(
         with WorkerProcess(*args) as worker:
             worker.wait_ready()
             client = Client(worker.address)
-            watch = Watch(worker, client)
+            where = model_dir(kind)
+            vision = Vision.load(where, client) if where is not None else None
+            watch = Watch(worker, client, vision)
             if (tokens := client.greedy("vllm", watch.prompt)) != watch.baseline:
                 cover.failures.append(f"{kind}: the faces differ: {tokens} != {watch.baseline}")
             for seed in seeds:
@@ -998,6 +1409,11 @@ def print_report(report: dict[str, Coverage], seconds: float) -> None:
         print(" | ".join(("rpc", *codes)))
         for rpc, counts in sorted(cover.statuses.items()):
             print(" | ".join((rpc, *(str(counts.get(code, 0)) for code in codes))))
+        if cover.images:
+            codes = sorted({code for counts in cover.images.values() for code in counts})
+            print(" | ".join(("vllm.Generate with images", *codes)))
+            for what, counts in sorted(cover.images.items()):
+                print(" | ".join((what, *(str(counts.get(code, 0)) for code in codes))))
         for line in cover.failures[:20]:
             print("   ", line)
     print(f"{seconds:.0f} s")
@@ -1009,7 +1425,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--requests", type=int, default=REQUESTS, help="per seed (default 300)")
     parser.add_argument(
-        "--kinds", default="llama", help="demo kinds (llama, gemma3, hybrid) or model directories"
+        "--kinds",
+        default="llama",
+        help="demo kinds (llama, gemma3, hybrid, vlm) or model directories",
     )
     parser.add_argument("--worker-args", default="", help="more worker flags, one string")
     parser.add_argument("--json", type=Path, help="write the report here too")
