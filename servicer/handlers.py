@@ -344,6 +344,9 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         self._calls = EngineCalls()  # embeds and flushes waiting for the engine
         self._once = RateLimitedLog(log, float("inf"))  # says each thing once
         self.images: ImagePreparer | None = None  # a vision model's image fetch and processing
+        self._preparing: dict[
+            str, bool
+        ] = {}  # request ids whose images are being prepared: aborted?
 
     # ----- lifecycle, driven by the server -----
 
@@ -449,7 +452,7 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         try:
             expand_images = None
             if self.images is not None and has_media(request):
-                expand_images = await self.images.prepare(request)
+                expand_images = await self._prepare_images(request)
             args = (
                 request,
                 next(self._tickets),
@@ -466,6 +469,19 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         except RequestError:
             self._metrics.errors.labels("invalid_request").inc()
             raise
+
+    async def _prepare_images(self, request: Any) -> Any:
+        """The request's images fetched and processed; an Abort of its id meanwhile (it is
+        not in flight yet) cancels it once they are."""
+        rid = request.request_id
+        self._preparing[rid] = False
+        try:
+            expand_images = await self.images.prepare(request)  # type: ignore[union-attr]
+        finally:
+            aborted = self._preparing.pop(rid, False)
+        if aborted:
+            raise RequestError(grpc.StatusCode.CANCELLED, "aborted while its images were prepared")
+        return expand_images
 
     def _accept(self, job: GenerationRequest) -> list[RequestStream]:
         """The request checked against what the worker holds, and submitted to the engine:
@@ -520,6 +536,9 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
     ) -> mlx_engine_pb2.AbortResponse:
         if self._lifecycle.phase not in (Phase.SERVING, Phase.DRAINING):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
+        for rid in request.request_ids:
+            if rid in self._preparing:
+                self._preparing[rid] = True
         tickets = self._streams.tickets(list(request.request_ids))
         if tickets:
             self._engine.abort(tickets)

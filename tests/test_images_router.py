@@ -8,8 +8,10 @@ import dataclasses
 import http.server
 import importlib.util
 import threading
+import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 from conftest import demo_config
 from support import SMG, Router, ServerThread
@@ -42,7 +44,9 @@ def images_site() -> Iterator[tuple[str, dict[str, bytes]]]:
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = files.get(self.path)
+            if self.path.startswith("/slow"):
+                time.sleep(1.5)
+            body = files.get(self.path.removeprefix("/slow"))
             self.send_response(200 if body else 404)
             self.send_header("Content-Type", "image/png")
             self.send_header("Content-Length", str(len(body or b"")))
@@ -165,3 +169,23 @@ def test_mistral3_through_the_router_answers_as_mlx_vlm_does(tmp_path):
     tokens, _ = reference(model_dir, QUESTION, [raw], 12)
     text = AutoTokenizer.from_pretrained(str(model_dir)).decode(tokens, skip_special_tokens=True)
     assert reply["choices"][0]["message"]["content"] == text
+
+
+def test_an_abort_while_its_images_are_fetched_cancels_the_request(worker, images_site, vlm_dir):
+    """The request is not in flight until its images are ready: an Abort of its id before
+    then still ends it (CANCELLED), and nothing runs for it."""
+    from test_images import image_request
+
+    from servicer.proto import vllm_engine_pb2 as vpb
+    from servicer.proto import vllm_engine_pb2_grpc as vgrpc
+
+    base, _ = images_site
+    job = image_request(chat_ids(vlm_dir, QUESTION), [base + "/slow/a.png"], max_tokens=64)
+    with worker.channel() as channel:
+        stub = vgrpc.VllmEngineStub(channel)
+        calls = stub.Generate(job, timeout=60)
+        time.sleep(0.5)
+        stub.Abort(vpb.AbortRequest(request_ids=[job.request_id]), timeout=10)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(calls)
+    assert caught.value.code() == grpc.StatusCode.CANCELLED

@@ -499,3 +499,15 @@ def test_file_not_regular(tmp_path):
 def test_lowest_index_error_reported(server):
     urls = [data_url(RED), f"{server}/nothing-here", "data:text/plain,x"]
     expect(refused(urls, LOCAL), 1, "invalid", "HTTP 404")
+
+
+def test_an_image_of_a_format_not_taken_says_it_cannot_be_identified():
+    """A TIFF (a format not in the policy's list) is refused by what is wrong with it."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(out, format="TIFF")
+    with pytest.raises(media._Refused) as caught:
+        media._decode(out.getvalue(), MediaPolicy())
+    assert "cannot identify" in str(caught.value)
+    assert "KeyError" not in str(caught.value)
