@@ -3,8 +3,9 @@
 The vision counterpart of ``demo_model``: tests and ``demo:vlm`` need a real vision-language
 model but must never download one. The families share one build (``Family`` says what
 differs): ``qwen2_vl`` (the default, below), ``gemma3`` (``servicer.demo_vlm_gemma3``,
-built from the ``gemma3`` text demo) and ``mistral3`` (``servicer.demo_vlm_mistral3``, from
-the ``llama`` one); those two also load as text models with mlx-lm.
+built from the ``gemma3`` text demo), ``mistral3`` (``servicer.demo_vlm_mistral3``, from
+the ``llama`` one) and ``llava`` (``servicer.demo_vlm_llava``, from the ``llama`` one too);
+those three also load as text models with mlx-lm.
 
 The default family is ``qwen2_vl``: mlx-vlm serves it, and the smg router's own
 preprocessor knows it by ``model_type`` whatever the served name is (a name like
@@ -55,6 +56,7 @@ _FAMILY_MODULES = {
     "qwen2_vl": "servicer.demo_vlm",
     "gemma3": "servicer.demo_vlm_gemma3",
     "mistral3": "servicer.demo_vlm_mistral3",
+    "llava": "servicer.demo_vlm_llava",
 }
 FAMILIES = tuple(_FAMILY_MODULES)
 

@@ -87,7 +87,7 @@ class VisionSpec:
         return t * h * w // self.merge**2
 
 
-SERVED_FAMILIES = ("gemma3", "qwen2_vl", "mistral3")
+SERVED_FAMILIES = ("gemma3", "qwen2_vl", "mistral3", "llava")
 
 
 def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
@@ -102,6 +102,8 @@ def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
         return _qwen2_vl_spec(config, tokenizer)
     if family == "mistral3":
         return _mistral3_spec(config, tokenizer)
+    if family == "llava":
+        return _llava_spec(config)
     return None
 
 
@@ -171,6 +173,21 @@ def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
         row_break=row_break,
         row_end=row_end,
     )
+
+
+def _llava_spec(config: dict[str, Any]) -> VisionSpec | None:
+    """`<image>` per image, repeated once per feature mlx-vlm's LLaVA makes of the vision
+    tower's square input: a patch each, (image_size / patch_size)^2, plus CLIP's CLS token,
+    less one for the "default" strategy (which drops the first); sizes default as mlx-vlm's."""
+    image = config.get("image_token_index")
+    vision = config.get("vision_config") or {}
+    size, patch = vision.get("image_size", 336), vision.get("patch_size", 14)
+    if not all(isinstance(v, int) and v > 0 for v in (image, size, patch)):
+        return None
+    cls = vision.get("model_type") != "siglip_vision_model"
+    dropped = config.get("vision_feature_select_strategy", "default") == "default"
+    count = (size // patch) ** 2 + cls - dropped
+    return VisionSpec("llava", image, (image,), (), (), count)
 
 
 def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:

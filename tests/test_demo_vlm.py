@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from servicer import demo_model, demo_vlm_gemma3, demo_vlm_mistral3
+from servicer import demo_model, demo_vlm_gemma3, demo_vlm_llava, demo_vlm_mistral3
 from servicer.demo_vlm import (
     CHAT_TEMPLATE,
     FAMILIES,
@@ -282,14 +282,16 @@ def gemma3_images():
 
 
 def test_families() -> None:
-    assert FAMILIES == ("qwen2_vl", "gemma3", "mistral3")
+    assert FAMILIES == ("qwen2_vl", "gemma3", "mistral3", "llava")
     assert get_family().model_type == MODEL_TYPE
     assert get_family("gemma3") is demo_vlm_gemma3.FAMILY
     assert get_family("mistral3") is demo_vlm_mistral3.FAMILY
+    assert get_family("llava") is demo_vlm_llava.FAMILY
+    assert get_family("llava").tokens_per_image == demo_vlm_llava.TOKENS_PER_IMAGE == 16
     assert get_family("gemma3").tokens_per_image == demo_vlm_gemma3.MM_TOKENS_PER_IMAGE
     assert get_family("gemma3").image_token == demo_vlm_gemma3.IMAGE_TOKEN
     with pytest.raises(ValueError, match="unknown demo VLM family"):
-        get_family("llava")
+        get_family("pixtral")
 
 
 def test_gemma3_cache_layout(gemma3_built: Path) -> None:
@@ -315,7 +317,7 @@ def test_gemma3_builds_are_deterministic(
         build_vlm(tmp_path / "d", text_model=demo_model.demo_model_path(TEXT_KIND), family="gemma3")
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral3"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral3", "llava"])
 def test_building_imports_no_mlx(family: str, tmp_path: Path) -> None:
     """The builder writes with safetensors' numpy API: no MLX outside the engine."""
     import subprocess
@@ -673,4 +675,251 @@ def test_mistral3_greedy_output_depends_on_the_image(
         assert len(set(outputs)) >= 3, [processor.tokenizer.decode(t) for t in outputs]
         # Greedy is deterministic.
         again, _ = _greedy(model, processor, prompt, mistral3_images[2], MISTRAL3_TOKENS)
+        assert tuple(again) == outputs[2]
+
+
+# --------------------------------------------------------------------------- llava
+
+LLAVA_TOKENS = 20
+LV = demo_vlm_llava
+
+
+@pytest.fixture(scope="session")
+def llava_built() -> Path:
+    return demo_vlm_path(family="llava")
+
+
+@pytest.fixture(scope="module")
+def llava_loaded(llava_built: Path):
+    mlx_vlm = pytest.importorskip("mlx_vlm", reason=NO_MLX_VLM)
+    return mlx_vlm.load(str(llava_built))
+
+
+@pytest.fixture(scope="module")
+def llava_images():
+    """Two solid colours and noise at 64x48 (resized and cropped to 56x56), and noise at 56x56."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(4)
+    return (
+        Image.new("RGB", (64, 48), (220, 30, 30)),
+        Image.new("RGB", (64, 48), (20, 40, 230)),
+        Image.fromarray(rng.integers(0, 256, (48, 64, 3), np.uint8)),
+        Image.fromarray(rng.integers(0, 256, (56, 56, 3), np.uint8)),
+    )
+
+
+def test_llava_cache_layout_and_determinism(
+    llava_built: Path, text_model: Path, tmp_path: Path
+) -> None:
+    assert llava_built.name == build_name(family="llava")
+    assert llava_built.name.startswith("demo-vlm-llava-s0-")
+    assert llava_built.name.endswith(f"-llama-{demo_model.RECIPE_VERSION}")
+    assert is_finished_build(llava_built, family="llava")
+    first = build_vlm(tmp_path / "a", text_model=text_model, family="llava")
+    second = build_vlm(tmp_path / "b", text_model=text_model, family="llava")
+    assert _digests(first) == _digests(second) == _digests(llava_built)
+    other = build_vlm(tmp_path / "c", seed=1, text_model=text_model, family="llava")
+    assert _digests(other)["model.safetensors"] != _digests(first)["model.safetensors"]
+    gemma3_text = demo_model.demo_model_path(demo_vlm_gemma3.TEXT_KIND)
+    with pytest.raises(ValueError, match="not a llama demo build"):
+        build_vlm(tmp_path / "d", text_model=gemma3_text, family="llava")
+
+
+def test_llava_config_and_tokens(llava_built: Path, text_model: Path) -> None:
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    from servicer.images import vision_spec
+
+    config = json.loads((llava_built / "config.json").read_text())
+    tokenizer = Tokenizer.from_file(str(llava_built / "tokenizer.json"))
+    base = demo_model.VOCAB_SIZE
+    assert tokenizer.token_to_id(LV.IMAGE_TOKEN) == base
+    assert config["model_type"] == "llava"
+    assert config["text_config"]["model_type"] == "llama"
+    assert config["vocab_size"] == config["text_config"]["vocab_size"] == base + 1
+    assert config["image_token_index"] == base
+    assert config["vision_config"]["model_type"] == "clip_vision_model"
+    assert (config["vision_config"]["image_size"], config["vision_config"]["patch_size"]) == (
+        56,
+        14,
+    )
+    assert config["vision_feature_select_strategy"] == "default"
+    assert tokenizer.encode(LV.IMAGE_ANCHOR, add_special_tokens=False).ids == [base]
+    # The handler's spec: the anchor is the image token, repeated once per patch.
+    hf_tokenizer = _hf_tokenizer(llava_built)
+    spec = vision_spec(config, hf_tokenizer)
+    assert spec is not None and spec.family == "llava"
+    assert spec.anchor == (base,) and spec.run(spec.tokens(None)) == [base] * 16
+    # The language model is the text demo's, tensor for tensor (plus an embedding row).
+    weights = load_file(str(llava_built / "model.safetensors"))
+    text = load_file(str(text_model / "model.safetensors"))
+    for name, value in text.items():
+        assert (weights[f"language_model.{name}"][: len(value)] == value).all(), name
+    assert weights["vision_tower.vision_model.embeddings.position_embedding.weight"].shape == (
+        17,
+        64,
+    )
+    assert weights["multi_modal_projector.linear_1.weight"].shape == (128, 64)
+
+
+def _hf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def test_llava_chat_template_renders_one_anchor_per_image(llava_built: Path) -> None:
+    tokenizer = _hf_tokenizer(llava_built)
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"},
+                {"type": "text", "text": "Compare"},
+                {"type": "image_url", "image_url": {"url": "data:,"}},
+            ],
+        },
+        {"role": "assistant", "content": "Both are blue."},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|begin|><|user|><image>Compare<image><|end|><|assistant|>Both are blue.<|end|>"
+        "<|assistant|>"
+    )
+    assert get_family("llava").chat_template == tokenizer.chat_template
+
+
+def test_llava_processor_expands_each_anchor(llava_loaded, llava_built: Path, llava_images) -> None:
+    """mlx-vlm's LlavaProcessor repeats <image> once per patch; the image processor it uses is
+    the one transformers' PIL backend loads (the handler's), pixel for pixel."""
+    import numpy as np
+    from transformers import AutoImageProcessor
+
+    model, processor = llava_loaded
+    assert type(processor).__module__ == "mlx_vlm.models.llava.processing_llava"
+    assert processor.image_token_id == model.config.image_token_index
+    text = f"<|begin|><|user|>{LV.IMAGE_ANCHOR}Compare{LV.IMAGE_ANCHOR}<|end|><|assistant|>"
+    out = processor(text=text, images=[llava_images[2], llava_images[3]])
+    decoded = processor.tokenizer.decode(np.asarray(out["input_ids"][0]).tolist())
+    assert decoded == text.replace(LV.IMAGE_ANCHOR, LV.IMAGE_TOKEN * LV.TOKENS_PER_IMAGE)
+    assert tuple(out["pixel_values"].shape) == (2, 3, LV.IMAGE_SIZE, LV.IMAGE_SIZE)
+    ours = AutoImageProcessor.from_pretrained(str(llava_built), backend="pil")
+    for k, image in enumerate(llava_images[2:]):
+        mine = ours(images=[image], return_tensors="np")["pixel_values"]
+        assert np.array_equal(mine[0], np.asarray(out["pixel_values"][k])), k
+
+
+def test_llava_text_stack_loads_with_mlx_lm(
+    llava_loaded, llava_built: Path, text_model: Path
+) -> None:
+    """mlx-lm loads the checkpoint's text model two ways, mlx_lm.load (its llava model type
+    is its mistral3 wrapper around llama) and the worker's text-stack loader (llama alone,
+    from text_config): greedy tokens equal each other, mlx-vlm's without an image, and the
+    llama text demo's own."""
+    import mlx_lm
+    from mlx_vlm import stream_generate
+
+    from servicer.engine.model import load_text_stack, text_stack_config
+
+    model, processor = llava_loaded
+    wrapped, tokenizer = mlx_lm.load(str(llava_built))
+    assert type(wrapped.language_model).__module__ == "mlx_lm.models.llama"
+    assert text_stack_config(llava_built) is None  # mlx-lm loads llava itself
+    alone, alone_tokenizer = load_text_stack(llava_built)
+    assert type(alone).__module__ == "mlx_lm.models.llama"
+    demo, demo_tokenizer = mlx_lm.load(str(text_model))
+    prompts = [*demo_model.TEST_PROMPTS[:2], *(_chat(q) for q in TEST_PROMPTS)]
+    for prompt in prompts:
+        expected = [
+            r.token
+            for r in mlx_lm.stream_generate(alone, alone_tokenizer, prompt, max_tokens=LLAVA_TOKENS)
+        ]
+        assert len(set(expected)) >= 4, tokenizer.decode(expected)
+        for other, other_tokenizer in ((wrapped, tokenizer), (demo, demo_tokenizer)):
+            tokens = mlx_lm.stream_generate(other, other_tokenizer, prompt, max_tokens=LLAVA_TOKENS)
+            assert [r.token for r in tokens] == expected, prompt
+        results = list(
+            stream_generate(model, processor, prompt, max_tokens=LLAVA_TOKENS, temperature=0.0)
+        )
+        # mlx-vlm's last result repeats the last token when it stops at the length.
+        assert [r.token for r in results][:LLAVA_TOKENS] == expected, prompt
+
+
+def _greedy_ids(model, tokenizer, prompt: str) -> list[int]:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    ids = mx.array(tokenizer.encode(prompt, add_special_tokens=False))
+    return [int(t) for t, _ in generate_step(ids, model, max_tokens=LLAVA_TOKENS)]
+
+
+def test_text_stack_loader_serves_unknown_families_and_quantized_checkpoints(
+    llava_built: Path, tmp_path: Path
+) -> None:
+    """A model type mlx-lm lacks, with a text_config it knows, loads through the text-stack
+    loader (the worker's load_model picks it); a quantized checkpoint too, with the greedy
+    tokens of mlx-lm's own load of it."""
+    import shutil
+
+    import mlx.nn as nn
+    import mlx_lm
+    from mlx_lm.convert import convert
+
+    from servicer.engine.model import load_model, load_text_stack, text_stack_config
+
+    quantized = tmp_path / "q4"
+    convert(str(llava_built), str(quantized), quantize=True, q_group_size=32, q_bits=4)
+    reference, tokenizer = mlx_lm.load(str(quantized))
+    for source in (llava_built, quantized):
+        renamed = tmp_path / f"{source.name}-next"
+        shutil.copytree(source, renamed)
+        config = json.loads((renamed / "config.json").read_text())
+        (renamed / "config.json").write_text(json.dumps({**config, "model_type": "llava_next"}))
+        assert text_stack_config(renamed) == config["text_config"]
+        loaded = load_model(renamed, None)
+        assert type(loaded.model).__module__ == "mlx_lm.models.llama"
+        want = mlx_lm.load(str(source))[0]
+        for prompt in (_chat(TEST_PROMPTS[0]), demo_model.TEST_PROMPTS[0]):
+            assert _greedy_ids(loaded.model, loaded.tokenizer, prompt) == _greedy_ids(
+                want, tokenizer, prompt
+            )
+    alone, _ = load_text_stack(quantized)
+    assert isinstance(alone.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert isinstance(alone.model.embed_tokens, nn.QuantizedEmbedding)
+    prompt = _chat(TEST_PROMPTS[1])
+    assert _greedy_ids(alone, tokenizer, prompt) == _greedy_ids(reference, tokenizer, prompt)
+
+
+def _llava_greedy(model, processor, prompt: str, image) -> tuple[list[int], int]:
+    """Greedy tokens and the prompt's image-token count. (mlx-vlm's prepare_inputs, so its
+    generate too, fails on LLaVA images with transformers 5: its LlavaProcessor hands the
+    tokenizer's padding argument to the image processor; the processor called directly works.)"""
+    import mlx.core as mx
+    from mlx_vlm.generate import generate_step
+
+    out = processor(text=prompt, images=[image])
+    ids, pixels = mx.array(out["input_ids"]), mx.array(out["pixel_values"])
+    steps = generate_step(ids, model, pixels, mx.ones_like(ids), max_tokens=LLAVA_TOKENS)
+    image_tokens = int(mx.sum(ids == model.config.image_token_index).item())
+    return [int(token) for token, _ in steps], image_tokens
+
+
+@pytest.mark.parametrize("question", TEST_PROMPTS)
+def test_llava_greedy_output_depends_on_the_image(
+    llava_loaded, llava_images, question: str
+) -> None:
+    model, processor = llava_loaded
+    for prompt in (_chat(LV.IMAGE_ANCHOR + question), _chat(question + LV.IMAGE_ANCHOR)):
+        outputs = []
+        for image in llava_images:
+            tokens, image_tokens = _llava_greedy(model, processor, prompt, image)
+            assert image_tokens == LV.TOKENS_PER_IMAGE
+            assert len(set(tokens)) >= 4, processor.tokenizer.decode(tokens)
+            outputs.append(tuple(tokens))
+        assert len(set(outputs)) >= 3, [processor.tokenizer.decode(t) for t in outputs]
+        # Greedy is deterministic.
+        again, _ = _llava_greedy(model, processor, prompt, llava_images[2])
         assert tuple(again) == outputs[2]

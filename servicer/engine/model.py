@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import sharded_load
+from mlx_lm.utils import (
+    MODEL_REMAPPING,
+    infer_quant_config,
+    load_adapters,
+    load_config,
+    load_tokenizer,
+    sharded_load,
+)
 
 from ..model_files import ModelLoadError
 from .arch_fixes import UnservableModel, fix_for_batching
@@ -33,7 +42,12 @@ def load_model(
 ) -> LoadedModel:
     """Load with mlx-lm; with a distributed `group`, shard it by tensor parallelism."""
     try:
-        if group is None:
+        if group is None and text_stack_config(model_dir) is not None:
+            mlx_model, tokenizer = load_text_stack(model_dir)
+            if adapter_path is not None:
+                mlx_model = load_adapters(mlx_model, adapter_path)
+                mlx_model.eval()
+        elif group is None:
             mlx_model, tokenizer = load(str(model_dir), adapter_path=adapter_path)
         else:
             if adapter_path is not None:
@@ -49,6 +63,93 @@ def load_model(
     except UnservableModel as exc:
         raise ModelLoadError(f"cannot serve {model_dir}: {exc}") from exc
     return LoadedModel(model=mlx_model, tokenizer=tokenizer)
+
+
+# The text stack of a vision-language checkpoint whose model type mlx-lm has no module for
+# (nor a remapping to one), but whose text_config names a text model type it has: that model
+# is built from text_config and takes the checkpoint's language_model.* weights, its vision
+# tower and projector left out. Meant for the LLaVA-style families mlx-lm lacks, as mlx-vlm
+# writes them (llava_next, llava_onevision: text only, their images are refused at start,
+# images.vision_refusal). llava itself mlx-lm loads (its remapping to mistral3 wraps the same
+# llama model), images included; tests/test_demo_vlm.py checks this loader on it too.
+def _mlx_lm_knows(model_type: Any) -> bool:
+    if not isinstance(model_type, str) or not model_type:
+        return False
+    try:
+        importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
+def text_stack_config(model_dir: Path) -> dict[str, Any] | None:
+    """The checkpoint's text_config where only its text stack can load with mlx-lm (above);
+    None where mlx-lm loads the checkpoint itself (or nothing can)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config, dict) else None
+    if not isinstance(text, dict) or _mlx_lm_knows(config.get("model_type")):
+        return None
+    return text if _mlx_lm_knows(text.get("model_type")) else None
+
+
+def _language_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The language model's weights under the text model's own names: mlx-vlm's
+    ``language_model.`` prefix, or transformers' ``model.language_model.`` and ``lm_head``."""
+    out = {}
+    for name, value in weights.items():
+        if name.startswith("language_model."):
+            out[name.removeprefix("language_model.")] = value
+        elif name.startswith("model.language_model."):
+            out["model." + name.removeprefix("model.language_model.")] = value
+        elif name.startswith("lm_head."):
+            out[name] = value
+    return out
+
+
+def load_text_stack(model_dir: Path) -> tuple[nn.Module, TokenizerWrapper]:
+    """mlx-lm's text model of `model_dir`'s text_config with its language_model.* weights,
+    quantized as the checkpoint's are (each layer with scales, its bits and group size read
+    from them as mlx-lm does), and the checkpoint's tokenizer as mlx-lm loads it."""
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    text = dict(config["text_config"])
+    weights: dict[str, mx.array] = {}
+    for path in sorted(model_dir.glob("model*.safetensors")):
+        weights |= _language_weights(mx.load(str(path)))
+    if not weights:
+        raise FileNotFoundError(f"no language_model.* weights in {model_dir}")
+    # Where text_config leaves it out (transformers' defaults differ by family), the weights
+    # say whether the output head is its own.
+    text.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)
+    model_type = text["model_type"]
+    arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+    model = arch.Model(arch.ModelArgs.from_dict(text))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    quantization = config.get("quantization") or text.get("quantization")
+    if quantization:
+
+        def quantized(path: str, module: nn.Module) -> bool | dict:
+            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+                return False
+            return infer_quant_config(path, module, weights)
+
+        nn.quantize(
+            model,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            mode=quantization.get("mode", "affine"),
+            class_predicate=quantized,
+        )
+    model.eval()
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    log.info("%s: mlx-lm's %s text model loaded alone", config.get("model_type"), model_type)
+    return model, tokenizer
 
 
 def check_shardable(model_dir: Path, ranks: int) -> None:

@@ -1,0 +1,116 @@
+"""LLaVA's images (a fixed run of `<image>` tokens per image, CLIP features from the
+next-to-last layer): through the real server each answer equals mlx-vlm's own greedy generation,
+with the prompt expanded and the pixels made by mlx-vlm's processor, alone, batched with text
+and from a cached prefix."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import demo_config
+from support import ServerThread
+from test_images import complete, data_url, image_request, needs_vlm, png
+
+from servicer.demo_vlm_llava import TOKENS_PER_IMAGE
+from servicer.proto import vllm_engine_pb2_grpc as vgrpc
+
+pytestmark = needs_vlm
+
+
+@pytest.fixture(scope="module")
+def vlm_dir():
+    from servicer.demo_vlm import demo_vlm_path
+
+    return demo_vlm_path(family="llava")
+
+
+@pytest.fixture(scope="module")
+def stub(vlm_dir) -> Iterator[vgrpc.VllmEngineStub]:
+    config = dataclasses.replace(demo_config(vlm_dir, prompt_cache_block=4), protocols=("vllm",))
+    with ServerThread(config) as running, running.channel() as channel:
+        yield vgrpc.VllmEngineStub(channel)
+
+
+@functools.cache
+def _loaded(path: str):
+    from mlx_vlm import load
+
+    return load(path)
+
+
+def _text(vlm_dir, question: str, images: int) -> str:
+    _, processor = _loaded(str(vlm_dir))
+    content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
+    messages = [{"role": "user", "content": content}]
+    return processor.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+
+
+def router_ids(vlm_dir, question: str, images: int = 1) -> list[int]:
+    """The prompt as the router sends it: one <image> anchor per image."""
+    _, processor = _loaded(str(vlm_dir))
+    text = _text(vlm_dir, question, images)
+    return list(processor.tokenizer.encode(text, add_special_tokens=False))
+
+
+def reference(vlm_dir, question: str, raws: list[bytes], n: int) -> tuple[list[int], int]:
+    """mlx-vlm's greedy tokens, its processor expanding the prompt and making the pixels; and
+    the expanded prompt's length."""
+    import mlx.core as mx
+    from mlx_vlm.generate import generate_step
+    from PIL import Image
+
+    model, processor = _loaded(str(vlm_dir))
+    text = _text(vlm_dir, question, len(raws))
+    pictures = [Image.open(io.BytesIO(raw)).convert("RGB") for raw in raws]
+    # (mlx-vlm's LlavaProcessor hands its keyword arguments to the image processor.)
+    out = processor(text=text, images=pictures or None)
+    ids = mx.array(out["input_ids"])
+    if raws:
+        count = int(mx.sum(ids == model.config.image_token_index).item())
+        assert count == TOKENS_PER_IMAGE * len(raws)
+    pixels = mx.array(out["pixel_values"]) if raws else None
+    steps = generate_step(ids, model, pixels, mx.ones_like(ids), max_tokens=n)
+    return [int(token) for token, _ in steps], ids.shape[1]
+
+
+@pytest.mark.parametrize("size", [(64, 48), (56, 56), (30, 90)])
+def test_an_image_answer_equals_mlx_vlms(stub, vlm_dir, size):
+    raw = png(80 + size[0], size)
+    question = "What do bees make?"
+    done = complete(stub, image_request(router_ids(vlm_dir, question), [data_url(raw)]))
+    want, length = reference(vlm_dir, question, [raw], 12)
+    assert done.prompt_tokens == length
+    assert list(done.output_ids) == want
+
+
+def test_image_and_text_rows_batched_and_a_prefix_hit(stub, vlm_dir):
+    question = "Describe a quiet place."
+    raws = [png(90, (64, 48)), png(91, (84, 56)), png(90, (64, 48))]
+    jobs = [image_request(router_ids(vlm_dir, question), [data_url(r)]) for r in raws]
+    jobs.append(image_request(router_ids(vlm_dir, "Hello there.", images=0), []))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: complete(stub, job), jobs))
+    for raw, answer in zip(raws, answers, strict=False):
+        assert list(answer.output_ids) == reference(vlm_dir, question, [raw], 12)[0]
+    assert list(answers[3].output_ids) == reference(vlm_dir, "Hello there.", [], 12)[0]
+    # The two images make two answers (the image counts), the same image the same one.
+    assert list(answers[0].output_ids) != list(answers[1].output_ids)
+    again = complete(stub, jobs[0])
+    assert again.cached_tokens > 8 and list(again.output_ids) == list(answers[0].output_ids)
+
+
+def test_two_images_in_one_prompt(stub, vlm_dir):
+    question = "What do bees make?"
+    raws = [png(92, (64, 48)), png(93, (48, 64))]
+    urls = [data_url(raw) for raw in raws]
+    done = complete(stub, image_request(router_ids(vlm_dir, question, images=2), urls))
+    want, length = reference(vlm_dir, question, raws, 12)
+    assert done.prompt_tokens == length
+    assert list(done.output_ids) == want
