@@ -312,7 +312,7 @@ class ImagePreparer:
             sent = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self.router_images, request.mm_inputs
             )
-            return functools.partial(place, sent=sent)
+            return functools.partial(place, sent=sent, image_token=self.spec.image_token_id)
         images = await self._media(request)
         return functools.partial(expand, spec=self.spec, images=images)
 
@@ -466,10 +466,13 @@ def router_images(
     return RouterImages(tuple(images), placeholders, token)
 
 
-def place(prompt: list[int], sent: RouterImages) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """The router's images at their placeholders in `prompt` (already expanded, unchanged):
-    each placeholder a run of exactly its image's tokens, in order, and no image token
-    elsewhere; otherwise INVALID_ARGUMENT naming the image."""
+def place(
+    prompt: list[int], sent: RouterImages, image_token: int
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """The router's images at their placeholders in `prompt` (already expanded): each
+    placeholder a run of exactly its image's tokens, in order, and no image token elsewhere;
+    otherwise INVALID_ARGUMENT naming the image. The runs come back filled with the model's
+    `image_token` whatever the router filled them with: the model's merge looks for it."""
     placed: list[ImageInput] = []
     end = 0
     for i, ((offset, length), image) in enumerate(zip(sent.placeholders, sent.images, strict=True)):
@@ -494,4 +497,6 @@ def place(prompt: list[int], sent: RouterImages) -> tuple[list[int], tuple[Image
         raise _invalid(f"the prompt has image tokens ({sent.token_id}) outside its placeholders")
     if placed and placed[-1].end >= len(prompt):
         raise _invalid("the prompt ends inside an image: put text after the last image")
+    if sent.token_id != image_token:
+        prompt = [image_token if t == sent.token_id else t for t in prompt]
     return prompt, tuple(placed)

@@ -238,6 +238,19 @@ def test_the_router_way_and_the_media_way_equal_mlx_vlm(vlm_face, vlm_dir):
     assert list(other.output_ids) != want
 
 
+def test_runs_filled_with_the_vision_token_carry_the_image(vlm_face, vlm_dir):
+    """smg's Qwen-VL spec fills the runs with vision_token_id: an image the worker has not
+    seen before still answers as mlx-vlm does (the image is not dropped)."""
+    prompt = chat_ids(vlm_dir, "What do bees make?")
+    raw = png(3, (84, 112))
+    vision_pad = _config(str(vlm_dir))["vision_token_id"]
+    job, ids, pixels, grids = router_request(vlm_dir, prompt, [raw], fill=vision_pad)
+    image_ids, _ = expanded(vlm_dir, prompt, grids)
+    assert list(complete(vlm_face, job).output_ids) == mlx_vlm_greedy(
+        vlm_dir, image_ids, pixels, grids
+    )
+
+
 def test_two_images_in_one_prompt_equal_mlx_vlm(vlm_face, vlm_dir):
     prompt = chat_ids(vlm_dir, "What do bees make?", images=2)
     raws = [png(4, (64, 48)), png(5, (84, 140))]
