@@ -187,7 +187,7 @@ def _llava_spec(config: dict[str, Any]) -> VisionSpec | None:
     cls = vision.get("model_type") != "siglip_vision_model"
     dropped = config.get("vision_feature_select_strategy", "default") == "default"
     count = (size // patch) ** 2 + cls - dropped
-    return VisionSpec("llava", image, (image,), (), (), count)
+    return VisionSpec("llava", image, (image,), (), (), count, router_processed=True)
 
 
 def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:
@@ -430,6 +430,8 @@ def router_images(
     its inputs; anything that does not add up is INVALID_ARGUMENT naming the image."""
     if mm.modality not in (0, IMAGE_MODALITY):
         raise _invalid(f"mm_inputs: only images are served (modality {mm.modality})")
+    if spec.tokens_per_image is not None:
+        return _whole_images(mm, spec, max_images)
     if not mm.HasField("pixel_values") or "image_grid_thw" not in mm.model_specific_tensors:
         raise _invalid("mm_inputs needs pixel_values and model_specific_tensors image_grid_thw")
     pixels = _array("pixel_values", mm.pixel_values, _FLOATS)
@@ -462,6 +464,31 @@ def router_images(
         extra = (("image_grid_thw", tensor(grid.astype(np.int64).reshape(1, 3))),)
         images.append(ProcessedImage(tokens, image_key(values, extra), values, extra))
         start += n
+    placeholders = tuple((int(p.offset), int(p.length)) for p in mm.mm_placeholders)
+    return RouterImages(tuple(images), placeholders, token)
+
+
+def _whole_images(mm: Any, spec: VisionSpec, max_images: int) -> RouterImages:
+    """The router's images for a family of fixed-size images (LLaVA's): pixel values
+    [images, channels, height, width], a run of `tokens_per_image` each."""
+    if not mm.HasField("pixel_values"):
+        raise _invalid("mm_inputs needs pixel_values")
+    pixels = _array("pixel_values", mm.pixel_values, _FLOATS)
+    if pixels.ndim != 4 or pixels.shape[1] != 3:
+        raise _invalid(f"mm_inputs pixel_values: shape {list(pixels.shape)}, not [images, 3, h, w]")
+    count = pixels.shape[0]
+    if count > max_images:
+        too_many = f"too many images: {count} in the request, limit {max_images}"
+        raise RequestError(grpc_status("limit"), too_many)
+    if len(mm.mm_placeholders) != count:
+        raise _invalid(f"mm_inputs has {len(mm.mm_placeholders)} placeholders for {count} images")
+    token = mm.im_token_id if mm.HasField("im_token_id") else spec.image_token_id
+    if token not in (spec.image_token_id, *spec.placeholder_ids):
+        raise _invalid(f"mm_inputs im_token_id {token} is not this model's image token")
+    images = []
+    for i in range(count):
+        values = tensor(pixels[i : i + 1])
+        images.append(ProcessedImage(spec.tokens_per_image or 0, image_key(values), values))
     placeholders = tuple((int(p.offset), int(p.length)) for p in mm.mm_placeholders)
     return RouterImages(tuple(images), placeholders, token)
 

@@ -271,9 +271,9 @@ def goodness_of_fit(
 def replicated_batch(
     model: Any, prompt: list[int], rows: int, sampler: Any, max_tokens: int
 ) -> Any:
-    """A GenerationBatch of `rows` copies of one prefilled prompt, as prefill would hand it
-    to generation (prefilled once, not `rows` times: the sampling tests need thousands)."""
-    from mlx_lm.generate import GenerationBatch, StopSequences
+    """A DecodeBatch of `rows` copies of one prefilled prompt, as prefill would hand it to
+    decoding (prefilled once, not `rows` times: the sampling tests need thousands)."""
+    from mlx_lm.generate import StopSequences
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
     from mlx_lm.sample_utils import greedy_sampler
 
@@ -287,7 +287,9 @@ def replicated_batch(
         batched.offset = batched.offset + layer.offset
         batched._idx = layer.offset
         layers.append(batched)
-    return GenerationBatch(
+    from servicer.engine.decode_batch import DecodeBatch
+
+    return DecodeBatch(
         model,
         list(range(rows)),
         mx.array([prompt[-1]] * rows, dtype=mx.uint32),

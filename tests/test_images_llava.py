@@ -19,6 +19,8 @@ from test_images import complete, data_url, image_request, needs_vlm, png
 from servicer.demo_vlm_llava import TOKENS_PER_IMAGE
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
 
+IMAGE_TOKEN_ID = 512  # <image>, appended to the llama demo's vocabulary
+
 pytestmark = needs_vlm
 
 
@@ -114,3 +116,43 @@ def test_two_images_in_one_prompt(stub, vlm_dir):
     want, length = reference(vlm_dir, question, raws, 12)
     assert done.prompt_tokens == length
     assert list(done.output_ids) == want
+
+
+def test_the_routers_own_mm_inputs_answer_as_mlx_vlm_does(stub, vlm_dir):
+    """What smg sends for a llava it processes itself: pixel values [images, 3, h, w] and the
+    placeholders already expanded (filled with the image token)."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from servicer.proto import vllm_engine_pb2 as vpb
+
+    raw = png(95, (64, 48))
+    processor = AutoImageProcessor.from_pretrained(str(vlm_dir), backend="pil")
+    picture = Image.open(io.BytesIO(raw)).convert("RGB")
+    pixels = np.asarray(
+        processor(images=[picture], return_tensors="np")["pixel_values"], np.float32
+    )
+    prompt = router_ids(vlm_dir, "What do bees make?")
+    anchor = prompt.index(IMAGE_TOKEN_ID)
+    ids = prompt[:anchor] + [IMAGE_TOKEN_ID] * TOKENS_PER_IMAGE + prompt[anchor + 1 :]
+    mm = vpb.MultimodalInputs(
+        pixel_values=vpb.TensorData(
+            shape=list(pixels.shape), dtype="float32", inline=pixels.tobytes()
+        ),
+        im_token_id=IMAGE_TOKEN_ID,
+        mm_placeholders=[vpb.PlaceholderRange(offset=anchor, length=TOKENS_PER_IMAGE)],
+        modality=1,
+    )
+    job = vpb.GenerateRequest(
+        request_id="llava-mm-1",
+        tokenized=vpb.TokenizedInput(input_ids=ids),
+        sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=12),
+        mm_inputs=mm,
+    )
+    done = complete(stub, job)
+    want, length = reference(vlm_dir, "What do bees make?", [raw], 12)
+    assert done.prompt_tokens == length
+    got = list(done.output_ids)
+    assert got == want[: len(got)]  # mlx-vlm's steps run past the EOS the worker stops at
+    assert len(got) == len(want) or done.finish_reason == "stop"
