@@ -244,7 +244,7 @@ def test_runs_filled_with_the_vision_token_carry_the_image(vlm_face, vlm_dir):
     prompt = chat_ids(vlm_dir, "What do bees make?")
     raw = png(3, (84, 112))
     vision_pad = _config(str(vlm_dir))["vision_token_id"]
-    job, ids, pixels, grids = router_request(vlm_dir, prompt, [raw], fill=vision_pad)
+    job, _, pixels, grids = router_request(vlm_dir, prompt, [raw], fill=vision_pad)
     image_ids, _ = expanded(vlm_dir, prompt, grids)
     assert list(complete(vlm_face, job).output_ids) == mlx_vlm_greedy(
         vlm_dir, image_ids, pixels, grids
