@@ -406,3 +406,36 @@ def test_a_lone_arrival_or_a_fast_model_keeps_the_budget():
     fast.enqueue([_prompt(t, 400) for t in range(1, 25)])
     choice = fast.schedule(BatchView(rows=8, first_tokens_due=False, decode_step_s=0.003))
     assert choice.chunk < 399 and not choice.bulk  # split, the budget widened by the queue
+
+
+def _with_image(ticket: int, image_tokens: int, text: int = 8) -> GenerationRequest:
+    from servicer.messages import ImageInput, Tensor
+
+    image = ImageInput(4, image_tokens, bytes([ticket]) * 16, Tensor(b"", (0,), "float32"))
+    prompt = [1] * (image_tokens + text)
+    return GenerationRequest(ticket, f"i{ticket}", prompt, 16, images=(image,))
+
+
+def test_images_arriving_together_are_encoded_a_step_each_while_rows_decode():
+    """Two image requests whose encoder work would not fit one step's budget together: one
+    joins now, the other next step (a text request behind them is not held up); the encoder's
+    time comes out of that step's prefill."""
+    from servicer.engine.prefill import StepCost
+
+    cost = StepCost()
+    cost.prefill = _linear_cost(1e-4)
+    cost.observe_encode(100, 0.03)  # 0.3 ms an image token: 90 ms an image of 300
+    scheduler = Scheduler(BIG, POLICY, cost=cost)
+    scheduler.enqueue([_with_image(1, 300, 4000), _with_image(2, 300), _prompt(3, 50)])
+    decoding = BatchView(rows=2, first_tokens_due=False, decode_step_s=0.01)
+    first = scheduler.schedule(decoding)
+    assert [a.request.ticket for a in first.admits] == [1, 3]
+    assert cost.seconds(1, first.chunk, 0) + 0.09 <= first.budget_s + 0.005
+    text = Scheduler(BIG, POLICY, cost=cost)
+    text.enqueue([_prompt(1, 4300), _prompt(3, 50)])
+    assert first.chunk < text.schedule(decoding).chunk  # less prefill beside the encoder
+    second = scheduler.schedule(decoding)
+    assert [a.request.ticket for a in second.admits] == [2]
+    idle = Scheduler(BIG, POLICY, cost=cost)  # nothing decodes: no stall to bound
+    idle.enqueue([_with_image(1, 300), _with_image(2, 300)])
+    assert len(idle.schedule(IDLE).admits) == 2

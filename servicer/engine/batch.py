@@ -30,7 +30,7 @@ from .rows import Row, RowBook
 from .runner import BatchRunner
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
-from .vision import ImageSpan, RowRope, VisionEncoder
+from .vision import ImageSpan, ImageWork, RowRope, VisionEncoder
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,7 @@ class StepReport:
     prefill_tokens: int = 0  # prompt tokens it put through the model
     fused: bool = False  # its prefill chunk rode in the decoding rows' forward
     catch_up: tuple[int, float] = (0, 0.0)  # a draft model's catch-up: tokens, seconds
+    encoded: tuple[int, float] = (0, 0.0)  # images encoded before it: their tokens, seconds
 
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Batch:
         """`new_row`: a request's empty caches (quantized ones with --kv-bits); None: the
         generator makes mlx-lm's."""
         self._new_row = new_row
-        self._vision = vision
+        self._images = ImageWork(vision)  # a vision model's images, encoded as rows join
         self._new_generator = new_generator
         self._generator = new_generator()
         self._sampling = sampling
@@ -153,8 +154,7 @@ class Batch:
         request, cached = admit.request, admit.cached_tokens
         chain = self._sampling.processors(request)
         segments = self._segments(request, cached)
-        images = image_spans(self._vision, request, cached)
-        rope = self._vision.row_rope(request) if self._vision is not None else None
+        images, rope = self._images.spans(request, cached), self._images.rope(request)
         return _Prepared(admit, hit, chain, segments, images, rope)
 
     def _cache_for(self, hit: Hit | None) -> list[Any] | None:
@@ -185,7 +185,8 @@ class Batch:
             catch_up = generator.caught_up
             self.cost.observe_decode(decoding, time.perf_counter() - started - catch_up[1])
             self._track_prefill(prompt_progress)
-            return StepReport(self._collect(responses, out), None, catch_up=catch_up)
+            events = self._collect(responses, out)
+            return StepReport(events, None, catch_up=catch_up, encoded=self._images.took())
         fused_before, prompt_before = generator.fused_steps, generator.prompt_tokens
         prompt_progress, responses = generator.next(self._chunk, self._catch_up)
         fused = generator.fused_steps > fused_before
@@ -196,7 +197,8 @@ class Batch:
         self._track_prefill(prompt_progress)
         work = generator.prefilled
         sample = work.took(max(added, 0.0)) if work.any else None
-        return StepReport(self._collect(responses, out), sample, prompt_tokens, fused)
+        events = self._collect(responses, out)
+        return StepReport(events, sample, prompt_tokens, fused, encoded=self._images.took())
 
     def _track_prefill(self, prompt_progress: list[Any]) -> None:
         self.book.track_prefill(prompt_progress)
@@ -329,26 +331,6 @@ class _Prepared:
     segments: list[list[int]]
     images: list[ImageSpan]
     rope: RowRope | None = None
-
-
-def image_spans(
-    vision: VisionEncoder | None, request: GenerationRequest, cached: int
-) -> list[ImageSpan]:
-    """The request's images past its reused prefix, their features computed now (from the
-    encoder cache, or the encoder): a failure fails this request alone."""
-    if not request.images:
-        return []
-    if vision is None:
-        raise ValueError("this engine serves no images")
-    return [
-        ImageSpan(
-            image.offset,
-            image.end,
-            vision.features(image, request.prompt[image.offset : image.end]),
-        )
-        for image in request.images
-        if image.end > cached
-    ]
 
 
 def store_tokens(row: Row, tokens: list[int]) -> list[int]:

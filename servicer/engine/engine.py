@@ -338,6 +338,7 @@ class EngineLoop:
             out.prefill_tokens.append(report.prefill_tokens)
         out.fused_steps += report.fused
         self.cost.observe_catch_up(*report.catch_up)
+        self.cost.observe_encode(*report.encoded)
         sample = report.prefill
         if sample is not None and self._leads:
             if log.isEnabledFor(logging.DEBUG):

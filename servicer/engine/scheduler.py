@@ -170,12 +170,9 @@ class Scheduler:
         del self._arrived[request.ticket]
 
     def schedule(self, batch: BatchView, now: float = 0.0) -> StepChoice:
-        """The waiting requests that join the batch now, oldest first, with their memory
-        reserved, and the step's prefill chunk. Without a budget, every request that fits
-        memory joins, but none while a first token is due (mlx-lm returns a step's tokens
-        only after that step's prefill, so a new prompt now would hold that token back)."""
+        """Who joins now (oldest first, memory reserved) and the step's prefill chunk."""
         policy = self._policy
-        if not policy.budgeted and batch.first_tokens_due:
+        if not policy.budgeted and batch.first_tokens_due:  # a prompt would hold that token back
             return StepChoice([], policy.step_tokens)
         widen = self._widen(batch, now)
         budget_s = step_budget(policy, widen, batch.decode_step_s)
@@ -188,15 +185,16 @@ class Scheduler:
         min_chunk, rows = policy.min_chunk, [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
         failed: list[tuple[GenerationRequest, str]] = []
-        reserved = batch.reserved
-        # Widened (prompts are queueing): new prompts wait out a step whose first tokens are
-        # due, as without a budget, so the next step starts twice as many in one prefill call
-        # and one first-token forward.
+        reserved, encode_s = batch.reserved, 0.0  # encode_s: the admitted requests' images
+        # Widened: new prompts wait out a step whose first tokens are due (then twice as many).
         hold = widen > 1.0 and (batch.first_tokens_due or batch.starting > 0)
         for request in [] if hold else list(self._waiting):
             full = len(rows) >= policy.max_rows or batch.rows + len(admits) >= self._max_rows
             if policy.budgeted and full:
                 break
+            image_s = encode_seconds(self.cost, request)
+            if policy.budgeted and batch.decoding and encode_s and encode_s + image_s > budget_s:
+                continue  # its images wait for a step of their own: one stall, not several
             try:
                 looked = self._look(request, reserved, occupied=bool(batch.rows or admits))
             except Exception as exc:  # planning this one request failed: it fails alone
@@ -215,18 +213,21 @@ class Scheduler:
                 continue  # too long to start beside the prompts in prefill now
             self._leave_line(request)
             reserved += need
+            encode_s += image_s
             admits.append(Admit(request, need))
             rows.append(remaining)
         if not policy.budgeted:
             return StepChoice(admits, policy.step_tokens, False, failed, budget_s)
-        widened = widen > 1.0 and batch.decoding and not bulk
+        if encode_s and batch.decoding:  # the encoder's time comes out of the step's prefill
+            left_s = max(budget_s - encode_s, 0.0)
+            capacity = step_capacity(policy, self.cost, bounded, context, left_s, batch.starting)
         left = [r for r in rows if r > 0]
-        if left and finishes_within(left, finish):
-            # Planned past the base budget on purpose, where rows decode.
+        if left and finishes_within(left, finish):  # past the base budget, on purpose
             chunk, budget_s = max(left), finish_s if bounded else budget_s
         else:
             chunk = chunk_for(left, capacity, min_chunk)
         spent = self._prefill_s(len(left), chunk, context, batch.starting)
+        widened = widen > 1.0 and batch.decoding and not bulk
         return StepChoice(admits, chunk, widened, failed, budget_s, bulk, spent)
 
     def _prefill_s(self, rows: int, chunk: int, context: int, starting: int) -> float:
@@ -332,3 +333,9 @@ class Scheduler:
         self._waiting.clear()
         self._arrived.clear()
         return tickets
+
+
+def encode_seconds(cost: StepCost, request: GenerationRequest) -> float:
+    """What the vision encoder takes for the request's images (0: it has none)."""
+    tokens = sum(image.length for image in request.images)
+    return cost.encode_seconds(tokens) if tokens else 0.0

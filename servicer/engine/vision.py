@@ -12,6 +12,7 @@ text model at load, and each image row carries its prompt's ids and rope delta (
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,7 @@ class VisionEncoder:
         self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
         self._held = 0
         self.encoded = 0  # images put through the encoder
+        self.encoded_tokens = 0  # their placeholder tokens
         self.reused = 0  # images whose features came from the cache
 
     @classmethod
@@ -148,6 +150,7 @@ class VisionEncoder:
             )
         mx.eval(features)
         self.encoded += 1
+        self.encoded_tokens += image.length
         self._keep(image.key, features)
         return features
 
@@ -221,3 +224,44 @@ def chunk_embeddings(
     for i, at, features in pieces:
         h[i, at : at + features.shape[0]] = features.astype(h.dtype)
     return h
+
+
+class ImageWork:
+    """The images of the requests joining the batch: their features (a failure fails that
+    request alone), and what the encoder took since the last step, for the cost model."""
+
+    def __init__(self, vision: VisionEncoder | None) -> None:
+        self.vision = vision
+        self._encoded = (0, 0.0)  # tokens, seconds
+
+    def spans(self, request: GenerationRequest, cached: int) -> list[ImageSpan]:
+        """The request's images past its reused prefix, their features computed now (from
+        the encoder cache, or the encoder)."""
+        if not request.images:
+            return []
+        vision = self.vision
+        if vision is None:
+            raise ValueError("this engine serves no images")
+        before, started = vision.encoded_tokens, time.perf_counter()
+        spans = [
+            ImageSpan(image.offset, image.end, vision.features(image, _run(request, image)))
+            for image in request.images
+            if image.end > cached
+        ]
+        if vision.encoded_tokens > before:
+            tokens, seconds = self._encoded
+            elapsed = time.perf_counter() - started
+            self._encoded = (tokens + vision.encoded_tokens - before, seconds + elapsed)
+        return spans
+
+    def rope(self, request: GenerationRequest) -> RowRope | None:
+        return self.vision.row_rope(request) if self.vision is not None else None
+
+    def took(self) -> tuple[int, float]:
+        """Image tokens encoded, and the seconds it took, since the last call."""
+        encoded, self._encoded = self._encoded, (0, 0.0)
+        return encoded
+
+
+def _run(request: GenerationRequest, image: ImageInput) -> list[int]:
+    return request.prompt[image.offset : image.end]
