@@ -42,7 +42,9 @@ class SpeculationConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    adapter_path: str | None = None
+    adapter_path: str | None = None  # one adapter merged into the model at load (mlx-lm's)
+    # Adapters served side by side on the base model, rows of each in one batch: (name, path).
+    adapters: tuple[tuple[str, str], ...] = ()
     completion_batch_size: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = DEFAULT_PREFILL_STEP

@@ -142,6 +142,7 @@ class GenerationRequest(Wire):
     # token replaced by an id drawn from the image's key (empty: the prompt itself).
     images: tuple[ImageInput, ...] = ()
     keyed_prompt: list[int] = msgspec.field(default_factory=list)
+    adapter: str = ""  # the served adapter's name ("": the base model)
 
     @property
     def store_prompt(self) -> list[int]:
