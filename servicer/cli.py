@@ -67,6 +67,34 @@ def _size(text: str) -> int:
     return value
 
 
+def _adapter(text: str) -> tuple[str, str, int | None]:
+    """NAME=PATH[@PORT] -> (name, path, port or None)."""
+    name, sep, rest = text.partition("=")
+    path, at, port = rest.rpartition("@") if "@" in rest else (rest, "", "")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"not NAME=PATH[@PORT]: {text!r}")
+    if at and not port.isdigit():
+        raise argparse.ArgumentTypeError(f"the port of {text!r} is not a number")
+    return name.strip(), path.strip(), int(port) if at else None
+
+
+def adapter_ports(adapters: list[tuple[str, str, int | None]], port: int) -> tuple:
+    """Each adapter's (name, port): its own, or the next after `port` in order (0: any free
+    port); a name or port used twice is refused."""
+    names = [name for name, _, _ in adapters]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise SystemExit(f"--adapter: each name once (used twice: {', '.join(twice)})")
+    ports = [
+        (name, p if p is not None else (port + 1 + i if port else 0))
+        for i, (name, _, p) in enumerate(adapters)
+    ]
+    taken = [p for _, p in ports if p] + ([port] if port else [])
+    if len(taken) != len(set(taken)):
+        raise SystemExit(f"--adapter: each address its own port (ports: {sorted(taken)})")
+    return tuple(ports)
+
+
 def _default(config: type, name: str) -> Any:
     """The default of field `name` of the config dataclass `config`: a flag that sets that
     field takes its default from there, never a copy of its own."""
@@ -158,7 +186,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--adapter-path",
         default=_default(EngineConfig, "adapter_path"),
-        help="LoRA adapter directory to apply",
+        help="one LoRA adapter directory merged into the model at load",
+    )
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        type=_adapter,
+        default=[],
+        metavar="NAME=PATH[@PORT]",
+        help="serve a LoRA/DoRA adapter (mlx-lm's format) beside the base model as NAME, on a "
+        "port of its own (PORT; default: --port + 1, + 2, ... in order); repeatable",
     )
     host = _default(ServerConfig, "host")
     parser.add_argument("--host", default=host, help=f"address to bind (default {host})")
@@ -462,6 +499,7 @@ def _protocols(text: str) -> tuple[str, ...]:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(
         adapter_path=args.adapter_path,
+        adapters=tuple((name, path) for name, path, _ in args.adapter),
         completion_batch_size=args.completion_batch_size,
         prefill_batch_size=args.prefill_batch_size,
         prefill_step_size=args.prefill_step_size,
@@ -515,6 +553,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         protocols=args.protocols,
+        adapter_ports=adapter_ports(args.adapter, args.port),
     )
 
 

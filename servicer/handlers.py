@@ -438,7 +438,9 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
     Generate = generate_rpc(MLX_FACE)
     generate_vllm = generate_rpc(VLLM_FACE)  # VllmEngine's Generate (servicer.vllm_face)
 
-    async def _build(self, request: Any) -> tuple[GenerationRequest, TextOptions | None]:
+    async def _build(
+        self, request: Any, adapter: str = ""
+    ) -> tuple[GenerationRequest, TextOptions | None]:
         """Validate into a GenerationRequest; text encoding and grammar compilation, which can
         take a while, run off the loop."""
         if not self._lifecycle.serving or self._limits is None:
@@ -462,6 +464,7 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
                 self._block_size,
                 self._options.stream_window_ms / 1000,
                 expand_images,
+                adapter,
             )
             if request.sampling_params.WhichOneof("constraint") is None:
                 return build_request(*args)

@@ -17,12 +17,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .adapter_faces import AdapterView
 from .engine_config import EngineConfig
 from .engine_handle import EngineHandle
 from .engine_process import EngineProcess
@@ -69,6 +70,9 @@ class ServerConfig:
     # port that answers VllmEngine for vLLM, and sends it n, stop strings, constraints,
     # embeddings, load polls and KV event subscriptions).
     protocols: tuple[str, ...] = ("mlx",)
+    # Each adapter served beside the base model listens on a port of its own, answering its
+    # name (EngineConfig.adapters has their paths): (name, port) pairs.
+    adapter_ports: tuple[tuple[str, int], ...] = ()
 
 
 def resolve_files(config: ServerConfig) -> ModelFiles:
@@ -121,6 +125,8 @@ class WorkerServer:
         self._preparing: asyncio.Task[ModelFiles] | None = None
         self._grammar: asyncio.Task[GrammarChecker] | None = None
         self._server: grpc.aio.Server | None = None
+        self._adapter_servers: list[grpc.aio.Server] = []
+        self.adapter_ports: dict[str, int] = {}  # each served adapter's bound port
 
     @property
     def services(self) -> tuple[str, ...]:
@@ -166,41 +172,23 @@ class WorkerServer:
         """Bind and start answering (health NOT_SERVING), then resolve the model's files and
         start loading the engine in the background."""
         self._loop = asyncio.get_running_loop()
-        limit = self.config.max_message_bytes
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared port
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-            ]
-        )
-        if "mlx" in self.config.protocols:
-            mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(self.servicer, server)
-        if "vllm" in self.config.protocols:
-            face = VllmEngineFace(self.servicer)
-            vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(face, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        address = f"{self.config.host}:{self.config.port}"
-        try:
-            if self.config.tls_cert is not None and self.config.tls_key is not None:
-                credentials = grpc.ssl_server_credentials(
-                    [(self.config.tls_key.read_bytes(), self.config.tls_cert.read_bytes())]
-                )
-                self.port = server.add_secure_port(address, credentials)
-            else:
-                self.port = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {address}: {exc}") from exc
-        if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+        config = self.config
+        server, self.port = listen(config, self.servicer, self.health, config.port)
+        # Every address listens before any starts: one taken is an error, nothing half served.
+        adapters = [
+            listen(config, AdapterView(self.servicer, name), self.health, port)
+            for name, port in config.adapter_ports
+        ]
+        self.adapter_ports = {
+            name: port for (name, _), (_, port) in zip(config.adapter_ports, adapters, strict=True)
+        }
+        if config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
         await self._set_health(NOT_SERVING)
-        await server.start()
+        for each, _ in ((server, self.port), *adapters):
+            await each.start()
         self._server = server
+        self._adapter_servers = [each for each, _ in adapters]
         self._preparing = asyncio.create_task(self._prepare())
         return self.port
 
@@ -269,8 +257,9 @@ class WorkerServer:
         self.lifecycle.advance(Phase.DRAINING)
         self.servicer.kv_events.close()  # subscriptions end cleanly; routers stop listening
         await self._drain()
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
+        for server in (self._server, *self._adapter_servers):
+            if server is not None:
+                await server.stop(grace=1.0)
         if self._preparing is not None and not self._preparing.done():
             self._preparing.cancel()
         await asyncio.to_thread(self.engine.shutdown, 30.0)
@@ -286,6 +275,42 @@ class WorkerServer:
             log.info("ending %d requests still running", self.servicer.active_requests)
             self.servicer.abort_all()
             await self.servicer.wait_idle(5.0)
+
+
+def listen(
+    config: ServerConfig, handlers: Any, health_servicer: Any, port: int
+) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server answering the router's services through `handlers` (the worker's, or a
+    served adapter's view of them), health and reflection, bound to `port` (not started)."""
+    limit = config.max_message_bytes
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),  # a port in use is an error, not a shared port
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ]
+    )
+    if "mlx" in config.protocols:
+        mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(handlers, server)
+    if "vllm" in config.protocols:
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineFace(handlers), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    services = tuple(SERVICES[name] for name in config.protocols)
+    reflection.enable_server_reflection(
+        (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = f"{config.host}:{port}"
+    try:
+        if config.tls_cert is not None and config.tls_key is not None:
+            credentials = grpc.ssl_server_credentials(
+                [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
+            )
+            return server, server.add_secure_port(address, credentials)
+        return server, server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc}") from exc
 
 
 async def run_worker(

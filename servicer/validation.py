@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from .engine.prefix.keys import block_keys, image_keyed
+from .engine.prefix.keys import adapter_keyed, block_keys, image_keyed
 from .messages import (
     Constraint,
     GenerationRequest,
@@ -385,6 +385,7 @@ def build_request(
     block_size: int = 0,
     stream_window_s: float = 0.0,
     expand_images: ExpandImages | None = None,
+    adapter: str = "",
 ) -> tuple[GenerationRequest, TextOptions | None]:
     """Validate and normalise; raises RequestError with the status to send.
 
@@ -393,13 +394,16 @@ def build_request(
     call needs its handler only for the first token (time-to-first-token metric) and the
     finish, unless it watches for stop strings. `block_size`: name the prompt's blocks for
     prefix reuse (0: the worker keeps no prefixes). `expand_images`: the request's images,
-    fetched and processed, put in its prompt (None: a request with media is refused)."""
+    fetched and processed, put in its prompt (None: a request with media is refused);
+    `adapter`: the served adapter it came for ("": the base model)."""
     if not request.request_id:
         raise _invalid("request_id is empty")
     if expand_images is None:
         refuse_media(request)
     prompt, bos_added = prompt_ids(request, limits, text_ids)
     prompt, images, keyed = _with_images(prompt, expand_images, limits)
+    if adapter:  # an adapter's blocks are its own (the prefix store's and KV events' names)
+        keyed = adapter_keyed(keyed or prompt, adapter)
     params = request.sampling_params
     max_tokens = _max_tokens(params, limits.context_length - len(prompt))
     sample_count(params)
@@ -428,5 +432,6 @@ def build_request(
         stop_strings=text.stops if text is not None else (),
         images=images,
         keyed_prompt=keyed,
+        adapter=adapter,
     )
     return job, text

@@ -69,3 +69,28 @@ def test_the_flags_follow_a_changed_dataclass_default(monkeypatch):
     monkeypatch.setattr(fields["prompt_cache_block"], "default", 64)
     args = parse_args([])
     assert (args.completion_batch_size, args.prompt_cache_block) == (7, 64)
+
+
+def test_adapter_flags_name_their_own_ports_and_no_flag_is_read_by_a_prefix():
+    """`--adapter NAME=PATH[@PORT]` is its own flag (not --adapter-path's abbreviation): the
+    adapters served in order on the next ports, or their own; a name or port twice, or a flag
+    given by a prefix, is refused."""
+    config = config_from_args(
+        parse_args(["--port", "7000", "--adapter", "a=/x", "--adapter", "b=/y@7100"])
+    )
+    assert config.engine.adapter_path is None
+    assert config.engine.adapters == (("a", "/x"), ("b", "/y"))
+    assert config.adapter_ports == (("a", 7001), ("b", 7100))
+    assert config_from_args(parse_args(["--port", "0", "--adapter", "a=/x"])).adapter_ports == (
+        ("a", 0),
+    )
+    for argv in (
+        ["--adapter", "a=/x", "--adapter", "a=/y"],
+        ["--port", "7000", "--adapter", "a=/x@7000"],
+        ["--adapter", "nopath"],
+        ["--adapter", "a=/x@port"],
+        ["--adapt", "a=/x"],
+        ["--served-model", "x"],
+    ):
+        with pytest.raises(SystemExit):
+            config_from_args(parse_args(argv))

@@ -43,3 +43,15 @@ def image_keyed(prompt: list[int], images: list[tuple[int, int, bytes]]) -> list
             digest = hashlib.blake2b(key + i.to_bytes(4, "little"), digest_size=4).digest()
             keyed[offset + i] = IMAGE_ID_BASE | (int.from_bytes(digest, "little") >> 2)
     return keyed
+
+
+def adapter_keyed(prompt: list[int], adapter: str) -> list[int]:
+    """`prompt` as an adapter's rows name their blocks: its first token replaced by an id
+    drawn from the adapter's name and that token, so that no block of one adapter (or of the
+    base model) is ever served to another; the same prompt under the same adapter names the
+    same blocks."""
+    if not prompt:
+        return prompt
+    seed = adapter.encode() + b"\0" + prompt[0].to_bytes(4, "little", signed=True)
+    digest = hashlib.blake2b(seed, digest_size=4, person=b"adapter").digest()
+    return [IMAGE_ID_BASE | (int.from_bytes(digest, "little") >> 2), *prompt[1:]]
