@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 EXTRAS := $(if $(filter Darwin,$(shell uname -s)),dev,cpu,dev)
 ARGS ?=
 
-.PHONY: install serve test lint format proto demo bench nightly fuzz-cache fuzz-requests families clean
+.PHONY: install serve test lint format proto demo bench nightly fuzz-cache fuzz-requests families vision-families clean
 
 install: $(STAMP)
 
@@ -70,6 +70,13 @@ FAMILY_JOBS ?= 2
 FAMILY_OUT ?= --json bench/families-results.json --markdown bench/families-table.md --readme README.md
 families: $(STAMP)
 	$(BIN)/python bench/families.py --jobs $(FAMILY_JOBS) $(FAMILY_OUT) $(ARGS)
+
+# The vision-language families the worker serves images for (gemma3, mistral3, llava, qwen2_vl;
+# the tiny demo checkpoints) in five cells against mlx-vlm's greedy output:
+# bench/vision-families-table.md (a part, printed only: VISION_OUT= ARGS="--only llava --cells kv8").
+VISION_OUT ?= --markdown bench/vision-families-table.md
+vision-families: $(STAMP)
+	$(BIN)/python bench/vision_families.py $(VISION_OUT) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
