@@ -22,6 +22,7 @@ from ..messages import (
 )
 from ..ratelimit import RateLimitedLog
 from ..text import TextTracker
+from .adapters import AdapterSet
 from .constraints import GrammarProcessor
 from .lockstep import LockstepBroken
 from .prefill import PrefillSample, StepCost
@@ -62,10 +63,12 @@ class Batch:
         new_row: Callable[[], list[Any]] | None = None,
         cost: StepCost | None = None,
         vision: VisionEncoder | None = None,
+        adapters: AdapterSet | None = None,
     ) -> None:
         """`new_row`: a request's empty caches (quantized ones with --kv-bits); None: the
-        generator makes mlx-lm's."""
+        generator makes mlx-lm's. `adapters`: the LoRA adapters requests name (by name)."""
         self._new_row = new_row
+        self._adapters = adapters
         self._images = ImageWork(vision)  # a vision model's images, encoded as rows join
         self._new_generator = new_generator
         self._generator = new_generator()
@@ -116,8 +119,7 @@ class Batch:
             try:
                 parts.append(self._prepare(admit, hit))
             except Exception as exc:
-                message = f"preparing the request failed: {type(exc).__name__}: {exc}"
-                out.failures.append(RowFailure(admit.request.ticket, FailureKind.INTERNAL, message))
+                out.failures.append(_unprepared(admit.request.ticket, exc))
                 if hit is not None:
                     hit.release()
         if not parts:
@@ -128,13 +130,14 @@ class Batch:
             uids = self._generator.insert_segments(
                 [part.segments for part in parts],
                 max_tokens=[r.max_tokens for r in requests],
-                caches=[self._cache_for(part.hit) for part in parts],
+                caches=[_cache_for(part.hit, self._new_row) for part in parts],
                 all_tokens=[p.admit.request.prompt[: p.admit.cached_tokens] for p in parts],
                 samplers=[sampling.sampler(r.sampling) for r in requests],
                 logits_processors=[part.chain for part in parts],
                 stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
                 images=[part.images for part in parts],
                 ropes=[part.rope for part in parts],
+                adapters=[part.adapter for part in parts],
             )
         except BaseException:
             for part in parts:
@@ -152,15 +155,11 @@ class Batch:
 
     def _prepare(self, admit: Admit, hit: Hit | None) -> _Prepared:
         request, cached = admit.request, admit.cached_tokens
+        adapter = adapter_index(self._adapters, request.adapter)
         chain = self._sampling.processors(request)
         segments = self._segments(request, cached)
         images, rope = self._images.spans(request, cached), self._images.rope(request)
-        return _Prepared(admit, hit, chain, segments, images, rope)
-
-    def _cache_for(self, hit: Hit | None) -> list[Any] | None:
-        if hit is not None:
-            return hit.cache
-        return self._new_row() if self._new_row is not None else None
+        return _Prepared(admit, hit, chain, segments, images, rope, adapter)
 
     def _segments(self, request: GenerationRequest, cached: int) -> list[list[int]]:
         """The prompt past its reused prefix, cut where the prefix store wants a snapshot."""
@@ -331,6 +330,40 @@ class _Prepared:
     segments: list[list[int]]
     images: list[ImageSpan]
     rope: RowRope | None = None
+    adapter: int = 0  # its LoRA adapter's index (0: the base)
+
+
+def _cache_for(hit: Hit | None, new_row: Callable[[], list[Any]] | None) -> list[Any] | None:
+    """A joining request's caches: its reused prefix's, or empty ones (None: the generator
+    makes mlx-lm's)."""
+    if hit is not None:
+        return hit.cache
+    return new_row() if new_row is not None else None
+
+
+class UnknownAdapter(ValueError):
+    """A request names an adapter this engine does not serve."""
+
+
+def adapter_index(adapters: AdapterSet | None, name: str) -> int:
+    """The row index of the adapter a request names ("": the base model, 0)."""
+    if not name:
+        return 0
+    if adapters is None:
+        raise UnknownAdapter(f"adapter {name!r} is not served here (no adapters are loaded)")
+    if name not in adapters.names:
+        served = ", ".join(sorted(adapters.names))
+        raise UnknownAdapter(f"adapter {name!r} is not served here (served: {served})")
+    return adapters.index(name)
+
+
+def _unprepared(ticket: int, exc: Exception) -> RowFailure:
+    """How a request whose parts could not be built fails: a request for an adapter that is
+    not served is the client's error, anything else the engine's."""
+    if isinstance(exc, UnknownAdapter):
+        return RowFailure(ticket, FailureKind.INVALID_ARGUMENT, str(exc))
+    message = f"preparing the request failed: {type(exc).__name__}: {exc}"
+    return RowFailure(ticket, FailureKind.INTERNAL, message)
 
 
 def store_tokens(row: Row, tokens: list[int]) -> list[int]:

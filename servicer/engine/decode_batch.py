@@ -13,6 +13,7 @@ joining batch's layers `extend` the running ones, leaving rows `filter` them, a 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +84,9 @@ class DecodeBatch:
     first forward at once (their last prompt token), so their first token is sampled.
 
     On a model with multimodal RoPE (`rope`, mrope.py) each row has a delta on its cache
-    offset (an image row's) or None (standard positions), set for every forward (`forward`)."""
+    offset (an image row's) or None (standard positions), set for every forward (`forward`).
+    With LoRA adapters loaded (`adapters`, adapters.py) each row has its adapter's index
+    (`adapter_rows`, 0: the base), set for every forward the same way."""
 
     Response = DecodeResponse
     # Makes a joining batch's layers into row groups (row_groups), once set.
@@ -103,10 +106,14 @@ class DecodeBatch:
         max_tokens: list[int],
         rope: Any = None,
         deltas: list[int | None] | None = None,
+        adapters: Any = None,
+        adapter_rows: list[int] | None = None,
     ) -> None:
         self.model = model
         self.rope = rope  # the model's RopePositions, where it has multimodal RoPE
         self.deltas: list[int | None] = deltas if deltas is not None else [None] * len(uids)
+        self.adapters = adapters  # the model's AdapterSet, where adapters are loaded
+        self.adapter_rows = adapter_rows if adapter_rows is not None else [0] * len(uids)
         self.uids = uids
         self.prompt_cache = prompt_cache
         self.tokens = tokens
@@ -156,7 +163,9 @@ class DecodeBatch:
         self.max_tokens.extend(batch.max_tokens)
         self.stop_sequences.extend(batch.stop_sequences)
         self.deltas.extend(batch.deltas)
+        self.adapter_rows.extend(batch.adapter_rows)
         self.rope = self.rope if self.rope is not None else batch.rope
+        self.adapters = self.adapters if self.adapters is not None else batch.adapters
         self._current_tokens = _joined(self._current_tokens, batch._current_tokens)
         self._current_logprobs = _rows(self._current_logprobs, batch._current_logprobs)
         self._next_tokens = _joined(self._next_tokens, batch._next_tokens)
@@ -179,6 +188,7 @@ class DecodeBatch:
         self.max_tokens = [self.max_tokens[i] for i in keep]
         self.stop_sequences = [self.stop_sequences[i] for i in keep]
         self.deltas = [self.deltas[i] for i in keep]
+        self.adapter_rows = [self.adapter_rows[i] for i in keep]
         assert self._next_tokens is not None or not keep
         self._next_tokens = self._next_tokens[mx.array(keep)] if keep else None
         self._next_logprobs = [self._next_logprobs[i] for i in keep]
@@ -195,13 +205,22 @@ class DecodeBatch:
         """Whether some row takes multimodal RoPE positions (its forwards set them)."""
         return self.rope is not None and any(d is not None for d in self.deltas)
 
+    @property
+    def adapted(self) -> bool:
+        """Whether some row takes a LoRA adapter (its forwards set the rows' adapters)."""
+        return self.adapters is not None and any(self.adapter_rows)
+
     def forward(self, inputs: mx.array, cache: Any = None) -> mx.array:
         """The model on `inputs` (a row each) over `cache` (the batch's by default), each row
-        at its positions."""
+        at its positions and with its adapter (neither set where no row has one)."""
         cache = self.prompt_cache if cache is None else cache
-        if not self.positioned:
+        if not (self.positioned or self.adapted):
             return self.model(inputs, cache=cache)
-        with self.rope.forward(self.deltas):
+        with contextlib.ExitStack() as stack:
+            if self.positioned:
+                stack.enter_context(self.rope.forward(self.deltas))
+            if self.adapted:
+                stack.enter_context(self.adapters.forward(self.adapter_rows))
             return self.model(inputs, cache=cache)
 
     def _sampler(self, i: int) -> Any:

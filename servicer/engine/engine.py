@@ -412,6 +412,7 @@ def _new_batch(
             parts.fused_prefill,
             parts.group_rows,
             parts.vision,
+            parts.adapters,
         )
 
     return Batch(
@@ -423,6 +424,7 @@ def _new_batch(
         new_row=parts.new_row,
         cost=cost,
         vision=parts.vision,
+        adapters=parts.adapters,
     )
 
 

@@ -19,6 +19,7 @@ from ..admission import Admission, MemoryModel
 from ..engine_config import EngineConfig
 from ..messages import ModelInfo
 from ..model_files import ModelLoadError, ModelSpec, resolve_model_dir
+from .adapters import AdapterError, AdapterSet, load_adapters
 from .cache_kinds import check_quantization, grouped, kind_of, make_row_cache
 from .constraints import GrammarFactory
 from .fused_prefill import enable_fused_prefill
@@ -78,6 +79,7 @@ class EngineParts:
     fused_prefill: bool = False  # a prefill chunk rides in the decoding rows' forward
     group_rows: bool = False  # decoding rows of very different lengths attend in groups
     vision: VisionEncoder | None = None  # a vision-language model's image side
+    adapters: AdapterSet | None = None  # LoRA adapters served beside the base (--adapter)
 
 
 def build_parts(
@@ -90,6 +92,7 @@ def build_parts(
         config.faults.before_load()
     group = lockstep.group if lockstep is not None else None
     loaded = load_model(Path(info.model_dir), config.adapter_path, group)
+    adapters = _adapters(config, loaded, lockstep is not None)  # weights before memory
     seed = config.sampling_seed
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
@@ -122,7 +125,32 @@ def build_parts(
         fused,
         groups_rows,
         vision,
+        adapters,
     )
+
+
+def _adapters(config: EngineConfig, loaded: LoadedModel, shared: bool) -> AdapterSet | None:
+    """The LoRA adapters `config.adapters` names, onto the loaded model (None: none named); one
+    that does not fit the base stops the engine from starting, with the reason. Their weights
+    are the model's from here on, so the admission guard counts them with the base's."""
+    if not config.adapters:
+        return None
+    if shared:
+        raise ModelLoadError("--adapter is not supported with --distributed")
+    if config.adapter_path is not None:
+        raise ModelLoadError(
+            "--adapter cannot be combined with --adapter-path (the adapters serve on the base "
+            "model as its files hold it)"
+        )
+    try:
+        adapters = load_adapters(loaded.model, {name: Path(path) for name, path in config.adapters})
+    except AdapterError as exc:
+        raise ModelLoadError(f"cannot serve the adapters: {exc}") from exc
+    for index, spec in adapters.specs.items():
+        log.info(
+            "adapter %r (%d): %s rank %d from %s", spec.name, index, spec.kind, spec.rank, spec.path
+        )
+    return adapters
 
 
 def _packed_forwards(
@@ -385,13 +413,15 @@ def new_generator(
     fuse_prefill: bool = False,
     group_rows: bool = False,
     vision: VisionEncoder | None = None,
+    adapters: AdapterSet | None = None,
 ) -> BatchRunner:
     """The engine's batch runner, speculating when `speculation` says so (its `counters` go
     on across runners), putting a prefill chunk into the decoding rows' forward with
     `fuse_prefill`, and decoding rows of very different lengths in attention groups with
-    `group_rows` (a model `enable_fused_prefill` covers, both)."""
+    `group_rows` (a model `enable_fused_prefill` covers, both); `adapters`: the LoRA adapters
+    loaded on `model`, if any."""
     kwargs = generator_settings(config, stream)
-    kwargs["vision"] = vision
+    kwargs["vision"], kwargs["adapters"] = vision, adapters
     if speculation is None:
         generator = BatchRunner(model, **kwargs)
     else:

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
+from .adapters import AdapterSet
 from .decode_batch import DecodeBatch, extend_caches, merge_caches
 from .vision import ImageSpan, RowRope, VisionEncoder, chunk_embeddings
 
@@ -37,6 +38,7 @@ class PromptRow:
     stop: StopSequences
     images: list[ImageSpan] = field(default_factory=list)  # those past its cached prefix
     rope: RowRope | None = None  # its prompt's multimodal RoPE (None: standard positions)
+    adapter: int = 0  # its LoRA adapter's index in the model's AdapterSet (0: the base)
     done: int = 0  # prompt tokens through the model
     total: int = field(init=False)
 
@@ -76,9 +78,12 @@ class PromptProgress:
 class PromptBatch:
     """Rows in prefill, by position, with their merged caches."""
 
-    def __init__(self, model: Any, vision: VisionEncoder | None = None) -> None:
+    def __init__(
+        self, model: Any, vision: VisionEncoder | None = None, adapters: AdapterSet | None = None
+    ) -> None:
         self.model = model
         self.vision = vision  # a vision-language model's image side
+        self.adapters = adapters  # the LoRA adapters loaded on the model, if any
         self.rows: list[PromptRow] = []
         self.prompt_cache: list[Any] = []
 
@@ -143,7 +148,7 @@ class PromptBatch:
         if self.vision is not None:
             images = [row.images for row in self.rows]
             embeddings = chunk_embeddings(self.vision, inputs, starts, lengths, images)
-        with self._positions(starts, lengths):
+        with self._positions(starts, lengths), self._adapted():
             if embeddings is None:
                 self.model(inputs, cache=self.prompt_cache)
             else:
@@ -173,6 +178,12 @@ class PromptBatch:
         ]
         return rope.forward(rows)
 
+    def _adapted(self) -> contextlib.AbstractContextManager[Any]:
+        """Each row's LoRA adapter for the forward (nothing set where no row has one)."""
+        if self.adapters is None or not any(row.adapter for row in self.rows):
+            return contextlib.nullcontext()
+        return self.adapters.forward([row.adapter for row in self.rows])
+
     def start_decoding(self, indices: list[int], fallback_sampler: Any) -> DecodeBatch:
         """The rows at `indices` (each with only its last token left) leave prefill as a
         decoding batch, whose construction runs that token."""
@@ -193,4 +204,6 @@ class PromptBatch:
             [row.max_tokens for row in rows],
             rope=self.vision.rope if self.vision is not None else None,
             deltas=[None if row.rope is None else row.rope.delta for row in rows],
+            adapters=self.adapters,
+            adapter_rows=[row.adapter for row in rows],
         )

@@ -5,7 +5,8 @@ A request waits, then prefills a chunk a step beside the decoding rows (the chun
 caller's, each step), then decodes. The runner calls mlx-lm's models and cache classes
 directly; the rows, their progress and the step are its own (`PromptBatch`, `DecodeBatch`).
 Where `fuse_prefill` is set for a model `enable_fused_prefill` covers, one prompt's chunk goes
-through the decoding rows' forward (fused_prefill).
+through the decoding rows' forward (fused_prefill). With LoRA adapters loaded (`adapters`,
+adapters.py) each request names its adapter's index; every forward sets its rows' own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
+from .adapters import AdapterSet
 from .decode_batch import DecodeBatch, DecodeResponse
 from .fused_prefill import FusingModel
 from .prefill import PrefillWork
@@ -44,9 +46,11 @@ class BatchRunner:
         max_kv_size: int | None = None,
         sampler: Any = None,
         vision: VisionEncoder | None = None,
+        adapters: AdapterSet | None = None,
     ) -> None:
         self.model = model
         self.vision = vision
+        self.adapters = adapters  # the LoRA adapters loaded on the model, if any
         self.sampler = sampler or greedy_sampler
         self.prefill_step_size = prefill_step_size  # a step's chunk unless `next` is told one
         self.prefill_batch_size = prefill_batch_size
@@ -55,7 +59,7 @@ class BatchRunner:
         self._stream = stream or mx.new_stream(mx.default_device())
         self._next_uid = 0
         self.waiting: deque[PromptRow] = deque()
-        self.prefill = PromptBatch(model, vision)
+        self.prefill = PromptBatch(model, vision, adapters)
         self.decoding: DecodeBatch = self._new_decode_batch()
         self.fuse_prefill = False
         self.fused_steps = 0
@@ -104,9 +108,11 @@ class BatchRunner:
         stop_sequences: list[StopSequences] | None = None,
         images: list[list[ImageSpan]] | None = None,
         ropes: list[RowRope | None] | None = None,
+        adapters: list[int] | None = None,
     ) -> list[int]:
         """Requests wait for prefill, each prompt in segments (prefill stops at each segment's
-        end, for a snapshot), with its images and multimodal RoPE, if any; their uids."""
+        end, for a snapshot), with its images, multimodal RoPE and LoRA adapter (its index in
+        the runner's AdapterSet), if any; their uids."""
         n = len(segments)
         options = {
             "max_tokens": max_tokens or [DEFAULT_MAX_TOKENS] * n,
@@ -117,39 +123,16 @@ class BatchRunner:
             "stop_sequences": stop_sequences or [StopSequences()] * n,
             "images": images or [[] for _ in range(n)],
             "ropes": ropes or [None] * n,
+            "adapters": adapters or [0] * n,
         }
         for name, values in options.items():
             if len(values) != n:
                 raise ValueError(f"{name}: {len(values)} values for {n} prompts")
+        _check_adapters(self.adapters, options["adapters"])
         rows = []
         for i, prompt in enumerate(segments):
-            uid = self._next_uid + i
-            parts = [list(s) for s in prompt if s]
-            if not parts:
-                raise ValueError(f"prompt {uid} is empty")
-            if options["max_tokens"][i] <= 0:
-                raise ValueError(f"prompt {uid}: max_tokens must be > 0")
-            if len(parts[-1]) != 1:  # the last token runs as the row starts decoding
-                parts.append(parts[-1][-1:])
-                parts[-2] = parts[-2][:-1]
-            cache = options["caches"][i]
-            if cache is None:
-                cache = make_prompt_cache(self.model, self.max_kv_size)
-            sampler = options["samplers"][i]
-            rows.append(
-                PromptRow(
-                    uid,
-                    parts,
-                    options["max_tokens"][i],
-                    cache,
-                    options["all_tokens"][i],
-                    self.sampler if sampler is None else sampler,
-                    tuple(options["logits_processors"][i] or ()),
-                    options["stop_sequences"][i],
-                    options["images"][i],
-                    options["ropes"][i],
-                )
-            )
+            row = {name: values[i] for name, values in options.items()}
+            rows.append(_prompt_row(self, self._next_uid + i, prompt, row))
         self.waiting.extend(rows)
         self._next_uid += n
         return [row.uid for row in rows]
@@ -256,6 +239,8 @@ class BatchRunner:
         if not 0 < len(self.decoding) < self.completion_batch_size:
             return False
         row = self.prefill.rows[0]
+        if row.adapter or self.decoding.adapted:  # a packed forward sets no rows' adapters
+            return False
         return not (row.starting or row.images or row.rope or self.decoding.positioned)
 
     def _fused_step(self, chunk: int) -> tuple[list[PromptProgress], list[DecodeResponse]]:
@@ -280,3 +265,43 @@ class BatchRunner:
             self.prefill.prompt([tokens])
         self.prompt_tokens += len(tokens)
         return [progress], responses
+
+
+def _check_adapters(adapters: AdapterSet | None, indices: Sequence[int]) -> None:
+    """Each request's adapter index must name an adapter the runner holds (0: the base)."""
+    loaded = len(adapters) if adapters is not None else 0
+    bad = sorted({i for i in indices if not 0 <= i <= loaded})
+    if bad:
+        raise ValueError(f"adapter indices {bad} are not loaded ({loaded} adapters)")
+
+
+def _prompt_row(
+    runner: BatchRunner, uid: int, prompt: list[list[int]], given: dict[str, Any]
+) -> PromptRow:
+    """Request `uid`'s row: its prompt's segments, the last token apart (it runs as the row
+    starts decoding), and its per-request options (`given`, insert_segments' by name)."""
+    parts = [list(s) for s in prompt if s]
+    if not parts:
+        raise ValueError(f"prompt {uid} is empty")
+    if given["max_tokens"] <= 0:
+        raise ValueError(f"prompt {uid}: max_tokens must be > 0")
+    if len(parts[-1]) != 1:
+        parts.append(parts[-1][-1:])
+        parts[-2] = parts[-2][:-1]
+    cache = given["caches"]
+    if cache is None:
+        cache = make_prompt_cache(runner.model, runner.max_kv_size)
+    sampler = given["samplers"]
+    return PromptRow(
+        uid,
+        parts,
+        given["max_tokens"],
+        cache,
+        given["all_tokens"],
+        runner.sampler if sampler is None else sampler,
+        tuple(given["logits_processors"] or ()),
+        given["stop_sequences"],
+        given["images"],
+        given["ropes"],
+        given["adapters"],
+    )
