@@ -400,3 +400,14 @@ def test_rows_in_attention_groups_take_their_adapters(adapter_dirs) -> None:
     base = drive(plain_generator(model), mixed_jobs(tokenizer, 0))
     adapted = [name for name, index in indices.items() if index]
     assert any(base[name].tokens != want[name].tokens for name in adapted)
+
+
+def test_adapter_path_still_applies_one_adapter_at_load(adapter_dirs, greedy, reference) -> None:
+    """--adapter-path (mlx-lm's own adapter, applied as the model loads) serves as before: the
+    base address answers with that adapter's greedy tokens."""
+    config = demo_config(demo_model_path("llama"), adapter_path=str(adapter_dirs["c"]))
+    prompt = _prompt(reference.tokenizer, 2)
+    with ServerThread(replace(config, engine_mode="thread")) as running, running.channel() as chan:
+        outcome = generate(chan, prompt, temperature=0, max_tokens=N, ignore_eos=True)
+    assert outcome.error is None
+    assert outcome.tokens == greedy.tokens("float32", "c", prompt, N, False)
