@@ -107,11 +107,12 @@ def test_mixed_adapters_in_one_batch_each_equal_mlx_lms_own(worker, adapter_dirs
 
 
 def test_the_same_prompt_under_another_adapter_shares_no_block(worker, adapter_dirs, references):
-    prompt = _chat_ids("Tell me about the sea and the sky, and the hills beyond them.")
+    prompt = [300 + (i * 37) % 200 for i in range(29)]  # no other test's prefix
     first = _generate(worker, "attn", prompt)
     again = _generate(worker, "attn", prompt)
     other = _generate(worker, "all", prompt)
     base = _generate(worker, BASE, prompt)
+    assert first.cached_tokens == 0
     assert again.cached_tokens > 0 and list(again.output_ids) == list(first.output_ids)
     assert other.cached_tokens == 0 and base.cached_tokens == 0
     assert list(other.output_ids) == references.greedy("float32", "all", prompt, 16)
@@ -149,6 +150,6 @@ def test_one_router_in_front_routes_each_name_to_its_adapter(
             tokens = references.greedy("float32", None if name == BASE else name, prompt, 12)
             eos = tokenizer.eos_token_id
             tokens = tokens[: tokens.index(eos)] if eos in tokens else tokens
-            assert replies[name] == tokenizer.decode(tokens, skip_special_tokens=True), name
+            assert (replies[name] or "") == tokenizer.decode(tokens, skip_special_tokens=True), name
     finally:
         router.close()
