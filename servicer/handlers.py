@@ -99,6 +99,8 @@ def observe_tokens(metrics: WorkerMetrics, stream: RequestStream, count: int) ->
         metrics.inter_token.observe((now - stream.last_token_at) / count)
     stream.last_token_at = now
     metrics.generated_tokens.inc(count)
+    if stream.adapter:
+        metrics.adapter_tokens.labels(stream.adapter).inc(count)
 
 
 class Codec(Protocol):
@@ -223,7 +225,7 @@ def generate_rpc(face: Face) -> Callable[..., AsyncIterator[Any]]:
             stream.finish_reason = outcome
             await context.abort(error.code, error.message)
         finally:
-            self._metrics.requests.labels(outcome).inc()
+            self._metrics.count_request(outcome, job.adapter)
             self._release(job, streams)
 
     return generate
@@ -265,7 +267,7 @@ async def sample_rows(
     finally:
         for task in tasks:
             task.cancel()
-        self._metrics.requests.labels(outcome).inc()
+        self._metrics.count_request(outcome, job.adapter)
         self._release(job, streams)
 
 

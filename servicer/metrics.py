@@ -187,6 +187,18 @@ class WorkerMetrics:
         self.generated_tokens = Counter(
             "mlx_worker_generated_tokens", "Tokens generated", registry=reg
         )
+        self.adapter_requests = Counter(
+            "mlx_worker_adapter_requests",
+            "Generate calls for a served adapter (--adapter), by how they ended",
+            ["adapter", "outcome"],
+            registry=reg,
+        )
+        self.adapter_tokens = Counter(
+            "mlx_worker_adapter_generated_tokens",
+            "Tokens generated for a served adapter",
+            ["adapter"],
+            registry=reg,
+        )
         self.errors = Counter(
             "mlx_worker_errors",
             "Errors by kind: invalid_request, duplicate_request, queue_full, kv_memory, "
@@ -194,6 +206,12 @@ class WorkerMetrics:
             ["kind"],
             registry=reg,
         )
+
+    def count_request(self, outcome: str, adapter: str = "") -> None:
+        """A Generate call ended: by outcome, and by adapter for a served adapter's."""
+        self.requests.labels(outcome).inc()
+        if adapter:
+            self.adapter_requests.labels(adapter, outcome).inc()
 
     def _engine(self, load: Callable[[], EngineLoad], figures: Callable[[], EngineFigures]) -> None:
         reg = self.registry

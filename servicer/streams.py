@@ -33,6 +33,7 @@ class RequestStream:
         "_per_handoff",
         "_waiter",
         "accepted_at",
+        "adapter",
         "decoding",
         "events",
         "failure",
@@ -46,6 +47,7 @@ class RequestStream:
         self.failure: RequestError | None = None
         self.finish_reason: str | None = None  # set once the terminal message is built
         self.accepted_at = time.perf_counter()
+        self.adapter = request.adapter  # the served adapter it is for ("": the base model)
         self.last_token_at: float | None = None
         self.decoding = False  # a token has arrived
         self._waiter: asyncio.Future[None] | None = None

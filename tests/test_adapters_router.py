@@ -153,3 +153,24 @@ def test_one_router_in_front_routes_each_name_to_its_adapter(
             assert (replies[name] or "") == tokenizer.decode(tokens, skip_special_tokens=True), name
     finally:
         router.close()
+
+
+def test_metrics_count_each_adapters_requests_and_tokens(worker, adapter_dirs):
+    registry = worker.server.metrics.registry
+    before = registry.get_sample_value(
+        "mlx_worker_adapter_generated_tokens_total", {"adapter": "attn"}
+    )
+    _generate(worker, "attn", [301, 302, 303, 304, 305], n=5)
+    _generate(worker, BASE, [301, 302, 303, 304, 305], n=5)
+    after = registry.get_sample_value(
+        "mlx_worker_adapter_generated_tokens_total", {"adapter": "attn"}
+    )
+    assert after - (before or 0) == 5
+    ended = {"adapter": "attn", "outcome": "length"}
+    assert registry.get_sample_value("mlx_worker_adapter_requests_total", ended) >= 1
+    assert (
+        registry.get_sample_value(
+            "mlx_worker_adapter_requests_total", {"adapter": BASE, "outcome": "length"}
+        )
+        is None
+    )  # the base model is not an adapter
