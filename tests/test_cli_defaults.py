@@ -94,3 +94,29 @@ def test_adapter_flags_name_their_own_ports_and_no_flag_is_read_by_a_prefix():
     ):
         with pytest.raises(SystemExit):
             config_from_args(parse_args(argv))
+
+
+def test_an_adapter_port_taken_stops_the_start_before_any_address_serves(tmp_path):
+    """Every address is bound before any starts: a port already taken is an error at start
+    (the worker exits), not a worker serving some of its names."""
+    import asyncio
+    import socket
+
+    from servicer.model_files import ModelSpec
+    from servicer.server import ServerConfig, WorkerServer
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    config = ServerConfig(
+        model=ModelSpec(str(tmp_path)), port=0, adapter_ports=(("a", 0), ("b", port))
+    )
+    server = WorkerServer(config)
+    try:
+        with pytest.raises(OSError, match=str(port)):
+            asyncio.run(server.start())
+        assert server._server is None  # nothing started
+    finally:
+        taken.close()
+        server.engine.shutdown(5.0)
