@@ -174,3 +174,33 @@ def test_metrics_count_each_adapters_requests_and_tokens(worker, adapter_dirs):
         )
         is None
     )  # the base model is not an adapter
+
+
+def test_structured_output_and_n_on_an_adapters_address(worker):
+    """The vLLM face's features hold on an adapter's address: a JSON schema, n = 2."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    with grpc.insecure_channel(_address(worker, "all")) as channel:
+        request = vpb.GenerateRequest(
+            request_id="all-json",
+            tokenized=vpb.TokenizedInput(input_ids=_chat_ids(QUESTIONS[0])),
+            sampling_params=vpb.SamplingParams(
+                temperature=0.0, max_tokens=32, json_schema=json.dumps(schema), n=2
+            ),
+        )
+        completes = [
+            r.complete for r in vgrpc.VllmEngineStub(channel).Generate(request, timeout=120)
+        ]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_model_path("llama")))
+    assert sorted(c.index for c in completes) == [0, 1]
+    for complete in completes:
+        text = tokenizer.decode(list(complete.output_ids), skip_special_tokens=True)
+        assert set(json.loads(text)) == {"answer"}
