@@ -15,6 +15,7 @@ import http.client
 import io
 import ipaddress
 import os
+import re
 import socket
 import ssl
 import stat
@@ -386,8 +387,10 @@ def _decode(raw: bytes, policy: MediaPolicy) -> DecodedImage:
             image = opened.convert("RGB")
     except _Refused:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise _Refused("limit", f"too many pixels: over {limit}") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        size = re.search(r"\((\d+) pixels\)", str(e))  # PIL names the image's own size
+        pixels = size.group(1) if size else f"over {limit}"
+        raise _Refused("limit", f"too many pixels: {pixels}, limit {limit}") from None
     except Exception as e:  # any decoder failure is the image's fault, not ours
         raise _Refused("invalid", f"undecodable image ({type(e).__name__}: {e})") from None
     return DecodedImage(image, digest, width, height)
