@@ -7,6 +7,8 @@ loads and KV events are the engine's.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -42,3 +44,25 @@ class AdapterView:
         info = await self._handlers.GetModelInfo(request, context)
         info.served_model_name = self.name
         return info
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
+
+
+def adapter_keys(adapters: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """Each served adapter's name in the prefix store: its name and a digest of its files, so
+    that blocks kept (on disk, across a restart) for other weights under the same name are
+    never reused (a file missing: the name alone; the engine refuses to start then)."""
+    keys = {}
+    for name, path in adapters:
+        digest = hashlib.blake2b(name.encode(), digest_size=16)
+        try:
+            for file in ADAPTER_FILES:
+                with (Path(path) / file).open("rb") as handle:
+                    while chunk := handle.read(1 << 20):
+                        digest.update(chunk)
+        except OSError:
+            keys[name] = name
+            continue
+        keys[name] = f"{name}:{digest.hexdigest()}"
+    return keys

@@ -346,6 +346,7 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         self._calls = EngineCalls()  # embeds and flushes waiting for the engine
         self._once = RateLimitedLog(log, float("inf"))  # says each thing once
         self.images: ImagePreparer | None = None  # a vision model's image fetch and processing
+        self.adapter_keys: dict[str, str] = {}  # served adapters' names in the prefix store
         self._preparing: dict[
             str, bool
         ] = {}  # request ids whose images are being prepared: aborted?
@@ -467,6 +468,7 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
                 self._options.stream_window_ms / 1000,
                 expand_images,
                 adapter,
+                self.adapter_keys.get(adapter, adapter),
             )
             if request.sampling_params.WhichOneof("constraint") is None:
                 return build_request(*args)

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .adapter_faces import AdapterView
+from .adapter_faces import AdapterView, adapter_keys
 from .engine_config import EngineConfig
 from .engine_handle import EngineHandle
 from .engine_process import EngineProcess
@@ -201,6 +201,8 @@ class WorkerServer:
             raise EngineStartupError(str(exc)) from exc
         self.files = files
         self.servicer.set_model(files)
+        adapters = self.config.engine.adapters
+        self.servicer.adapter_keys = await asyncio.to_thread(adapter_keys, adapters)
         self.lifecycle.advance(Phase.LOADING)
         log.info(
             "loading %s (metadata answers now; health NOT_SERVING until warm)",

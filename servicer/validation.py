@@ -386,6 +386,7 @@ def build_request(
     stream_window_s: float = 0.0,
     expand_images: ExpandImages | None = None,
     adapter: str = "",
+    adapter_key: str = "",
 ) -> tuple[GenerationRequest, TextOptions | None]:
     """Validate and normalise; raises RequestError with the status to send.
 
@@ -395,15 +396,15 @@ def build_request(
     finish, unless it watches for stop strings. `block_size`: name the prompt's blocks for
     prefix reuse (0: the worker keeps no prefixes). `expand_images`: the request's images,
     fetched and processed, put in its prompt (None: a request with media is refused);
-    `adapter`: the served adapter it came for ("": the base model)."""
+    `adapter`: the served adapter it came for ("": the base model), `adapter_key` its name
+    in the prefix store (its weights' digest): an adapter's blocks are its own."""
     if not request.request_id:
         raise _invalid("request_id is empty")
     if expand_images is None:
         refuse_media(request)
     prompt, bos_added = prompt_ids(request, limits, text_ids)
     prompt, images, keyed = _with_images(prompt, expand_images, limits)
-    if adapter:  # an adapter's blocks are its own (the prefix store's and KV events' names)
-        keyed = adapter_keyed(keyed or prompt, adapter)
+    keyed = adapter_keyed(keyed or prompt, adapter_key or adapter) if adapter else keyed
     params = request.sampling_params
     max_tokens = _max_tokens(params, limits.context_length - len(prompt))
     sample_count(params)

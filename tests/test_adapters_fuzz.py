@@ -414,12 +414,6 @@ def test_cached_answers_with_adapters_equal_uncached_answers(fuzzer: Fuzz) -> No
     assert cover.adapter_differs > 0  # the adapters change the answers
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the disk tier's namespace (disk_tier.model_identity) digests --adapter-path but "
-    "not --adapter's weights, and an adapter's blocks are keyed by its name: a restart that "
-    "serves other weights under the same name reuses the old adapter's KV blocks",
-)
 def test_a_restart_with_other_weights_under_the_same_name_reuses_no_block(
     fuzzer: Fuzz, tmp_path: Path
 ) -> None:
