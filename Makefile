@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 EXTRAS := $(if $(filter Darwin,$(shell uname -s)),dev,cpu,dev)
 ARGS ?=
 
-.PHONY: install serve test lint format proto demo bench nightly fuzz-cache fuzz-requests families vision-families clean
+.PHONY: install serve test lint format proto demo bench bench-images nightly fuzz-cache fuzz-requests families vision-families clean
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ demo: $(STAMP)
 # Served vs raw-engine throughput, burst, cancel (ARGS="--quick", "--side-by-side", ...).
 bench: $(STAMP)
 	$(BIN)/python bench/bench.py $(ARGS)
+
+# Mixed image and text traffic, ours (vLLM face) vs mlx_vlm.server on the same model
+# (ARGS="--model shape" for a VLM of real shape; needs mlx_vlm.server's deps: bench/README.md).
+bench-images: $(STAMP)
+	$(BIN)/python bench/images.py $(ARGS)
 
 # genai-bench through the smg router, ours vs the raw engine (and smg-grpc-servicer with
 # --side-by-side): fixed scenarios, a history, a verdict (exit 1 on a regression), trend PNGs and

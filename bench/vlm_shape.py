@@ -1,0 +1,290 @@
+"""A vision-language model of real shape with random weights, for bench/images.py.
+
+    python bench/vlm_shape.py                     # builds (first use) and prints its directory
+    python bench/vlm_shape.py --image-size 448    # a costlier vision pass
+    python bench/vlm_shape.py --bits 4            # 4-bit language model (mlx_vlm.convert)
+
+Its outputs are noise; its speed is a real model's. The files take the gemma3 demo VLM's
+(`servicer.demo_vlm_gemma3`) as template: the same model type (mlx-vlm's `gemma3`, which
+mlx-lm also loads as its text model), chat template, image tokens and processor files, at
+these sizes:
+
+- language model: google/gemma-3-1b's text stack (hidden 1152, 26 layers, 4 query heads and
+  1 KV head of 256, MLP 6912, sliding window 512 on 5 layers of every 6, a 262,144-token
+  vocabulary with tied embeddings): about 1.0 billion parameters;
+- vision tower: Gemma 3's SigLIP (so400m: hidden 1152, 27 layers, 16 heads, MLP 4304,
+  14-pixel patches) at `--image-size` pixels (default 224, not Gemma 3's 896: one encoder
+  pass at 896 takes minutes on the 2-core CPU, at 448 ~21 s, at 224 ~3.6 s), average-pooled
+  to Gemma 3's 256 image tokens per image whatever the size (224: 16x16 patches, pool 1;
+  448: pool 2; 896: pool 4), so the language model's prefill of an image is the real one.
+
+The tokenizer is the demo's (512 byte-level BPE tokens, its special tokens and the image
+tokens at 512-514), its vocabulary padded to 262,144 with tokens `Ġw515` ... that no text
+encodes to (they decode to " w515" ...), so the embedding and the LM head have the real
+model's size and any sampled id decodes.
+
+Weights are float32 by default: on this CPU (MLX's CPU backend, OpenBLAS preloaded) a
+4-bit matmul of 256 rows by 1152x6912 takes ~1.8 s against ~0.04 s in float32 (and bf16
+~0.8 s), so a 4-bit model's image prefill would take minutes. `--bits 4` quantizes the
+language model with `python -m mlx_vlm.convert -q` (the vision tower stays float32, as
+mlx-vlm's convert leaves it) for machines where 4-bit is fast (Metal, CUDA).
+
+Cached under ~/.cache/mlx-grpc-worker/bench-vlm-shape/ (MLX_GRPC_WORKER_CACHE moves the
+root), one directory per (image size, bits, recipe version), built behind a lock file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import _checkout  # noqa: F401  (before any `servicer` import)
+
+from servicer.demo_model import build_atomically, cached_build, default_cache_dir
+
+# Bump whenever anything that changes the built files changes.
+RECIPE_VERSION = "v1"
+SEED = 0
+VOCAB_SIZE = 262_144  # gemma-3-1b's (the 4B's is 262,208)
+MM_TOKENS_PER_IMAGE = 256
+PATCH_SIZE = 14
+TEXT_SHAPE: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "hidden_size": 1152,
+    "num_hidden_layers": 26,
+    "intermediate_size": 6912,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1_000_000.0,
+    "rope_global_base_freq": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+}
+VISION_SHAPE: dict[str, Any] = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_channels": 3,
+    "patch_size": PATCH_SIZE,
+    "layer_norm_eps": 1e-6,
+    "vision_use_head": False,
+}
+# Copied from the demo as they are (the processor files are rewritten for the image size).
+TEMPLATE_FILES = ("chat_template.json", "generation_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json")
+
+
+def template_path() -> Path:
+    from servicer.demo_vlm import demo_vlm_path
+
+    return demo_vlm_path(family="gemma3")
+
+
+def is_finished(path: Path) -> bool:
+    return path.is_dir() and all((path / name).is_file() for name in REQUIRED_FILES)
+
+
+def vlm_shape_path(image_size: int = 224, bits: int = 0, cache_dir: Path | None = None) -> Path:
+    """The cached model of real shape, built on first use (a minute or two, ~5.7 GB)."""
+    side = math.isqrt(MM_TOKENS_PER_IMAGE)
+    if image_size % (PATCH_SIZE * side):
+        raise SystemExit(f"--image-size must be a multiple of {PATCH_SIZE * side} (224, 448, 896)")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    name = f"gemma3-1b-siglip{image_size}-{'f32' if not bits else f'q{bits}'}-{RECIPE_VERSION}"
+    target = root / "bench-vlm-shape" / name
+
+    def build(path: Path) -> Path:
+        if not bits:
+            return build_atomically(path, is_finished, lambda t: _build(t, image_size), name)
+        source = vlm_shape_path(image_size, 0, cache_dir)
+        return build_atomically(path, is_finished, lambda t: _quantize(source, t, bits), name)
+
+    return cached_build(target, is_finished, build, f"the real-shape VLM {name}")
+
+
+def model_config(template: dict[str, Any], image_size: int) -> dict[str, Any]:
+    layers = TEXT_SHAPE["num_hidden_layers"]
+    pattern = TEXT_SHAPE["sliding_window_pattern"]
+    kinds = [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
+    ids = {
+        key: template[key] for key in ("boi_token_index", "eoi_token_index", "image_token_index")
+    }
+    specials = {key: template[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {
+            **TEXT_SHAPE,
+            "layer_types": kinds,
+            "vocab_size": VOCAB_SIZE,
+            "mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
+            **specials,
+        },
+        "vision_config": {**VISION_SHAPE, "image_size": image_size},
+        "mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
+        **ids,
+        "hidden_size": TEXT_SHAPE["hidden_size"],
+        "vocab_size": VOCAB_SIZE,
+        **specials,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "bench_build": {"kind": "vlm-shape", "seed": SEED, "version": RECIPE_VERSION},
+    }
+
+
+def _shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every weight's name and shape as mlx-vlm's Gemma 3 holds them (MLX's layouts)."""
+    t, v = config["text_config"], config["vision_config"]
+    hidden, mlp, head = t["hidden_size"], t["intermediate_size"], t["head_dim"]
+    q, kv = t["num_attention_heads"] * head, t["num_key_value_heads"] * head
+    shapes: dict[str, tuple[int, ...]] = {
+        "language_model.model.embed_tokens.weight": (t["vocab_size"], hidden),
+        "language_model.model.norm.weight": (hidden,),
+    }
+    for i in range(t["num_hidden_layers"]):
+        p = f"language_model.model.layers.{i}."
+        for norm in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            shapes[f"{p}{norm}_layernorm.weight"] = (hidden,)
+        shapes |= {
+            f"{p}self_attn.q_proj.weight": (q, hidden),
+            f"{p}self_attn.k_proj.weight": (kv, hidden),
+            f"{p}self_attn.v_proj.weight": (kv, hidden),
+            f"{p}self_attn.o_proj.weight": (hidden, q),
+            f"{p}self_attn.q_norm.weight": (head,),
+            f"{p}self_attn.k_norm.weight": (head,),
+            f"{p}mlp.gate_proj.weight": (mlp, hidden),
+            f"{p}mlp.up_proj.weight": (mlp, hidden),
+            f"{p}mlp.down_proj.weight": (hidden, mlp),
+        }
+    width, vmlp, patch = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    tower = "vision_tower.vision_model."
+    shapes |= {
+        f"{tower}embeddings.patch_embedding.weight": (width, patch, patch, v["num_channels"]),
+        f"{tower}embeddings.patch_embedding.bias": (width,),
+        f"{tower}embeddings.position_embedding.weight": ((v["image_size"] // patch) ** 2, width),
+        f"{tower}post_layernorm.weight": (width,),
+        f"{tower}post_layernorm.bias": (width,),
+    }
+    for i in range(v["num_hidden_layers"]):
+        p = f"{tower}encoder.layers.{i}."
+        for norm in ("layer_norm1", "layer_norm2"):
+            shapes[f"{p}{norm}.weight"] = (width,)
+            shapes[f"{p}{norm}.bias"] = (width,)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes[f"{p}self_attn.{proj}.weight"] = (width, width)
+            shapes[f"{p}self_attn.{proj}.bias"] = (width,)
+        shapes |= {
+            f"{p}mlp.fc1.weight": (vmlp, width),
+            f"{p}mlp.fc1.bias": (vmlp,),
+            f"{p}mlp.fc2.weight": (width, vmlp),
+            f"{p}mlp.fc2.bias": (width,),
+        }
+    shapes["multi_modal_projector.mm_soft_emb_norm.weight"] = (width,)
+    shapes["multi_modal_projector.mm_input_projection_weight"] = (width, hidden)
+    return shapes
+
+
+def _random(name: str, shape: tuple[int, ...]) -> Any:
+    """Unit-scale activations: linear weights N(0, 1/fan_in), small biases, unit norms
+    (Gemma's RMSNorm scales by 1 + weight: zeros; SigLIP's LayerNorm: ones and zeros)."""
+    import mlx.core as mx
+
+    if name.endswith("layernorm.weight") or name.endswith("_norm.weight"):
+        if name.startswith("vision_tower"):
+            return mx.ones(shape)
+        return mx.zeros(shape)
+    if name.endswith(".bias"):
+        return mx.random.normal(shape) * 0.02
+    if name.endswith("embed_tokens.weight"):
+        return mx.random.normal(shape) * (1 / math.sqrt(shape[1]))
+    if name.endswith("position_embedding.weight"):
+        return mx.random.normal(shape) * 0.5
+    fan_in = math.prod(shape[1:])
+    return mx.random.normal(shape) * (1 / math.sqrt(fan_in))
+
+
+def padded_tokenizer(template: Path, vocab_size: int) -> dict[str, Any]:
+    """The demo's tokenizer.json with its BPE vocabulary padded to `vocab_size` ids."""
+    data = json.loads((template / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    # Added tokens the BPE vocabulary lacks get ids after its last on loading, whatever the
+    # file says: put them in it, at their ids.
+    for token in data["added_tokens"]:
+        vocab.setdefault(token["content"], token["id"])
+    taken = set(vocab.values())
+    for index in range(vocab_size):
+        if index not in taken:
+            vocab[f"Ġw{index}"] = index
+    return data
+
+
+def _build(out: Path, image_size: int) -> None:
+    import mlx.core as mx
+
+    template = template_path()
+    config = model_config(json.loads((template / "config.json").read_text()), image_size)
+    mx.random.seed(SEED)
+    weights = {name: _random(name, shape) for name, shape in _shapes(config).items()}
+    mx.eval(weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    del weights
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in TEMPLATE_FILES:
+        shutil.copy(template / name, out / name)
+    (out / "tokenizer.json").write_text(json.dumps(padded_tokenizer(template, VOCAB_SIZE)))
+    tokenizer_config = json.loads((template / "tokenizer_config.json").read_text())
+    tokenizer_config["model_max_length"] = TEXT_SHAPE["max_position_embeddings"]
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    pre = json.loads((template / "preprocessor_config.json").read_text())
+    pre["size"] = {"height": image_size, "width": image_size}
+    pre["image_seq_length"] = MM_TOKENS_PER_IMAGE
+    (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
+    processor = json.loads((template / "processor_config.json").read_text())
+    processor["image_seq_length"] = MM_TOKENS_PER_IMAGE
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+
+
+def _quantize(source: Path, out: Path, bits: int) -> None:
+    """mlx-vlm's own convert, `-q`, into `out` (a fresh temporary directory)."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+        converted = Path(scratch) / "q"
+        command = [sys.executable, "-m", "mlx_vlm.convert", "--hf-path", str(source)]
+        command += ["--mlx-path", str(converted), "-q", "--q-bits", str(bits)]
+        subprocess.run(command, check=True)
+        for item in converted.iterdir():
+            shutil.move(str(item), out / item.name)
+    for name in ("tokenizer.json", "tokenizer_config.json", *TEMPLATE_FILES):
+        if not (out / name).exists():
+            shutil.copy(source / name, out / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--image-size", type=int, default=224, help="224 (default), 448, 896")
+    parser.add_argument("--bits", type=int, default=0, help="0: float32 (default); 4, 8")
+    args = parser.parse_args(argv)
+    print(vlm_shape_path(args.image_size, args.bits))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
