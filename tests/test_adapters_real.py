@@ -39,6 +39,9 @@ BASE = "smol"
 BLOCK = 8  # tokens per prompt-cache block
 QUESTION = "What should I do when my bicycle chain squeaks?"
 # Two adapters of other kinds, ranks, target keys and layers, each taught a style of answer.
+SLOW_ENV = "MLX_GRPC_WORKER_SLOW_TESTS"  # the slow parts of the real-model tests too
+FOUR_BIT = bool(os.environ.get(SLOW_ENV))
+
 ADAPTERS: dict[str, dict[str, Any]] = {
     "pirate": dict(
         fine_tune_type="lora",
@@ -102,7 +105,8 @@ def test_in_a_process_with_openblas(real_chat_model_dir: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed and int(passed.group(1)) >= 3, done.stdout[-2000:]  # none skipped there
+    want = 3 if FOUR_BIT else 2  # none skipped there but the slow 4-bit run
+    assert passed and int(passed.group(1)) >= want, done.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +194,8 @@ def models(base_dir: Path, tmp_path_factory) -> tuple[dict[str, Path], dict[str,
     }
     try:
         quantized = root / "smol-4bit"
-        convert(str(base_dir), str(quantized), quantize=True, q_bits=4, q_group_size=64)
+        if FOUR_BIT:
+            convert(str(base_dir), str(quantized), quantize=True, q_bits=4, q_group_size=64)
         for name, process in training.items():
             code = process.wait(600)
             assert code == 0, f"training {name} failed:\n{logs[name].read_text()[-3000:]}"
@@ -280,10 +285,24 @@ def test_mlx_lm_trained_the_adapters_and_loads_them_on_the_4_bit_base(models, re
         assert config["fine_tune_type"] == spec["fine_tune_type"]
         assert config["lora_parameters"] == spec["lora_parameters"]
         assert (path / "adapters.safetensors").is_file()
-        references.model("4-bit", name)
+        if FOUR_BIT:
+            references.model("4-bit", name)
 
 
-@pytest.mark.parametrize("kind", ["float32", "4-bit"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "float32",
+        pytest.param(
+            "4-bit",
+            marks=pytest.mark.skipif(
+                not FOUR_BIT,
+                reason=f"the 4-bit real base takes ~2 min on a CPU ({SLOW_ENV}=1 runs it; the "
+                "demo llama's 4-bit base is in tests/test_adapters_engine.py)",
+            ),
+        ),
+    ],
+)
 def test_one_batch_then_each_alone_is_mlx_lms_greedy(kind, models, references, prompt) -> None:
     """The worker serves (in the background) while this process computes mlx-lm's tokens."""
     bases, adapter_dirs = models
