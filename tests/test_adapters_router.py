@@ -2,7 +2,8 @@
 model and three adapters (LoRA and DoRA, different ranks and target layers), each on an
 address of its own answering its name; one router in front of the four addresses routes by
 `model`. Each answer equals mlx-lm's own generation with that adapter loaded alone, alone and
-in a batch mixing all four; the same prompt under two adapters never shares a block."""
+in a batch mixing all four, on the float32 base and a 4-bit copy; the same prompt under two
+adapters never shares a block."""
 
 from __future__ import annotations
 
@@ -38,9 +39,24 @@ def adapter_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def worker(adapter_dirs) -> Iterator[ServerThread]:
+def bases(tmp_path_factory) -> dict[str, Path]:
+    """The demo llama (float32) and its 4-bit copy (mlx_lm.convert)."""
+    from mlx_lm import convert
+
+    quantized = tmp_path_factory.mktemp("q4") / "llama-4bit"
+    convert(str(demo_model_path("llama")), str(quantized), quantize=True, q_bits=4)
+    return {"float32": demo_model_path("llama"), "4-bit": quantized}
+
+
+@pytest.fixture(scope="module", params=["float32", "4-bit"])
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def worker(adapter_dirs, bases, kind) -> Iterator[ServerThread]:
     config = demo_config(
-        demo_model_path("llama"),
+        bases[kind],
         adapters=tuple((name, str(path)) for name, path in adapter_dirs.items()),
         prompt_cache_block=4,
     )
@@ -55,8 +71,8 @@ def worker(adapter_dirs) -> Iterator[ServerThread]:
 
 
 @pytest.fixture(scope="module")
-def references(adapter_dirs) -> References:
-    return References({"float32": demo_model_path("llama")}, adapter_dirs)
+def references(adapter_dirs, bases) -> References:
+    return References(bases, adapter_dirs)
 
 
 def _address(worker: ServerThread, name: str) -> str:
@@ -93,7 +109,7 @@ def test_each_address_answers_its_own_name(worker, adapter_dirs):
         assert info.served_model_name == name
 
 
-def test_mixed_adapters_in_one_batch_each_equal_mlx_lms_own(worker, adapter_dirs, references):
+def test_mixed_adapters_in_one_batch_each_equal_mlx_lms_own(worker, adapter_dirs, references, kind):
     names = [BASE, *adapter_dirs]
     jobs = [(name, _chat_ids(q)) for q in QUESTIONS for name in names]
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -101,12 +117,14 @@ def test_mixed_adapters_in_one_batch_each_equal_mlx_lms_own(worker, adapter_dirs
     outputs = {}
     for (name, prompt), answer in zip(jobs, answers, strict=True):
         adapter = None if name == BASE else name
-        assert list(answer.output_ids) == references.greedy("float32", adapter, prompt, 16), name
+        assert list(answer.output_ids) == references.greedy(kind, adapter, prompt, 16), name
         outputs.setdefault(tuple(prompt), set()).add(tuple(answer.output_ids))
     assert all(len(seen) >= 3 for seen in outputs.values())  # the adapters change the text
 
 
-def test_the_same_prompt_under_another_adapter_shares_no_block(worker, adapter_dirs, references):
+def test_the_same_prompt_under_another_adapter_shares_no_block(
+    worker, adapter_dirs, references, kind
+):
     prompt = [300 + (i * 37) % 200 for i in range(29)]  # no other test's prefix
     first = _generate(worker, "attn", prompt)
     again = _generate(worker, "attn", prompt)
@@ -115,12 +133,12 @@ def test_the_same_prompt_under_another_adapter_shares_no_block(worker, adapter_d
     assert first.cached_tokens == 0
     assert again.cached_tokens > 0 and list(again.output_ids) == list(first.output_ids)
     assert other.cached_tokens == 0 and base.cached_tokens == 0
-    assert list(other.output_ids) == references.greedy("float32", "all", prompt, 16)
+    assert list(other.output_ids) == references.greedy(kind, "all", prompt, 16)
 
 
 @pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
 def test_one_router_in_front_routes_each_name_to_its_adapter(
-    worker, adapter_dirs, references, tmp_path
+    worker, adapter_dirs, references, kind, tmp_path
 ):
     from transformers import AutoTokenizer
 
@@ -147,7 +165,7 @@ def test_one_router_in_front_routes_each_name_to_its_adapter(
             replies = dict(zip(names, pool.map(chat, names), strict=True))
         prompt = _chat_ids(QUESTIONS[1])
         for name in names:
-            tokens = references.greedy("float32", None if name == BASE else name, prompt, 12)
+            tokens = references.greedy(kind, None if name == BASE else name, prompt, 12)
             eos = tokenizer.eos_token_id
             tokens = tokens[: tokens.index(eos)] if eos in tokens else tokens
             assert (replies[name] or "") == tokenizer.decode(tokens, skip_special_tokens=True), name
