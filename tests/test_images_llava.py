@@ -5,16 +5,13 @@ and from a cached prefix."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import io
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import demo_config
-from support import ServerThread
 from test_images import complete, data_url, image_request, needs_vlm, png
+from vlm_support import chat_text, loaded, router_ids, served
 
 from servicer.demo_vlm_llava import TOKENS_PER_IMAGE
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
@@ -33,32 +30,8 @@ def vlm_dir():
 
 @pytest.fixture(scope="module")
 def stub(vlm_dir) -> Iterator[vgrpc.VllmEngineStub]:
-    config = dataclasses.replace(demo_config(vlm_dir, prompt_cache_block=4), protocols=("vllm",))
-    with ServerThread(config) as running, running.channel() as channel:
-        yield vgrpc.VllmEngineStub(channel)
-
-
-@functools.cache
-def _loaded(path: str):
-    from mlx_vlm import load
-
-    return load(path)
-
-
-def _text(vlm_dir, question: str, images: int) -> str:
-    _, processor = _loaded(str(vlm_dir))
-    content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
-    messages = [{"role": "user", "content": content}]
-    return processor.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    )
-
-
-def router_ids(vlm_dir, question: str, images: int = 1) -> list[int]:
-    """The prompt as the router sends it: one <image> anchor per image."""
-    _, processor = _loaded(str(vlm_dir))
-    text = _text(vlm_dir, question, images)
-    return list(processor.tokenizer.encode(text, add_special_tokens=False))
+    with served(vlm_dir) as running:
+        yield running
 
 
 def reference(vlm_dir, question: str, raws: list[bytes], n: int) -> tuple[list[int], int]:
@@ -68,8 +41,8 @@ def reference(vlm_dir, question: str, raws: list[bytes], n: int) -> tuple[list[i
     from mlx_vlm.generate import generate_step
     from PIL import Image
 
-    model, processor = _loaded(str(vlm_dir))
-    text = _text(vlm_dir, question, len(raws))
+    model, processor = loaded(str(vlm_dir))
+    text = chat_text(vlm_dir, question, len(raws))
     pictures = [Image.open(io.BytesIO(raw)).convert("RGB") for raw in raws]
     # (mlx-vlm's LlavaProcessor hands its keyword arguments to the image processor.)
     out = processor(text=text, images=pictures or None)
