@@ -57,6 +57,12 @@ bench-images: $(STAMP)
 nightly: $(STAMP)
 	$(BIN)/python bench/nightly.py $(ARGS)
 
+# Several LoRA adapters on one engine (issue 63): c = 8 spread over 4 adapters vs c = 8 on one
+# and vs a worker without adapters, SmolLM2-135M-Instruct 4-bit (~12 minutes; ARGS="--profile").
+.PHONY: bench-adapters
+bench-adapters: $(STAMP)
+	$(BIN)/python bench/adapters.py $(ARGS)
+
 # Differential fuzz of the prompt cache: SEEDS seeds per demo kind (ARGS="--kinds hybrid").
 SEEDS ?= 50
 fuzz-cache: $(STAMP)
