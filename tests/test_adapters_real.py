@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import real_model_env
-from support import WorkerProcess
+from support import SMG, Router, WorkerProcess
 from test_adapters import References
 
 from servicer.proto import vllm_engine_pb2 as vpb
@@ -263,7 +264,32 @@ class Served:
                 zip(names, pool.map(lambda n: self.generate(n, prompt), names), strict=True)
             )
         alone = {name: self.generate(name, prompt) for name in self.ports}
-        return names, together, alone
+        return names, together, alone, self.routed()
+
+    def routed(self) -> dict[str, str | None]:
+        """Each name's answer to QUESTION through one smg router in front of the addresses
+        (None: no router installed)."""
+        if SMG is None:
+            return {}
+        addresses = [self.process.address, *(f"127.0.0.1:{p}" for p in self.ports.values())]
+        with tempfile.TemporaryDirectory() as logs:
+            router = Router(addresses, Path(logs) / "smg.log")
+            try:
+                router.wait_until_serving()
+                replies = {}
+                for name in (BASE, *self.ports):
+                    body = {
+                        "model": name,
+                        "messages": [{"role": "user", "content": QUESTION}],
+                        "max_tokens": N,
+                        "temperature": 0,
+                    }
+                    response = router.client.post("/v1/chat/completions", json=body)
+                    assert response.status_code == 200, response.text
+                    replies[name] = response.json()["choices"][0]["message"]["content"]
+                return replies
+            finally:
+                router.close()
 
     def close(self) -> None:
         for channel in self.channels.values():
@@ -312,9 +338,18 @@ def test_one_batch_then_each_alone_is_mlx_lms_greedy(kind, models, references, p
             served = background.submit(worker.session, prompt)
             names = [BASE, *ADAPTERS]
             want = {n: references.greedy(kind, None if n == BASE else n, prompt, N) for n in names}
-            answers, together, alone = served.result()
+            answers, together, alone, routed = served.result()
     finally:
         worker.close()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(bases[kind]))
+    assert SMG is None or set(routed) == {BASE, *ADAPTERS}
+    for name, text in routed.items():  # through the router: each name its own adapter
+        tokens = want[name]
+        if tokenizer.eos_token_id in tokens:
+            tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
+        assert (text or "") == tokenizer.decode(tokens, skip_special_tokens=True), (kind, name)
     assert answers == {name: name for name in names}
     assert len({tuple(tokens) for tokens in want.values()}) == 3, want  # the adapters matter
     # The same prompt under the base and both adapters at once: no row reuses another's blocks.
