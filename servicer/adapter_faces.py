@@ -7,6 +7,7 @@ loads and KV events are the engine's.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import grpc
 
 from .faces import MLX_FACE, VLLM_FACE
 from .handlers import MlxEngineServicer, generate_rpc
+from .loads import LoadFigures
 from .messages import GenerationRequest
 from .proto import mlx_engine_pb2
 from .validation import TextOptions
@@ -37,6 +39,13 @@ class AdapterView:
 
     async def _build(self, request: Any) -> tuple[GenerationRequest, TextOptions | None]:
         return await self._handlers._build(request, adapter=self.name)
+
+    def load_figures(self) -> LoadFigures:
+        """GetLoads: the engine's (its KV and batch are shared by every name), with this
+        adapter's own requests as the running and waiting ones."""
+        load = self._handlers._streams.load(self.name)
+        figures = self._handlers.load_figures()
+        return dataclasses.replace(figures, running=load.running, waiting=load.waiting)
 
     async def GetModelInfo(
         self, request: mlx_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -110,9 +110,14 @@ class Streams:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_request_id
 
-    def load(self) -> EngineLoad:
-        """Requests waiting for their first token, and requests decoding."""
-        return EngineLoad(len(self._by_ticket) - self._decoding, self._decoding)
+    def load(self, adapter: str | None = None) -> EngineLoad:
+        """Requests waiting for their first token, and requests decoding (of one served
+        adapter's, with `adapter`)."""
+        if adapter is None:
+            return EngineLoad(len(self._by_ticket) - self._decoding, self._decoding)
+        streams = [s for s in self._by_ticket.values() if s.adapter == adapter]
+        decoding = sum(s.decoding for s in streams)
+        return EngineLoad(len(streams) - decoding, decoding)
 
     def tickets(self, request_ids: list[str] | None = None) -> list[int]:
         """The engine tickets of these request ids (those in flight), or of every stream."""

@@ -222,3 +222,31 @@ def test_structured_output_and_n_on_an_adapters_address(worker):
     for complete in completes:
         text = tokenizer.decode(list(complete.output_ids), skip_special_tokens=True)
         assert set(json.loads(text)) == {"answer"}
+
+
+def test_get_loads_on_an_adapters_address_counts_its_own_requests(worker, kind):
+    """GetLoads: the engine's capacity on every address, each adapter's own running requests."""
+    import time
+
+    if kind != "float32":
+        pytest.skip("one base is enough")
+    with grpc.insecure_channel(_address(worker, "attn")) as channel:
+        stub = vgrpc.VllmEngineStub(channel)
+        request = vpb.GenerateRequest(
+            request_id="attn-long",
+            tokenized=vpb.TokenizedInput(input_ids=[301, 302, 303]),
+            sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+            stream=True,
+        )
+        calls = stub.Generate(request, timeout=120)
+        next(calls)  # it is decoding
+        loads = {}
+        for name in ("attn", "all", BASE):
+            with grpc.insecure_channel(_address(worker, name)) as other:
+                answer = vgrpc.VllmEngineStub(other).GetLoads(vpb.GetLoadsRequest(), timeout=10)
+            loads[name] = answer.loads[0]
+        calls.cancel()
+        time.sleep(0.2)
+    assert loads["attn"].num_running_reqs + loads["attn"].num_waiting_reqs == 1
+    assert loads["all"].num_running_reqs + loads["all"].num_waiting_reqs == 0
+    assert loads["all"].max_total_num_tokens == loads[BASE].max_total_num_tokens > 0
