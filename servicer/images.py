@@ -16,7 +16,7 @@ import hashlib
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,24 +87,13 @@ class VisionSpec:
         return t * h * w // self.merge**2
 
 
-SERVED_FAMILIES = ("gemma3", "qwen2_vl", "mistral3", "llava")
-
-
 def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     """The spec of a vision-language checkpoint this worker can serve images for (None: a
     text model, or a family it cannot; `vision_refusal` says why)."""
     if not isinstance(config.get("vision_config"), dict):
         return None
-    family = config.get("model_type", "")
-    if family == "gemma3":
-        return _gemma3_spec(config, tokenizer)
-    if family == "qwen2_vl":
-        return _qwen2_vl_spec(config, tokenizer)
-    if family == "mistral3":
-        return _mistral3_spec(config, tokenizer)
-    if family == "llava":
-        return _llava_spec(config)
-    return None
+    spec = _SPECS.get(config.get("model_type", ""))
+    return spec(config, tokenizer) if spec is not None else None
 
 
 def vision_refusal(config: dict[str, Any]) -> str | None:
@@ -188,6 +177,16 @@ def _llava_spec(config: dict[str, Any]) -> VisionSpec | None:
     dropped = config.get("vision_feature_select_strategy", "default") == "default"
     count = (size // patch) ** 2 + cls - dropped
     return VisionSpec("llava", image, (image,), (), (), count, router_processed=True)
+
+
+# Each served family's spec, from its config and tokenizer.
+_SPECS: dict[str, Callable[[dict[str, Any], Any], VisionSpec | None]] = {
+    "gemma3": _gemma3_spec,
+    "qwen2_vl": _qwen2_vl_spec,
+    "mistral3": _mistral3_spec,
+    "llava": lambda config, _tokenizer: _llava_spec(config),
+}
+SERVED_FAMILIES = tuple(_SPECS)
 
 
 def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:
