@@ -189,3 +189,27 @@ def test_an_abort_while_its_images_are_fetched_cancels_the_request(worker, image
         with pytest.raises(grpc.RpcError) as caught:
             list(calls)
     assert caught.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_two_images_with_the_same_text_each_answer_as_mlx_vlm_does(router, vlm_dir):
+    """The same question with two different images: each answer is mlx-vlm's for its own
+    image (the second reuses only what precedes the image)."""
+    first, second = png(48), png(49)
+    replies = [_chat(router, data_url(raw)) for raw in (first, second)]
+    for raw, reply in zip((first, second), replies, strict=True):
+        assert reply["choices"][0]["message"]["content"] == _expected_text(vlm_dir, raw)
+    image_at = expanded(vlm_dir, chat_ids(vlm_dir, QUESTION)).index(514)
+    cached = (replies[1]["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert cached <= image_at
+
+
+def test_a_bad_image_through_the_router_is_a_client_error(router):
+    running, model = router
+    content = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": QUESTION},
+    ]
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    response = running.client.post("/v1/chat/completions", json=body)
+    assert 400 <= response.status_code < 500, response.text
+    assert _chat(router, data_url(png(50)))["choices"]  # the worker goes on serving
