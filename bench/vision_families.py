@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import importlib.util
 import io
 import json
@@ -49,6 +50,8 @@ from typing import Any
 
 import _checkout  # noqa: F401  (before any `servicer` import)
 from families import Cell, Worker, compare, supervise
+from vision_census import census
+from vision_census import markdown as census_markdown
 
 FAMILIES = ("gemma3", "mistral3", "llava", "qwen2_vl")
 CELLS = ("alone", "batched", "prefix", "kv8", "ngram")
@@ -421,14 +424,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad := [c for c in cells if c not in CELLS] + [n for n in names if n not in FAMILIES]:
         raise SystemExit(f"unknown {bad}; cells: {list(CELLS)}, families: {list(FAMILIES)}")
     results: dict[str, Any] = {}
+    at_start = census()
     for family in names:
         results[family] = run_family(family, cells, args.timeout)
         payload = {"versions": versions(), "cells": cells, "results": results}
+        payload["at_start"] = [dataclasses.asdict(d) for d in at_start]
         if args.json:
             args.json.write_text(json.dumps(payload, indent=2) + "\n")
         if args.markdown:
-            args.markdown.write_text(markdown(results, cells))
-    print(markdown(results, cells))
+            args.markdown.write_text(markdown(results, cells) + "\n" + census_markdown(at_start))
+    print(markdown(results, cells) + "\n" + census_markdown(at_start))
     return 0
 
 

@@ -272,3 +272,22 @@ def test_the_step_profile_finds_both_steps_launch_and_wait_lines() -> None:
         assert step_profile.bucket(f"{thread};{line}") == name
         assert step_profile.bucket(f"{thread};{line};mlx::core::eval (libmlx.so)") == name
     assert step_profile.bucket("t;_step (mlx_lm/generate.py:1)") == "mlx-lm step"
+
+
+@pytest.mark.parametrize(
+    ("family", "text_type", "outcome"),
+    [
+        ("gemma3", None, "images"),
+        ("qwen3_vl", None, "text only"),  # mlx-lm has its text model; the images are refused
+        ("paligemma", "gemma", "text only"),
+        ("idefics3", None, "text or refused"),  # the checkpoint's text_config decides
+        ("florence2", "florence2", "text or refused"),
+    ],
+)
+def test_the_vision_census_says_what_the_worker_does_at_start(family, text_type, outcome):
+    pytest.importorskip("mlx_vlm")
+    from vision_census import decide
+
+    found = decide(family, text_type)
+    assert found.outcome == outcome
+    assert bool(found.reason) == (outcome != "images")
