@@ -82,8 +82,8 @@ FAMILY_OUT ?= --json bench/families-results.json --markdown bench/families-table
 families: $(STAMP)
 	$(BIN)/python bench/families.py --jobs $(FAMILY_JOBS) $(FAMILY_OUT) $(ARGS)
 
-# The vision-language families the worker serves images for (gemma3, mistral3, llava, qwen2_vl;
-# the tiny demo checkpoints) in five cells against mlx-vlm's greedy output:
+# The vision-language families the worker serves images for (gemma3, mistral3, llava, qwen2_vl,
+# qwen2_5_vl; the tiny demo checkpoints) in five cells against mlx-vlm's greedy output:
 # bench/vision-families-table.md (a part, printed only: VISION_OUT= ARGS="--only llava --cells kv8").
 VISION_OUT ?= --markdown bench/vision-families-table.md
 vision-families: $(STAMP)

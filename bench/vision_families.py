@@ -1,5 +1,5 @@
 """The vision rows of the family matrix: the vision-language families the worker serves images
-for (gemma3, mistral3, llava, qwen2_vl), served by the real worker, against mlx-vlm.
+for (gemma3, mistral3, llava, qwen2_vl, qwen2_5_vl), served by the real worker, against mlx-vlm.
 
 Each family's tiny demo checkpoint (`servicer.demo_vlm.demo_vlm_path`, built offline, cached)
 is served by `python -m servicer --protocols vllm --prompt-cache-block 4` (bench/families.py's
@@ -53,7 +53,7 @@ from families import Cell, Worker, compare, supervise
 from vision_census import census
 from vision_census import markdown as census_markdown
 
-FAMILIES = ("gemma3", "mistral3", "llava", "qwen2_vl")
+FAMILIES = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl")
 CELLS = ("alone", "batched", "prefix", "kv8", "ngram")
 BLOCK = "4"
 NEW_TOKENS = 16

@@ -4,8 +4,10 @@ The vision counterpart of ``demo_model``: tests and ``demo:vlm`` need a real vis
 model but must never download one. The families share one build (``Family`` says what
 differs): ``qwen2_vl`` (the default, below), ``gemma3`` (``servicer.demo_vlm_gemma3``,
 built from the ``gemma3`` text demo), ``mistral3`` (``servicer.demo_vlm_mistral3``, from
-the ``llama`` one) and ``llava`` (``servicer.demo_vlm_llava``, from the ``llama`` one too);
-those three also load as text models with mlx-lm.
+the ``llama`` one), ``llava`` (``servicer.demo_vlm_llava``, from the ``llama`` one too)
+and ``qwen2_5_vl`` (``servicer.demo_vlm_qwen2_5``: this family's text stack, tokens and
+processor with Qwen2.5-VL's vision tower); gemma3, mistral3 and llava also load as text
+models with mlx-lm.
 
 The default family is ``qwen2_vl``: mlx-vlm serves it, and the smg router's own
 preprocessor knows it by ``model_type`` whatever the served name is (a name like
@@ -57,6 +59,7 @@ _FAMILY_MODULES = {
     "gemma3": "servicer.demo_vlm_gemma3",
     "mistral3": "servicer.demo_vlm_mistral3",
     "llava": "servicer.demo_vlm_llava",
+    "qwen2_5_vl": "servicer.demo_vlm_qwen2_5",
 }
 FAMILIES = tuple(_FAMILY_MODULES)
 

@@ -136,8 +136,9 @@ def _qwen2_vl_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
         return None
     pad = config.get("vision_token_id")
     others = (pad,) if isinstance(pad, int) and pad != image else ()
+    family = config.get("model_type", "qwen2_vl")  # qwen2_5_vl: the same prompt and processor
     return VisionSpec(
-        "qwen2_vl", image, (start, image, end), (start,), (end,), None, merge, True, others
+        family, image, (start, image, end), (start,), (end,), None, merge, True, others
     )
 
 
@@ -183,6 +184,7 @@ def _llava_spec(config: dict[str, Any]) -> VisionSpec | None:
 _SPECS: dict[str, Callable[[dict[str, Any], Any], VisionSpec | None]] = {
     "gemma3": _gemma3_spec,
     "qwen2_vl": _qwen2_vl_spec,
+    "qwen2_5_vl": _qwen2_vl_spec,
     "mistral3": _mistral3_spec,
     "llava": lambda config, _tokenizer: _llava_spec(config),
 }

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from servicer import demo_model, demo_vlm_gemma3, demo_vlm_llava, demo_vlm_mistral3
+from servicer import (
+    demo_model,
+    demo_vlm_gemma3,
+    demo_vlm_llava,
+    demo_vlm_mistral3,
+    demo_vlm_qwen2_5,
+)
 from servicer.demo_vlm import (
     CHAT_TEMPLATE,
     FAMILIES,
@@ -282,11 +288,12 @@ def gemma3_images():
 
 
 def test_families() -> None:
-    assert FAMILIES == ("qwen2_vl", "gemma3", "mistral3", "llava")
+    assert FAMILIES == ("qwen2_vl", "gemma3", "mistral3", "llava", "qwen2_5_vl")
     assert get_family().model_type == MODEL_TYPE
     assert get_family("gemma3") is demo_vlm_gemma3.FAMILY
     assert get_family("mistral3") is demo_vlm_mistral3.FAMILY
     assert get_family("llava") is demo_vlm_llava.FAMILY
+    assert get_family("qwen2_5_vl") is demo_vlm_qwen2_5.FAMILY
     assert get_family("llava").tokens_per_image == demo_vlm_llava.TOKENS_PER_IMAGE == 16
     assert get_family("gemma3").tokens_per_image == demo_vlm_gemma3.MM_TOKENS_PER_IMAGE
     assert get_family("gemma3").image_token == demo_vlm_gemma3.IMAGE_TOKEN
@@ -317,7 +324,7 @@ def test_gemma3_builds_are_deterministic(
         build_vlm(tmp_path / "d", text_model=demo_model.demo_model_path(TEXT_KIND), family="gemma3")
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral3", "llava"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral3", "llava", "qwen2_5_vl"])
 def test_building_imports_no_mlx(family: str, tmp_path: Path) -> None:
     """The builder writes with safetensors' numpy API: no MLX outside the engine."""
     import subprocess

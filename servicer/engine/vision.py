@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # with a language model mlx-lm loads and standard positions. Others are refused at start.
 MERGE_ONLY_FAMILIES = frozenset({"gemma3", "llava", "mistral3", "pixtral"})
 # Families whose images also take multimodal RoPE positions in the text model (mrope.py).
-MROPE_FAMILIES = frozenset({"qwen2_vl"})
+MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
 
 
