@@ -488,6 +488,8 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
             aborted = self._preparing.pop(rid, False)
         if aborted:
             raise RequestError(grpc.StatusCode.CANCELLED, "aborted while its images were prepared")
+        by = "router" if request.mm_inputs.ByteSize() else "worker"
+        self._metrics.image_requests.labels(by).inc()
         return expand_images
 
     def _accept(self, job: GenerationRequest) -> list[RequestStream]:

@@ -286,6 +286,9 @@ class ModelInfo:
     adds_bos: bool = False
     hidden_size: int = 0  # from config.json: the size of Embed's vectors (0: not said)
     supports_vision: bool = False  # its images are served (images.vision_spec)
+    # The router's copy of the tokenizer (tokenizer_bundle.router_tokenizer): GetModelInfo's
+    # tokenizer_path and GetTokenizer's files, where the family needs one (None: model_dir's).
+    router_tokenizer_dir: str | None = None
 
 
 class PrefixCacheStats(Wire, frozen=True):

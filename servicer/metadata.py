@@ -97,7 +97,7 @@ class MetadataRpcs:
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
         info = await self._model_info(context)
         try:
-            archive = await self._archive.get(Path(info.model_dir))
+            archive = await self._archive.get(Path(info.router_tokenizer_dir or info.model_dir))
         except OSError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"cannot read tokenizer files: {exc}")
             return
@@ -105,6 +105,15 @@ class MetadataRpcs:
         for i, data in enumerate(pieces):
             last = i == len(pieces) - 1
             yield common_pb2.GetTokenizerChunk(data=data, sha256=archive.sha256 if last else "")
+
+    @property
+    def tokenizer_path(self) -> str:
+        """GetModelInfo's tokenizer_path (the vLLM face's): the router's copy of the tokenizer
+        where the family needs one, else what the user asked to serve."""
+        info = self._info
+        if info is None:
+            return ""
+        return info.router_tokenizer_dir or info.model_path
 
     async def _model_info(self, context: grpc.aio.ServicerContext) -> ModelInfo:
         """The model's metadata: while the files are still being resolved, the call waits

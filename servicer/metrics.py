@@ -199,6 +199,13 @@ class WorkerMetrics:
             ["adapter"],
             registry=reg,
         )
+        self.image_requests = Counter(
+            "mlx_worker_image_requests",
+            "Requests with images, by who processed them: 'router' (mm_inputs) or 'worker' "
+            "(media references the worker fetched)",
+            ["processed_by"],
+            registry=reg,
+        )
         self.errors = Counter(
             "mlx_worker_errors",
             "Errors by kind: invalid_request, duplicate_request, queue_full, kv_memory, "

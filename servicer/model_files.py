@@ -17,6 +17,7 @@ from typing import Any
 
 from .images import VisionSpec, vision_refusal, vision_spec
 from .messages import ModelInfo
+from .tokenizer_bundle import router_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,10 @@ def read_model_files(spec: ModelSpec, model_dir: Path) -> ModelFiles:
     else:
         vision = vision_spec(config, tokenizer)
         info = replace(info, supports_vision=vision is not None)
+    if vision is not None:
+        image_token = tokenizer.convert_ids_to_tokens(vision.image_token_id)
+        copy = router_tokenizer(model_dir, info.model_type, str(image_token))
+        info = replace(info, router_tokenizer_dir=None if copy is None else str(copy))
     return ModelFiles(info, tokenizer, vision)
 
 

@@ -1,7 +1,9 @@
 """The tokenizer archive the router fetches with GetTokenizer (when started without a model path).
 
 A zip of the model directory's tokenizer and config files, streamed in chunks of at most
-64 KiB; the archive's SHA-256 hex digest rides on the last chunk only.
+64 KiB; the archive's SHA-256 hex digest rides on the last chunk only. For a family whose
+image token the router looks up by another spelling, the router gets a respelled copy
+(`router_tokenizer`), as this archive and as GetModelInfo's tokenizer_path.
 """
 
 from __future__ import annotations
@@ -9,10 +11,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
+import logging
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from .demo_model import build_atomically, default_cache_dir
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 1024
 
@@ -82,3 +90,72 @@ class ArchiveBuild:
         if task is None or (task.done() and task.exception()):
             task = self._task = asyncio.ensure_future(asyncio.to_thread(build_archive, model_dir))
         return await asyncio.shield(task)
+
+
+# The router's copy of the tokenizer (GetModelInfo.tokenizer_path and GetTokenizer), by
+# model_type: the spelling smg's own image preprocessor looks up for the image token. Why:
+# smg 1.13's Qwen-VL spec anchors on the literal "<image>" (token_to_id, then one per image in
+# the prompt it renders), which Qwen2-VL tokenizers spell "<|image_pad|>": without the renamed
+# copy the router answers 400 to every image. Same ids, so the prompt the router sends is the
+# one the checkpoint's own tokenizer makes; the worker keeps the checkpoint's tokenizer.
+ROUTER_IMAGE_TOKEN = {"qwen2_vl": "<image>", "qwen2_5_vl": "<image>"}
+# The files that spell added tokens: added tokens, special-token lists, chat templates.
+_SPELLING_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+)
+ROUTER_TOKENIZERS = "router-tokenizers"  # the copies' folder in the worker's cache
+
+
+def renamed_token(files: Mapping[str, bytes], old: str, new: str) -> dict[str, bytes]:
+    """The tokenizer `files` (name -> contents) with the added token `old` spelled `new`
+    wherever a file spells it; other files as they are. ValueError unless tokenizer.json has
+    `old` as an added token and not `new` (both plain: no quote or backslash)."""
+    if any(c in token for token in (old, new) for c in '"\\'):
+        raise ValueError(f"cannot respell {old!r} as {new!r} in JSON text")
+    added = {t.get("content") for t in json.loads(files["tokenizer.json"])["added_tokens"]}
+    if old not in added or new in added:
+        raise ValueError(f"tokenizer.json must have {old!r} and not {new!r} as added tokens")
+    spells = set(_SPELLING_FILES)
+    return {
+        name: data.replace(old.encode(), new.encode())
+        if name in spells or name.endswith(".jinja")
+        else data
+        for name, data in files.items()
+    }
+
+
+def router_tokenizer(
+    model_dir: Path, model_type: str, image_token: str, cache_dir: Path | None = None
+) -> Path | None:
+    """The router's copy of `model_dir`'s tokenizer files with `image_token` respelled, where
+    its family needs one (`ROUTER_IMAGE_TOKEN`; None elsewhere, or when it cannot be made).
+    Written once into the worker's cache, named by its contents, by an atomic rename; the
+    checkpoint itself is never touched."""
+    new = ROUTER_IMAGE_TOKEN.get(model_type)
+    if new is None or new == image_token:
+        return None
+    try:
+        files = {path.name: path.read_bytes() for path in tokenizer_files(model_dir)}
+        files = renamed_token(files, image_token, new)
+        digest = hashlib.sha256()
+        for name in sorted(files):
+            digest.update(f"{name}:{len(files[name])}:".encode())
+            digest.update(files[name])
+        target = (cache_dir or default_cache_dir()) / ROUTER_TOKENIZERS / digest.hexdigest()[:32]
+
+        def write(tmp: Path) -> None:
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
+
+        return build_atomically(target, _written, write, "router tokenizer")
+    except (OSError, KeyError, ValueError) as exc:
+        log.warning("no router tokenizer for %s: images via the router fail: %s", model_dir, exc)
+        return None
+
+
+def _written(path: Path) -> bool:
+    return (path / "tokenizer.json").is_file()  # a copy appears whole, by rename

@@ -57,7 +57,7 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_context_length=info.max_context_length,
             vocab_size=info.vocab_size,
             served_model_name=info.served_model_name,
-            tokenizer_path=info.model_path,
+            tokenizer_path=self._handlers.tokenizer_path,
             model_type=info.model_type,
             architectures=info.architectures,
             eos_token_ids=info.eos_token_ids,
