@@ -43,7 +43,6 @@ class StepReport:
     prefill_tokens: int = 0  # prompt tokens it put through the model
     fused: bool = False  # its prefill chunk rode in the decoding rows' forward
     catch_up: tuple[int, float] = (0, 0.0)  # a draft model's catch-up: tokens, seconds
-    encoded: tuple[int, float] = (0, 0.0)  # images encoded before it: their tokens, seconds
 
 
 log = logging.getLogger(__name__)
@@ -185,7 +184,7 @@ class Batch:
             self.cost.observe_decode(decoding, time.perf_counter() - started - catch_up[1])
             self._track_prefill(prompt_progress)
             events = self._collect(responses, out)
-            return StepReport(events, None, catch_up=catch_up, encoded=self._images.took())
+            return StepReport(events, None, catch_up=catch_up)
         fused_before, prompt_before = generator.fused_steps, generator.prompt_tokens
         prompt_progress, responses = generator.next(self._chunk, self._catch_up)
         fused = generator.fused_steps > fused_before
@@ -197,7 +196,7 @@ class Batch:
         work = generator.prefilled
         sample = work.took(max(added, 0.0)) if work.any else None
         events = self._collect(responses, out)
-        return StepReport(events, sample, prompt_tokens, fused, encoded=self._images.took())
+        return StepReport(events, sample, prompt_tokens, fused)
 
     def _track_prefill(self, prompt_progress: list[Any]) -> None:
         self.book.track_prefill(prompt_progress)

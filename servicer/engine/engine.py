@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import mlx.core as mx
@@ -36,6 +36,7 @@ from ..sysinfo import freeze_startup_heap, thaw_startup_heap
 from .arch_fixes import prefill_rows
 from .batch import Batch
 from .embedding import Embedder
+from .encoding import ImageEncodes
 from .figures import FiguresPublisher
 from .inbox import Inbox
 from .lockstep import Lockstep
@@ -232,7 +233,12 @@ class EngineLoop:
         if config.warmup:
             warm_up(self.batch.generator, info.bos_token_id or 0, parts.new_row)
         self.store.on_disk_done(inbox.nudge)
-        self.scheduler = _new_scheduler(parts, config, info.model_type, self.cost)
+        self.encodes = (
+            ImageEncodes(parts.vision, functools.partial(reusable, self.store, config))
+            if parts.vision is not None
+            else None
+        )
+        self.scheduler = _new_scheduler(parts, config, info.model_type, self.cost, self.encodes)
         self.embedder = Embedder.of(
             parts.loaded.model, self._lockstep is not None, config.prefill_step_size
         )
@@ -278,6 +284,8 @@ class EngineLoop:
             self._inbox.fan_out(out)
             if self.planner.embeds or self.embedder.busy:
                 self._embed(out, plan.embed_tokens)
+            if self.encodes is not None and self.scheduler.waiting:
+                self._encode_ahead(plan.encode_s)
             if self._lockstep is not None:
                 self._lockstep.progress()
             out.kv_events.extend(self.store.take_events())
@@ -338,7 +346,6 @@ class EngineLoop:
             out.prefill_tokens.append(report.prefill_tokens)
         out.fused_steps += report.fused
         self.cost.observe_catch_up(*report.catch_up)
-        self.cost.observe_encode(*report.encoded)
         sample = report.prefill
         if sample is not None and self._leads:
             if log.isEnabledFor(logging.DEBUG):
@@ -360,6 +367,13 @@ class EngineLoop:
         touched): while rows decode, one chunk of the plan's `tokens` a step."""
         embeds, self.planner.embeds = self.planner.embeds, []
         out.embeddings.extend(self.embedder.take(embeds, tokens))
+
+    def _encode_ahead(self, budget_s: float | None) -> None:
+        """Waiting requests' images, a few vision layers within what the step left."""
+        assert self.encodes is not None
+        waiting = self.scheduler.waiting_requests()
+        self.encodes.advance(waiting, budget_s)
+        self.encodes.forget_all_but(waiting)
 
     def _speculation_figures(self) -> SpeculationFigures | None:
         if self.parts.speculation is None:
@@ -429,7 +443,11 @@ def _new_batch(
 
 
 def _new_scheduler(
-    parts: EngineParts, config: EngineConfig, model_type: str, cost: StepCost
+    parts: EngineParts,
+    config: EngineConfig,
+    model_type: str,
+    cost: StepCost,
+    encodes: ImageEncodes | None,
 ) -> Scheduler:
     policy = PrefillPolicy(
         max_stall_s=config.max_prefill_stall_ms / 1000,
@@ -442,7 +460,14 @@ def _new_scheduler(
         parts.admission,
         policy,
         reusable=functools.partial(reusable, store, config),
-        ready=store.ready,
+        ready=store.ready if encodes is None else _both(store.ready, encodes.ready),
         max_rows=config.completion_batch_size,
         cost=cost,
     )
+
+
+def _both(
+    first: Callable[[GenerationRequest], bool], second: Callable[[GenerationRequest], bool]
+) -> Callable[[GenerationRequest], bool]:
+    """A request is ready when its prefix is read (`first`) and its images encoded (`second`)."""
+    return lambda request: first(request) and second(request)

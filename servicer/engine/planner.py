@@ -95,9 +95,9 @@ class Planner:
         plan.chunk, plan.widened = choice.chunk, choice.widened
         plan.budget_s, plan.bulk = choice.budget_s, choice.bulk
         embeds = bool(self.embeds or self._embedder.busy)
-        plan.embed_tokens, plan.catch_up_tokens = scheduler.share(
-            choice, bool(view.rows or choice.admits), embeds
-        )
+        running = bool(view.rows or choice.admits)
+        plan.embed_tokens, plan.catch_up_tokens = scheduler.share(choice, running, embeds)
+        plan.encode_s = scheduler.encode_budget(choice, running)
         for request, reason in choice.failed:
             out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, reason))
             self._store.forget(request.ticket)

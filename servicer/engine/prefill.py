@@ -177,7 +177,6 @@ class StepCost:
         self.prefill = PrefillCost()
         self.decode = DecodeCost()
         self._catch_up_rate = 0.0  # seconds a draft catch-up token, lately (0: not seen yet)
-        self._encode_rate = 0.0  # seconds a vision encoder's image token, lately (0: not yet)
 
     def seconds(self, rows: int, chunk: int, context: int, starting: int = 0) -> float:
         """What a prefill of `rows` x `chunk` tokens at `context` adds to a step."""
@@ -197,20 +196,6 @@ class StepCost:
 
     def observe_decode(self, rows: int, seconds: float) -> None:
         self.decode.observe(rows, seconds)
-
-    def encode_seconds(self, tokens: int) -> float:
-        """What encoding images of `tokens` placeholder tokens takes (before any image is
-        seen: as long as prefilling them)."""
-        if self._encode_rate == 0:
-            return self.prefill.seconds(1, tokens, 0)
-        return self._encode_rate * tokens
-
-    def observe_encode(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
-            return
-        rate = seconds / tokens
-        old = self._encode_rate
-        self._encode_rate = rate if old == 0 else 0.5 * (old + rate)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:

@@ -61,7 +61,8 @@ class Plan(Wire):
     chunk: int = DEFAULT_PREFILL_STEP  # prompt tokens per row this step prefills
     embed_tokens: int | None = None  # an embed's chunk beside decoding rows (None: whole)
     catch_up_tokens: int | None = None  # a draft model's catch-up (None: no bound)
-    encoder_tokens: int = 0  # encoder inputs (images) this step: none yet
+    # The vision encoder's share of the budget, for waiting requests' images (None: no bound).
+    encode_s: float | None = None
     stop: bool = False
     check: int = 0  # what the previous step produced, so the ranks can compare notes
     # Rank 0's own: the prefill budget this step was planned with, whether it was widened
@@ -185,16 +186,13 @@ class Scheduler:
         min_chunk, rows = policy.min_chunk, [row.remaining for row in batch.prefilling]
         admits: list[Admit] = []
         failed: list[tuple[GenerationRequest, str]] = []
-        reserved, encode_s = batch.reserved, 0.0  # encode_s: the admitted requests' images
+        reserved = batch.reserved
         # Widened: new prompts wait out a step whose first tokens are due (then twice as many).
         hold = widen > 1.0 and (batch.first_tokens_due or batch.starting > 0)
         for request in [] if hold else list(self._waiting):
             full = len(rows) >= policy.max_rows or batch.rows + len(admits) >= self._max_rows
             if policy.budgeted and full:
                 break
-            image_s = encode_seconds(self.cost, request)
-            if policy.budgeted and batch.decoding and encode_s and encode_s + image_s > budget_s:
-                continue  # its images wait for a step of their own: one stall, not several
             try:
                 looked = self._look(request, reserved, occupied=bool(batch.rows or admits))
             except Exception as exc:  # planning this one request failed: it fails alone
@@ -213,14 +211,10 @@ class Scheduler:
                 continue  # too long to start beside the prompts in prefill now
             self._leave_line(request)
             reserved += need
-            encode_s += image_s
             admits.append(Admit(request, need))
             rows.append(remaining)
         if not policy.budgeted:
             return StepChoice(admits, policy.step_tokens, False, failed, budget_s)
-        if encode_s and batch.decoding:  # the encoder's time comes out of the step's prefill
-            left_s = max(budget_s - encode_s, 0.0)
-            capacity = step_capacity(policy, self.cost, bounded, context, left_s, batch.starting)
         left = [r for r in rows if r > 0]
         if left and finishes_within(left, finish):  # past the base budget, on purpose
             chunk, budget_s = max(left), finish_s if bounded else budget_s
@@ -323,6 +317,17 @@ class Scheduler:
         catch_up = 0 if prefilling else self.cost.catch_up_within(max(left_s, 0.0))
         return embed, catch_up
 
+    def encode_budget(self, choice: StepChoice, running: bool) -> float | None:
+        """What the step's budget leaves, after its prefill, to the vision encoder for the
+        waiting requests' images (None: no bound, with no row running or no budget)."""
+        if not (running and self._policy.budgeted):
+            return None
+        return max(choice.budget_s - choice.prefill_s, 0.0)
+
+    def waiting_requests(self) -> list[GenerationRequest]:
+        """The requests in line, oldest first."""
+        return list(self._waiting)
+
     def over_budget(self, sample: PrefillSample, plan: Plan | StepChoice) -> bool:
         """Whether a step's prefill took longer than the budget it was planned with."""
         return self._policy.budgeted and not plan.bulk and sample.seconds > plan.budget_s
@@ -333,9 +338,3 @@ class Scheduler:
         self._waiting.clear()
         self._arrived.clear()
         return tickets
-
-
-def encode_seconds(cost: StepCost, request: GenerationRequest) -> float:
-    """What the vision encoder takes for the request's images (0: it has none)."""
-    tokens = sum(image.length for image in request.images)
-    return cost.encode_seconds(tokens) if tokens else 0.0

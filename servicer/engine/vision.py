@@ -12,7 +12,6 @@ text model at load, and each image row carries its prompt's ids and rope delta (
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +75,7 @@ class VisionEncoder:
         self.rope = rope  # the text model's multimodal RoPE (None: standard positions)
         self.merge = merge  # the vision tower's spatial merge (image tokens per grid cell)
         self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._ahead: dict[bytes, mx.array] = {}  # encoded for a request not admitted yet
         self._held = 0
         self.encoded = 0  # images put through the encoder
         self.encoded_tokens = 0  # their placeholder tokens
@@ -129,15 +129,34 @@ class VisionEncoder:
         ids, delta = rope_index(request.prompt, spans, self.merge)
         return RowRope(ids, delta)
 
+    @property
+    def tower(self) -> Any:
+        """mlx-vlm's vision tower (its transformer layers are what `encoding` stages)."""
+        return getattr(self._vlm, "vision_tower", None) or getattr(self._vlm, "visual", None)
+
+    def has(self, key: bytes) -> bool:
+        """Whether the image's features are at hand (encoded ahead, or in the cache)."""
+        return key in self._ahead or key in self._cache
+
     def features(self, image: ImageInput, run: list[int]) -> mx.array:
         """The embeddings of the image's placeholder run `run` ([length, hidden]), as the
         model's own merge puts them there (a run may hold more than image tokens: Pixtral's
-        row breaks)."""
+        row breaks): encoded ahead, from the cache, or computed now."""
+        ahead = self._ahead.pop(image.key, None)
+        if ahead is not None:
+            return ahead
         entry = self._cache.get(image.key)
         if entry is not None:
             self._cache.move_to_end(image.key)
             self.reused += 1
             return entry.features
+        features = self.lazy_features(image, run)
+        mx.eval(features)
+        self.keep(image, features, ahead=False)
+        return features
+
+    def lazy_features(self, image: ImageInput, run: list[int]) -> mx.array:
+        """The image's features as a graph not yet evaluated (checked for their count)."""
         ids = mx.array([run], dtype=mx.int32)
         extra = {name: to_mx(tensor) for name, tensor in image.extra}
         merged = self._vlm.get_input_embeddings(
@@ -148,11 +167,21 @@ class VisionEncoder:
             raise ValueError(
                 f"the encoder made {features.shape[0]} image embeddings for {image.length} tokens"
             )
-        mx.eval(features)
+        return features
+
+    def keep(self, image: ImageInput, features: mx.array, ahead: bool = True) -> None:
+        """Computed features, in the bounded cache; encoded `ahead` of their request's
+        admission, also held for it until `features` hands them over."""
         self.encoded += 1
         self.encoded_tokens += image.length
+        if ahead:
+            self._ahead[image.key] = features
         self._keep(image.key, features)
-        return features
+
+    def drop_ahead(self, keep: set[bytes]) -> None:
+        """Forget features encoded ahead for requests no longer waiting (not in `keep`)."""
+        for key in [k for k in self._ahead if k not in keep]:
+            del self._ahead[key]
 
     def _keep(self, key: bytes, features: mx.array) -> None:
         nbytes = features.nbytes
@@ -228,39 +257,27 @@ def chunk_embeddings(
 
 class ImageWork:
     """The images of the requests joining the batch: their features (a failure fails that
-    request alone), and what the encoder took since the last step, for the cost model."""
+    request alone)."""
 
     def __init__(self, vision: VisionEncoder | None) -> None:
         self.vision = vision
-        self._encoded = (0, 0.0)  # tokens, seconds
 
     def spans(self, request: GenerationRequest, cached: int) -> list[ImageSpan]:
-        """The request's images past its reused prefix, their features computed now (from
-        the encoder cache, or the encoder)."""
+        """The request's images past its reused prefix, with their features (encoded ahead,
+        from the encoder cache, or computed now)."""
         if not request.images:
             return []
         vision = self.vision
         if vision is None:
             raise ValueError("this engine serves no images")
-        before, started = vision.encoded_tokens, time.perf_counter()
-        spans = [
+        return [
             ImageSpan(image.offset, image.end, vision.features(image, _run(request, image)))
             for image in request.images
             if image.end > cached
         ]
-        if vision.encoded_tokens > before:
-            tokens, seconds = self._encoded
-            elapsed = time.perf_counter() - started
-            self._encoded = (tokens + vision.encoded_tokens - before, seconds + elapsed)
-        return spans
 
     def rope(self, request: GenerationRequest) -> RowRope | None:
         return self.vision.row_rope(request) if self.vision is not None else None
-
-    def took(self) -> tuple[int, float]:
-        """Image tokens encoded, and the seconds it took, since the last call."""
-        encoded, self._encoded = self._encoded, (0, 0.0)
-        return encoded
 
 
 def _run(request: GenerationRequest, image: ImageInput) -> list[int]:

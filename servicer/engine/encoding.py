@@ -1,0 +1,187 @@
+"""Images encoded before their requests join the batch, a few vision layers a step (engine
+thread only).
+
+One image's encoder pass can take seconds (Gemma 3's SigLIP at 224 px: 27 layers, ~3.6 s on a
+2-core CPU), far past the prefill budget the decoding rows are promised. MLX builds the whole
+pass as a lazy graph at once; `StagedEncode` keeps the vision tower's per-layer outputs from
+that graph and evaluates them one after another, so each step computes only the layers its
+budget has room for, and the finished features are exactly the single pass's (the same graph).
+`ImageEncodes` runs the waiting requests' images this way, oldest first; the scheduler admits
+an image request once every image past its reusable prefix has its features.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..messages import GenerationRequest, ImageInput
+from .vision import VisionEncoder
+
+log = logging.getLogger(__name__)
+_LAYER_LISTS = ("layers", "blocks")  # the vision towers' transformer layer lists, by name
+
+
+class _Recorder:
+    """A tower layer that also hands its output to `sink` (while the graph is built)."""
+
+    def __init__(self, layer: Any, sink: list[Any]) -> None:
+        self._layer, self._sink = layer, sink
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._layer(*args, **kwargs)
+        self._sink.append(out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layer, name)
+
+
+def layer_list(tower: Any) -> list[Any] | None:
+    """The vision tower's longest list of transformer layers (None: it has none)."""
+    best: list[Any] | None = None
+    for _, module in tower.named_modules():
+        for attr in _LAYER_LISTS:
+            found = module.get(attr)
+            if isinstance(found, list) and len(found) > len(best or ()):
+                best = found
+    return best
+
+
+@contextmanager
+def recording(tower: Any, sink: list[Any]):
+    """Within: each layer of the tower's layer list also appends its output to `sink`."""
+    layers = layer_list(tower) if tower is not None else None
+    if not layers:
+        yield
+        return
+    originals = list(layers)
+    layers[:] = [_Recorder(layer, sink) for layer in originals]
+    try:
+        yield
+    finally:
+        layers[:] = originals
+
+
+def _arrays(tree: Any) -> list[mx.array]:
+    if isinstance(tree, mx.array):
+        return [tree]
+    return [leaf for _, leaf in tree_flatten(tree) if isinstance(leaf, mx.array)]
+
+
+class StagedEncode:
+    """One image's encoder pass as a lazy graph, evaluated a stage (a layer) at a time."""
+
+    def __init__(self, encoder: VisionEncoder, image: ImageInput, run: list[int]) -> None:
+        self.image = image
+        outputs: list[Any] = []
+        with recording(encoder.tower, outputs):
+            self.features = encoder.lazy_features(image, run)
+        self._stages: list[list[mx.array]] = [_arrays(o) for o in outputs] + [[self.features]]
+        self._next = 0
+        self._stage_s = 0.0  # the slowest stage so far
+        self.seconds = 0.0  # everything it took
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self._stages)
+
+    @property
+    def stages(self) -> int:
+        return len(self._stages)
+
+    def advance(self, budget_s: float | None) -> float:
+        """Evaluate stages while the next one is expected to fit `budget_s` (None: all of
+        them); at least one, so every call makes progress. Returns the seconds it took."""
+        started = time.perf_counter()
+        first = self._next
+        while not self.done:
+            spent = time.perf_counter() - started
+            if budget_s is not None and self._next > first and spent + self._stage_s > budget_s:
+                break
+            began = time.perf_counter()
+            mx.eval(self._stages[self._next])
+            self._stages[self._next] = []  # computed; the graph past it holds what it needs
+            self._next += 1
+            self._stage_s = max(self._stage_s, time.perf_counter() - began)
+        took = time.perf_counter() - started
+        self.seconds += took
+        return took
+
+
+class ImageEncodes:
+    """The waiting requests' images, encoded ahead of their admission under each step's
+    leftover budget; their features wait in the encoder until the request joins."""
+
+    def __init__(
+        self, encoder: VisionEncoder, reusable: Callable[[GenerationRequest], int]
+    ) -> None:
+        self._encoder = encoder
+        self._reusable = reusable
+        self._running: StagedEncode | None = None
+        # Images whose encode failed: their request is admitted and fails alone there.
+        self._failed: dict[bytes, None] = {}
+
+    def _missing(self, request: GenerationRequest) -> list[ImageInput]:
+        if not request.images:
+            return []
+        covered = self._reusable(request)
+        encoder, failed = self._encoder, self._failed
+        return [
+            image
+            for image in request.images
+            if image.end > covered and not encoder.has(image.key) and image.key not in failed
+        ]
+
+    def ready(self, request: GenerationRequest) -> bool:
+        """Every image past the request's reusable prefix has its features."""
+        return not self._missing(request)
+
+    def advance(self, waiting: Iterable[GenerationRequest], budget_s: float | None) -> float:
+        """Encode the oldest waiting requests' missing images for up to `budget_s` (None: all
+        of them); returns the seconds spent. Each call makes progress on one image at least."""
+        spent = 0.0
+        for request in waiting:
+            for image in self._missing(request):
+                if budget_s is not None and spent > 0 and spent >= budget_s:
+                    return spent
+                left = None if budget_s is None else budget_s - spent
+                spent += self._step(request, image, left)
+                if self._running is not None:  # unfinished: the budget is spent
+                    return spent
+        return spent
+
+    def _step(self, request: GenerationRequest, image: ImageInput, budget_s: float | None) -> float:
+        running = self._running
+        started = time.perf_counter()
+        try:
+            if running is None or running.image.key != image.key:
+                running = self._running = StagedEncode(self._encoder, image, _run(request, image))
+            running.advance(budget_s)
+        except Exception:
+            log.warning("encoding an image ahead failed; its request fails at admission")
+            self._running = None
+            self._failed[image.key] = None
+            return time.perf_counter() - started
+        if running.done:
+            self._encoder.keep(image, running.features)
+            self._running = None
+        return time.perf_counter() - started
+
+    def forget_all_but(self, waiting: Iterable[GenerationRequest]) -> None:
+        """Drop what was encoded (or failed) for requests no longer waiting."""
+        keys = {image.key for request in waiting for image in request.images}
+        self._encoder.drop_ahead(keys)
+        self._failed = {key: None for key in self._failed if key in keys}
+        if self._running is not None and self._running.image.key not in keys:
+            self._running = None
+
+
+def _run(request: GenerationRequest, image: ImageInput) -> list[int]:
+    return request.prompt[image.offset : image.end]

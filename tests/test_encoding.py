@@ -1,0 +1,129 @@
+"""Images encoded ahead of their admission, a vision layer at a time (engine/encoding.py): the
+staged pass makes the single pass's features bit for bit, a step with no budget left still
+advances one layer, and a request is ready only once its images are through."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from servicer.media import MediaPolicy
+from servicer.messages import GenerationRequest, ImageInput
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("mlx_vlm") is None, reason="mlx-vlm (the vision extra) is absent"
+)
+
+FAMILIES = ("gemma3", "qwen2_vl", "qwen2_5_vl", "mistral3", "llava")
+
+
+def _encoder_and_image(family: str, seed: int = 3):
+    """The family's demo encoder (as the engine loads it) and one processed image."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from servicer.demo_vlm import demo_vlm_path
+    from servicer.engine.model import load_model
+    from servicer.engine.vision import VisionEncoder
+    from servicer.images import ImagePreparer, vision_spec
+
+    model_dir = demo_vlm_path(family=family)
+    config = json.loads((model_dir / "config.json").read_text())
+    spec = vision_spec(config, AutoTokenizer.from_pretrained(str(model_dir)))
+    assert spec is not None
+    preparer = ImagePreparer(model_dir, spec, MediaPolicy())
+    pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    processed = preparer._process(0, Image.fromarray(pixels))
+    preparer.close()
+    loaded = load_model(model_dir, None)
+    encoder = VisionEncoder.load(model_dir, loaded.model, 1 << 20)
+    image = ImageInput(5, processed.tokens, processed.key, processed.pixel_values, processed.extra)
+    run = list(processed.run) or [encoder.image_token_id] * processed.tokens
+    return encoder, image, run
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_staged_pass_equals_the_single_pass_a_layer_a_step(family):
+    import mlx.core as mx
+
+    from servicer.engine.encoding import StagedEncode
+
+    encoder, image, run = _encoder_and_image(family)
+    single = encoder.lazy_features(image, run)
+    mx.eval(single)
+    staged = StagedEncode(encoder, image, run)
+    assert staged.stages >= 3  # the demo towers' two layers and what follows them
+    calls = 0
+    while not staged.done:
+        staged.advance(0.0)  # no budget left: still one stage
+        calls += 1
+    assert calls == staged.stages
+    assert np.array_equal(np.array(staged.features), np.array(single))
+    # The tower's own layers are back in place: the next pass builds as usual.
+    assert all(type(layer).__name__ != "_Recorder" for layer in _layers(encoder))
+
+
+def _layers(encoder):
+    from servicer.engine.encoding import layer_list
+
+    return layer_list(encoder.tower) or []
+
+
+def _request(image: ImageInput, run: list[int]) -> GenerationRequest:
+    prompt = [1, 2, 3, 4, 5, *run, 6, 7]
+    return GenerationRequest(1, "r", prompt, 4, images=(image,))
+
+
+def test_a_request_is_ready_once_its_images_are_encoded_ahead():
+    from servicer.engine.encoding import ImageEncodes
+
+    encoder, image, run = _encoder_and_image("gemma3", seed=4)
+    request = _request(image, run)
+    encodes = ImageEncodes(encoder, lambda request: 0)
+    assert not encodes.ready(request)
+    steps = 0
+    while not encodes.ready(request):
+        encodes.advance([request], 0.0)
+        steps += 1
+    assert steps >= 3  # a stage a step
+    assert encoder.encoded == 1
+    ahead = encoder.features(image, run)  # handed over, not computed again
+    assert encoder.encoded == 1
+    fresh = encoder.lazy_features(image, run)
+    assert np.array_equal(np.array(ahead), np.array(fresh))
+    # A prefix past the image needs no encode at all.
+    other = _request(_encoder_and_image("gemma3", seed=5)[1], run)
+    assert ImageEncodes(encoder, lambda request: len(request.prompt)).ready(other)
+
+
+def test_an_encode_for_a_request_that_left_the_line_is_dropped():
+    from servicer.engine.encoding import ImageEncodes
+
+    encoder, image, run = _encoder_and_image("gemma3", seed=6)
+    request = _request(image, run)
+    encodes = ImageEncodes(encoder, lambda request: 0)
+    encodes.advance([request], 0.0)
+    encodes.forget_all_but([])
+    assert encodes._running is None
+    encodes.advance([request], None)  # no bound: to the end at once
+    assert encodes.ready(request)
+    encodes.forget_all_but([])
+    assert not encoder._ahead  # nobody waits for it; the cache may still hold it
+
+
+def test_an_image_that_fails_to_encode_is_left_to_fail_its_request_alone():
+    from servicer.engine.encoding import ImageEncodes
+    from servicer.messages import Tensor
+
+    encoder, image, run = _encoder_and_image("gemma3", seed=7)
+    broken = ImageInput(5, image.length, b"broken", Tensor("float32", (1, 2), b"\0" * 8))
+    request = _request(broken, run)
+    encodes = ImageEncodes(encoder, lambda request: 0)
+    encodes.advance([request], None)
+    assert encodes.ready(request)  # admitted, where its own failure ends it
+    with pytest.raises(Exception):  # noqa: B017  (whatever the tower raises)
+        encoder.features(broken, run)
