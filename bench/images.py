@@ -786,7 +786,7 @@ async def run_model(
                 "prompts": variant,
                 "levels": await mixed_traffic(clients, servers, prompts, args, settings, variant),
             }
-            for variant in settings["prompts"]
+            for variant in ([] if args.no_traffic else settings["prompts"])
         ]
         if settings["gap_rounds"]:
             result["stall"] = await stall_phase(
@@ -964,6 +964,9 @@ def main(argv: list[str] | None = None) -> int:
         "length); default varied,uniform on the demo, uniform on shape",
     )
     parser.add_argument("--gap-rounds", type=int, help="stall rounds (demo 3, shape 1; 0: none)")
+    parser.add_argument(
+        "--no-traffic", action="store_true", help="the stall phase alone (no mixed traffic)"
+    )
     parser.add_argument(
         "--gap-servers", default="ours,theirs", help="servers the stall phase measures"
     )
