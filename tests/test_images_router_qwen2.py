@@ -1,6 +1,6 @@
-"""Qwen2-VL images through the real SMG router on its own path: the router finds `<image>` in
-the worker's respelled tokenizer copy, processes each image itself and sends mm_inputs (its
-runs already in the prompt); each answer equals mlx-vlm's own greedy generation."""
+"""Qwen2-VL and Qwen2.5-VL images through the real SMG router on its own path: the router
+finds `<image>` in the worker's respelled tokenizer copy, processes each image itself and sends
+mm_inputs (its runs already in the prompt); each answer equals mlx-vlm's greedy generation."""
 
 from __future__ import annotations
 
@@ -32,11 +32,12 @@ QUESTION = "What do bees make?"
 IMAGES = "mlx_worker_image_requests_total"
 
 
-@pytest.fixture(scope="module")
-def vlm_dir():
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vlm_dir(request):
+    """Qwen2.5-VL too, served by its path (it holds "qwen" and "vl": the router's own path)."""
     from servicer.demo_vlm import demo_vlm_path
 
-    return demo_vlm_path(family="qwen2_vl")
+    return demo_vlm_path(family=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_a_data_url_image_comes_as_mm_inputs_and_answers_as_mlx_vlm_does(router,
 def test_two_images_with_the_same_text_each_answer_as_mlx_vlm_does(router, worker, vlm_dir):
     """The same question with two different images, one after the other (vllm-mlx #718's bug
     class): each answer is mlx-vlm's for its own image, and the two differ."""
-    raws = png(61, (84, 112)), png(62, (84, 112))
+    raws = png(61, (84, 112)), png(64, (56, 140))
     before = _images(worker, "router")
     replies = [_chat(router, raw)["choices"][0]["message"]["content"] for raw in raws]
     wants = [_expected(vlm_dir, raw)[0] for raw in raws]
