@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import importlib.util
 import io
+import re
 from collections.abc import Iterator
 
 import grpc
@@ -276,6 +277,31 @@ def test_n_seeds_stop_strings_and_logprobs_work_on_an_image_request(vlm_face, vl
     assert all(
         len(c.output_logprobs.token_logprobs) == len(c.output_ids) for c in completes.values()
     )
+
+
+@needs_vlm
+def test_stop_strings_and_structured_output_work_on_an_image_request(vlm_face, vlm_dir):
+    """A stop string cuts the image request's greedy answer where the text holds it; a regex
+    and a choice constrain it as they do a text request."""
+    prompt, url = chat_ids(vlm_dir, "What do bees make?"), data_url(png(31))
+    whole = complete(vlm_face, image_request(prompt, [url], max_tokens=16, ignore_eos=True))
+    text = _decoded(vlm_dir, whole)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = complete(vlm_face, image_request(prompt, [url], max_tokens=16, stop=[stop]))
+    # The ids run through the token that completed the stop string (the router trims text).
+    cut_ids = list(cut.output_ids)
+    assert cut.finish_reason == "stop" and cut_ids == list(whole.output_ids)[: len(cut_ids)]
+    assert stop in _decoded(vlm_dir, cut) and stop not in _decoded(vlm_dir, cut, cut_ids[:-1])
+    regex = complete(vlm_face, image_request(prompt, [url], max_tokens=8, regex="[ab]{3}"))
+    assert re.fullmatch("[ab]{3}", _decoded(vlm_dir, regex))
+    choice = vpb.ChoiceConstraint(choices=["honey", "wax"])
+    chosen = complete(vlm_face, image_request(prompt, [url], max_tokens=8, choice=choice))
+    assert _decoded(vlm_dir, chosen) in ("honey", "wax")
+
+
+def _decoded(vlm_dir, done, ids: list[int] | None = None) -> str:
+    ids = list(done.output_ids) if ids is None else ids
+    return _tokenizer(vlm_dir).decode(ids, skip_special_tokens=True)
 
 
 @needs_vlm

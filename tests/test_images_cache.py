@@ -94,3 +94,52 @@ def test_image_and_text_requests_answer_as_without_any_cache(vlm_dir, seed):
     for job, cached, cold in zip(jobs, answers["cached"], answers["cold"], strict=True):
         if not job[2]:
             assert cached == cold, job
+
+
+def _answers(stub, jobs) -> list[list[int] | None]:
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(functools.partial(_run, stub), jobs))
+
+
+def _engine_rss_mib() -> float:
+    """Resident memory of this process's children: the engine processes of its workers."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    return sum(child.memory_info().rss for child in children) / 2**20
+
+
+RSS_BOUND_MIB = 64  # growth allowed after the first round (the caches full by then)
+
+
+def test_a_restart_on_the_disk_tier_answers_as_without_any_cache_in_bounded_memory(
+    vlm_dir, tmp_path
+):
+    """Half the fuzz's requests, a restart on the same disk tier, the other half: every answer
+    a cache-off worker's. Then rounds of new images through small caches: the engine's
+    resident memory stays within RSS_BOUND_MIB of the first round's."""
+    jobs = _fuzz_jobs(vlm_dir, 3, 24)
+    with _worker(vlm_dir, prompt_cache_size=0) as running, running.channel() as channel:
+        cold = _answers(vgrpc.VllmEngineStub(channel), jobs)
+    cached = {
+        "prompt_cache_block": 4,
+        "prompt_cache_dir": str(tmp_path),
+        "prompt_cache_size": 512,
+        "encoder_cache_bytes": 1 << 16,
+    }
+    got = []
+    for half in (jobs[:12], jobs[12:]):
+        with _worker(vlm_dir, **cached) as running, running.channel() as channel:
+            got += _answers(vgrpc.VllmEngineStub(channel), half)
+    for job, a, b in zip(jobs, got, cold, strict=True):
+        if not job[2]:
+            assert a == b, job
+    with _worker(vlm_dir, **cached) as running, running.channel() as channel:
+        stub = vgrpc.VllmEngineStub(channel)
+        rss = []
+        for round_ in range(4):
+            prompt = chat_ids(vlm_dir, QUESTIONS[round_ % 4])
+            fresh = [(prompt, [data_url(png(300 + 10 * round_ + i))], False) for i in range(10)]
+            assert all(_answers(stub, fresh))
+            rss.append(_engine_rss_mib())
+    assert rss[-1] - rss[0] < RSS_BOUND_MIB, rss
