@@ -431,19 +431,7 @@ def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
     hidden = config["hidden_size"]
     mlp = int(width * config["mlp_ratio"])
     merged = width * config["spatial_merge_size"] ** 2
-    patch, frames, channels = (
-        config["patch_size"],
-        config["temporal_patch_size"],
-        config["in_channels"],
-    )
-
-    out: dict[str, Any] = {}
-    # MLX's Conv3d layout: (out, frames, height, width, in); a patch is the (flattened)
-    # normalised pixels, about unit scale, so fan-in scaling keeps the output there.
-    fan_in = frames * patch * patch * channels
-    out["vision_tower.patch_embed.proj.weight"] = rng.standard_normal(
-        (width, frames, patch, patch, channels)
-    ) / math.sqrt(fan_in)
+    out: dict[str, Any] = patch_embedding(rng, config, width)
     for block in range(config["depth"]):
         prefix = f"vision_tower.blocks.{block}"
         out |= unit_layer_norm(f"{prefix}.norm1", width)
@@ -457,6 +445,20 @@ def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
     gain = feature_rms / math.sqrt(_GELU_SECOND_MOMENT)
     out |= random_linear(rng, "vision_tower.merger.mlp.2", hidden, merged, gain=gain)
     return {name: np.asarray(value, np.float32) for name, value in out.items()}
+
+
+def patch_embedding(rng, vision: Mapping[str, Any], width: int) -> dict[str, Any]:
+    """A Qwen-VL tower's patch embedding (a Conv3d without bias) in MLX's layout: (out,
+    frames, height, width, in). A patch is the (flattened) normalised pixels, about unit scale,
+    so fan-in scaling keeps the output there."""
+    patch, frames, channels = (
+        vision["patch_size"],
+        vision["temporal_patch_size"],
+        vision["in_channels"],
+    )
+    fan_in = frames * patch * patch * channels
+    weight = rng.standard_normal((width, frames, patch, patch, channels)) / math.sqrt(fan_in)
+    return {"vision_tower.patch_embed.proj.weight": weight}
 
 
 _VIDEO_PROCESSOR_CONFIG = {

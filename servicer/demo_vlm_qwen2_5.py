@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from servicer import demo_vlm
-from servicer.demo_vlm import Family, random_linear
+from servicer.demo_vlm import Family, patch_embedding, random_linear
 
 MODEL_TYPE = "qwen2_5_vl"
 TEXT_KIND = "llama"  # the demo_model kind whose weights become the language model
@@ -82,17 +82,7 @@ def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
     width, mlp = vision["hidden_size"], vision["intermediate_size"]
     hidden = vision["out_hidden_size"]
     merged = width * vision["spatial_merge_size"] ** 2
-    patch, frames, channels = (
-        vision["patch_size"],
-        vision["temporal_patch_size"],
-        vision["in_channels"],
-    )
-    out: dict[str, Any] = {}
-    # MLX's Conv3d layout: (out, frames, height, width, in); no bias.
-    fan_in = frames * patch * patch * channels
-    out["vision_tower.patch_embed.proj.weight"] = rng.standard_normal(
-        (width, frames, patch, patch, channels)
-    ) / math.sqrt(fan_in)
+    out: dict[str, Any] = patch_embedding(rng, vision, width)
     for block in range(vision["depth"]):
         prefix = f"vision_tower.blocks.{block}"
         out[f"{prefix}.norm1.weight"] = np.ones(width)

@@ -4,13 +4,12 @@ pixels made by mlx-vlm's processor, alone, batched with text and from a cached p
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from test_images import complete, data_url, image_request, needs_vlm, png
-from vlm_support import chat_text, loaded, router_ids, served
+from vlm_support import processed_chat, router_ids, served
 
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
 
@@ -35,14 +34,8 @@ def reference(vlm_dir, question: str, raws: list[bytes], n: int) -> tuple[list[i
     the expanded prompt's length."""
     import mlx.core as mx
     from mlx_vlm.generate import generate_step
-    from PIL import Image
 
-    model, processor = loaded(str(vlm_dir))
-    text = chat_text(vlm_dir, question, len(raws))
-    pictures = [Image.open(io.BytesIO(raw)).convert("RGB") for raw in raws]
-    out = processor(
-        text=text, images=pictures or None, return_tensors="np", add_special_tokens=False
-    )
+    model, out = processed_chat(vlm_dir, question, raws)
     ids = mx.array(out["input_ids"])
     kwargs = {"image_sizes": out["image_sizes"].tolist()} if raws else {}
     pixels = mx.array(out["pixel_values"]) if raws else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ from conftest import demo_config
 from support import SMG, Router, ServerThread
 from test_images import complete, data_url, image_request, needs_vlm, png
 from test_images_qwen2 import router_request
-from vlm_support import chat_text, loaded, router_ids, served
+from vlm_support import processed_chat, router_ids, served
 
 from servicer.model_files import ModelSpec
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
@@ -49,14 +48,8 @@ def reference(vlm_dir, question: str, raws: list[bytes], n: int = 12) -> tuple[l
     prompt's length."""
     import mlx.core as mx
     from mlx_vlm.generate import generate_step
-    from PIL import Image
 
-    model, processor = loaded(str(vlm_dir))
-    text = chat_text(vlm_dir, question, len(raws))
-    pictures = [Image.open(io.BytesIO(raw)).convert("RGB") for raw in raws]
-    out = processor(
-        text=text, images=pictures or None, return_tensors="np", add_special_tokens=False
-    )
+    model, out = processed_chat(vlm_dir, question, raws)
     ids = mx.array(out["input_ids"])
     extra = {"image_grid_thw": mx.array(out["image_grid_thw"])} if raws else {}
     pixels = mx.array(out["pixel_values"]) if raws else None

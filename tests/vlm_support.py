@@ -46,3 +46,18 @@ def router_ids(vlm_dir: Path, question: str, images: int = 1) -> list[int]:
     _, processor = loaded(str(vlm_dir))
     text = chat_text(vlm_dir, question, images)
     return list(processor.tokenizer.encode(text, add_special_tokens=False))
+
+
+def processed_chat(vlm_dir: Path, question: str, raws: list[bytes]) -> tuple[object, dict]:
+    """mlx-vlm's model, and its processor's output for the chat with `raws` as the images."""
+    import io
+
+    from PIL import Image
+
+    model, processor = loaded(str(vlm_dir))
+    text = chat_text(vlm_dir, question, len(raws))
+    pictures = [Image.open(io.BytesIO(raw)).convert("RGB") for raw in raws]
+    out = processor(
+        text=text, images=pictures or None, return_tensors="np", add_special_tokens=False
+    )
+    return model, out
