@@ -416,26 +416,25 @@ def _with_image(ticket: int, image_tokens: int, text: int = 8) -> GenerationRequ
     return GenerationRequest(ticket, f"i{ticket}", prompt, 16, images=(image,))
 
 
-def test_images_arriving_together_are_encoded_a_step_each_while_rows_decode():
-    """Two image requests whose encoder work would not fit one step's budget together: one
-    joins now, the other next step (a text request behind them is not held up); the encoder's
-    time comes out of that step's prefill."""
+def test_an_image_request_waits_for_its_encode_and_the_encoder_gets_what_prefill_leaves():
+    """An image request whose images are not encoded yet is passed over (a text request behind
+    it joins); it joins once they are. While rows run, the encoder's share of the step is the
+    budget less the planned prefill; with nothing running it is unbounded."""
     from servicer.engine.prefill import StepCost
 
+    encoded: set[int] = set()
     cost = StepCost()
     cost.prefill = _linear_cost(1e-4)
-    cost.observe_encode(100, 0.03)  # 0.3 ms an image token: 90 ms an image of 300
-    scheduler = Scheduler(BIG, POLICY, cost=cost)
-    scheduler.enqueue([_with_image(1, 300, 4000), _with_image(2, 300), _prompt(3, 50)])
+    scheduler = Scheduler(
+        BIG, POLICY, ready=lambda r: not r.images or r.ticket in encoded, cost=cost
+    )
+    scheduler.enqueue([_with_image(1, 300), _prompt(3, 50)])
     decoding = BatchView(rows=2, first_tokens_due=False, decode_step_s=0.01)
     first = scheduler.schedule(decoding)
-    assert [a.request.ticket for a in first.admits] == [1, 3]
-    assert cost.seconds(1, first.chunk, 0) + 0.09 <= first.budget_s + 0.005
-    text = Scheduler(BIG, POLICY, cost=cost)
-    text.enqueue([_prompt(1, 4300), _prompt(3, 50)])
-    assert first.chunk < text.schedule(decoding).chunk  # less prefill beside the encoder
-    second = scheduler.schedule(decoding)
-    assert [a.request.ticket for a in second.admits] == [2]
-    idle = Scheduler(BIG, POLICY, cost=cost)  # nothing decodes: no stall to bound
-    idle.enqueue([_with_image(1, 300), _with_image(2, 300)])
-    assert len(idle.schedule(IDLE).admits) == 2
+    assert [a.request.ticket for a in first.admits] == [3]
+    assert scheduler.encode_budget(first, running=True) == pytest.approx(
+        max(first.budget_s - first.prefill_s, 0.0)
+    )
+    assert scheduler.encode_budget(first, running=False) is None
+    encoded.add(1)
+    assert [a.request.ticket for a in scheduler.schedule(decoding).admits] == [1]
