@@ -240,6 +240,7 @@ class StepOutput(Wire):
     over_budget: int = 0  # steps whose prefill held decoding rows up past the budget
     widened_steps: int = 0  # steps whose prefill ran with a budget widened by a queue
     fused_steps: int = 0  # steps whose prefill chunk rode in the decoding rows' forward
+    images_encoded: int = 0  # images put through the vision encoder (not its cache)
     disk_load_seconds: list[float] = msgspec.field(default_factory=list)  # prompt-cache loads
     figures: EngineFigures | None = None  # the engine's figures, when they changed
     embeddings: list[EmbedResult] = msgspec.field(default_factory=list)
@@ -260,6 +261,7 @@ class StepOutput(Wire):
         self.over_budget += later.over_budget
         self.widened_steps += later.widened_steps
         self.fused_steps += later.fused_steps
+        self.images_encoded += later.images_encoded
         self.disk_load_seconds.extend(later.disk_load_seconds)
         self.figures = later.figures or self.figures
         self.embeddings.extend(later.embeddings)

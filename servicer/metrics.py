@@ -266,6 +266,12 @@ class WorkerMetrics:
             "Steps whose prefill chunk went through the decoding rows' forward (--fuse-prefill)",
             registry=reg,
         )
+        self.images_encoded = Counter(
+            "mlx_worker_images_encoded",
+            "Images put through the vision encoder (an image whose features or prefix were "
+            "cached is not)",
+            registry=reg,
+        )
 
     def _prefix_cache(self, stats: Callable[[], PrefixCacheStats | None]) -> None:
         self.registry.register(PrefixCacheCollector(stats))
@@ -290,6 +296,8 @@ class WorkerMetrics:
             self.widened.inc(out.widened_steps)
         if out.fused_steps:
             self.fused.inc(out.fused_steps)
+        if out.images_encoded:
+            self.images_encoded.inc(out.images_encoded)
         for kind in {failure.kind for failure in out.failures}:  # once per step and kind
             self.errors.labels(_FAILURE_METRIC[kind]).inc()
         if out.fatal is not None:

@@ -120,10 +120,19 @@ def test_an_http_image_from_an_allowed_host_answers_as_mlx_vlm_does(router, vlm_
         assert answers[name] == _expected_text(vlm_dir, raw)
 
 
-def test_the_same_image_again_is_a_hit_past_the_image(router, vlm_dir):
+def _encoded(worker: ServerThread) -> float:
+    registry = worker.server.metrics.registry
+    return registry.get_sample_value("mlx_worker_images_encoded_total") or 0.0
+
+
+def test_the_same_image_again_is_a_hit_past_the_image(router, worker, vlm_dir):
+    """...with no encoder run: the image's prefix is reused whole."""
     url = data_url(png(43))
+    before = _encoded(worker)
     first = _chat(router, url)
+    encoded = _encoded(worker)
     again = _chat(router, url)
+    assert encoded == before + 1 and _encoded(worker) == encoded
     image_end = expanded(vlm_dir, chat_ids(vlm_dir, QUESTION)).index(514) + 4
     cached = (again["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     assert cached > image_end
