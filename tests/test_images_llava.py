@@ -5,16 +5,20 @@ and from a cached prefix."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import demo_config
+from support import SMG, Router, ServerThread
 from test_images import complete, data_url, image_request, needs_vlm, png
 from vlm_support import chat_text, loaded, router_ids, served
 
 from servicer.demo_vlm_llava import TOKENS_PER_IMAGE
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
+from servicer.server import ModelSpec
 
 IMAGE_TOKEN_ID = 512  # <image>, appended to the llama demo's vocabulary
 
@@ -129,3 +133,40 @@ def test_the_routers_own_mm_inputs_answer_as_mlx_vlm_does(stub, vlm_dir):
     got = list(done.output_ids)
     assert got == want[: len(got)]  # mlx-vlm's steps run past the EOS the worker stops at
     assert len(got) == len(want) or done.finish_reason == "stop"
+
+
+@pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
+def test_through_the_router_as_llava_1_5_answers_as_mlx_vlm_does(vlm_dir, tmp_path):
+    """smg processes LLaVA images itself when the served name names a LLaVA version it has a
+    vision processor for ("llava-1.5"; plain "llava" finds none and answers 400): it sends
+    mm_inputs, and the answer equals mlx-vlm's greedy generation."""
+    from transformers import AutoTokenizer
+
+    raw, question = png(46, (64, 48)), "What do bees make?"
+    model = ModelSpec(str(vlm_dir), "llava-1.5-demo")
+    config = dataclasses.replace(demo_config(vlm_dir), protocols=("vllm",), model=model)
+    with ServerThread(config) as running:
+        router = Router([running.address], tmp_path / "smg.log")
+        try:
+            served_name = router.wait_until_serving()
+            content = [{"type": "image_url", "image_url": {"url": data_url(raw)}}]
+            content.append({"type": "text", "text": question})
+            body = {"model": served_name, "messages": [{"role": "user", "content": content}]}
+            body |= {"max_tokens": 12, "temperature": 0}
+            response = router.client.post("/v1/chat/completions", json=body)
+        finally:
+            router.close()
+        registry = running.server.metrics.registry
+        by_router = registry.get_sample_value(
+            "mlx_worker_image_requests_total", {"processed_by": "router"}
+        )
+    assert response.status_code == 200, response.text
+    assert by_router == 1
+    tokens, _ = reference(vlm_dir, question, [raw], 12)
+    tokenizer = AutoTokenizer.from_pretrained(str(vlm_dir))
+    eos = tokenizer.eos_token_id
+    tokens = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens  # the worker stops
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    reply = response.json()
+    assert reply["choices"][0]["message"]["content"] == text
+    assert reply["usage"]["completion_tokens"] == len(tokens)
