@@ -14,7 +14,7 @@ import pytest
 from conftest import demo_config
 from support import SMG, Router, ServerThread
 from test_images import complete, data_url, image_request, needs_vlm, png
-from vlm_support import chat_text, loaded, router_ids, served
+from vlm_support import chat_text, loaded, routed_image_chat, router_ids, served
 
 from servicer.demo_vlm_llava import TOKENS_PER_IMAGE
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
@@ -148,12 +148,7 @@ def test_through_the_router_as_llava_1_5_answers_as_mlx_vlm_does(vlm_dir, tmp_pa
     with ServerThread(config) as running:
         router = Router([running.address], tmp_path / "smg.log")
         try:
-            served_name = router.wait_until_serving()
-            content = [{"type": "image_url", "image_url": {"url": data_url(raw)}}]
-            content.append({"type": "text", "text": question})
-            body = {"model": served_name, "messages": [{"role": "user", "content": content}]}
-            body |= {"max_tokens": 12, "temperature": 0}
-            response = router.client.post("/v1/chat/completions", json=body)
+            response = routed_image_chat(router, question, data_url(raw))
         finally:
             router.close()
         registry = running.server.metrics.registry

@@ -19,7 +19,7 @@ from conftest import demo_config
 from support import SMG, Router, ServerThread
 from test_images import complete, data_url, image_request, needs_vlm, png
 from test_images_qwen2 import router_request
-from vlm_support import processed_chat, router_ids, served
+from vlm_support import processed_chat, routed_image_chat, router_ids, served
 
 from servicer.model_files import ModelSpec
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
@@ -151,12 +151,7 @@ def test_through_the_router_answers_as_mlx_vlm_does(vlm_dir, tmp_path):
         preparer.prepare = spy
         router = Router([running.address], tmp_path / "smg.log")
         try:
-            model = router.wait_until_serving()
-            content = [{"type": "image_url", "image_url": {"url": data_url(raw)}}]
-            content.append({"type": "text", "text": question})
-            body = {"model": model, "messages": [{"role": "user", "content": content}]}
-            body |= {"max_tokens": 12, "temperature": 0}
-            response = router.client.post("/v1/chat/completions", json=body)
+            response = routed_image_chat(router, question, data_url(raw))
         finally:
             router.close()
     assert response.status_code == 200, response.text

@@ -61,3 +61,14 @@ def processed_chat(vlm_dir: Path, question: str, raws: list[bytes]) -> tuple[obj
         text=text, images=pictures or None, return_tensors="np", add_special_tokens=False
     )
     return model, out
+
+
+def routed_image_chat(router, question: str, url: str, max_tokens: int = 12):
+    """A greedy OpenAI chat through the router (a `support.Router` serving its model): one
+    image_url part, then the question; the HTTP response."""
+    content = [{"type": "image_url", "image_url": {"url": url}}]
+    content.append({"type": "text", "text": question})
+    messages = [{"role": "user", "content": content}]
+    body = {"model": router.wait_until_serving(), "messages": messages}
+    body |= {"max_tokens": max_tokens, "temperature": 0}
+    return router.client.post("/v1/chat/completions", json=body)
