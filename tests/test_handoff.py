@@ -60,6 +60,7 @@ ONE_OF_EACH = {
     "over_budget": 1,
     "widened_steps": 1,
     "fused_steps": 1,
+    "images_encoded": 1,
     "disk_load_seconds": [0.2],
     "figures": EngineFigures(prefill_budget_s=0.05),
     "embeddings": [EmbedResult(1)],
