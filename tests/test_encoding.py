@@ -127,3 +127,20 @@ def test_an_image_that_fails_to_encode_is_left_to_fail_its_request_alone():
     assert encodes.ready(request)  # admitted, where its own failure ends it
     with pytest.raises(Exception):  # noqa: B017  (whatever the tower raises)
         encoder.features(broken, run)
+
+
+def test_a_prefix_lookup_that_fails_skips_that_request_and_encodes_the_next():
+    from servicer.engine.encoding import ImageEncodes
+
+    encoder, image, run = _encoder_and_image("gemma3", seed=8)
+    failing, fine = _request(image, run), _request(_encoder_and_image("gemma3", 9)[1], run)
+    fine = GenerationRequest(2, "r2", fine.prompt, 4, images=fine.images)
+
+    def reusable(request: GenerationRequest) -> int:
+        if request.ticket == 1:
+            raise OSError("the prefix store's lookup failed")
+        return 0
+
+    encodes = ImageEncodes(encoder, reusable)
+    encodes.advance([failing, fine], None)
+    assert encodes.ready(fine)

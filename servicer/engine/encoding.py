@@ -148,7 +148,11 @@ class ImageEncodes:
         of them); returns the seconds spent. Each call makes progress on one image at least."""
         spent = 0.0
         for request in waiting:
-            for image in self._missing(request):
+            try:
+                missing = self._missing(request)
+            except Exception:  # looking up its prefix failed: its own planning fails it alone
+                continue
+            for image in missing:
                 if budget_s is not None and spent > 0 and spent >= budget_s:
                     return spent
                 left = None if budget_s is None else budget_s - spent
