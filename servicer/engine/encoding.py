@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..messages import GenerationRequest, ImageInput
-from .vision import VisionEncoder
+from .vision import VisionEncoder, placeholder_run
 
 log = logging.getLogger(__name__)
 _LAYER_LISTS = ("layers", "blocks")  # the vision towers' transformer layer lists, by name
@@ -86,7 +86,6 @@ class StagedEncode:
         self._stages: list[list[mx.array]] = [_arrays(o) for o in outputs] + [[self.features]]
         self._next = 0
         self._stage_s = 0.0  # the slowest stage so far
-        self.seconds = 0.0  # everything it took
 
     @property
     def done(self) -> bool:
@@ -96,9 +95,9 @@ class StagedEncode:
     def stages(self) -> int:
         return len(self._stages)
 
-    def advance(self, budget_s: float | None) -> float:
+    def advance(self, budget_s: float | None) -> None:
         """Evaluate stages while the next one is expected to fit `budget_s` (None: all of
-        them); at least one, so every call makes progress. Returns the seconds it took."""
+        them); at least one, so every call makes progress."""
         started = time.perf_counter()
         first = self._next
         while not self.done:
@@ -110,9 +109,6 @@ class StagedEncode:
             self._stages[self._next] = []  # computed; the graph past it holds what it needs
             self._next += 1
             self._stage_s = max(self._stage_s, time.perf_counter() - began)
-        took = time.perf_counter() - started
-        self.seconds += took
-        return took
 
 
 class ImageEncodes:
@@ -166,7 +162,8 @@ class ImageEncodes:
         started = time.perf_counter()
         try:
             if running is None or running.image.key != image.key:
-                running = self._running = StagedEncode(self._encoder, image, _run(request, image))
+                run = placeholder_run(request, image)
+                running = self._running = StagedEncode(self._encoder, image, run)
             running.advance(budget_s)
         except Exception:
             log.warning("encoding an image ahead failed; its request fails at admission")
@@ -185,7 +182,3 @@ class ImageEncodes:
         self._failed = {key: None for key in self._failed if key in keys}
         if self._running is not None and self._running.image.key not in keys:
             self._running = None
-
-
-def _run(request: GenerationRequest, image: ImageInput) -> list[int]:
-    return request.prompt[image.offset : image.end]

@@ -233,7 +233,6 @@ class EngineLoop:
         if config.warmup:
             warm_up(self.batch.generator, info.bos_token_id or 0, parts.new_row)
         self.store.on_disk_done(inbox.nudge)
-        self._images_encoded = 0  # the vision encoder's count at the last hand-off
         self.encodes = (
             ImageEncodes(parts.vision, functools.partial(reusable, self.store, config))
             if parts.vision is not None
@@ -288,8 +287,7 @@ class EngineLoop:
             if self.encodes is not None and self.scheduler.waiting:
                 self._encode_ahead(plan.encode_s)
             if self.parts.vision is not None:
-                out.images_encoded = self.parts.vision.encoded - self._images_encoded
-                self._images_encoded = self.parts.vision.encoded
+                out.images_encoded = self.parts.vision.take_encoded()
             if self._lockstep is not None:
                 self._lockstep.progress()
             out.kv_events.extend(self.store.take_events())

@@ -78,6 +78,7 @@ class VisionEncoder:
         self._ahead: dict[bytes, mx.array] = {}  # encoded for a request not admitted yet
         self._held = 0
         self.encoded = 0  # images put through the encoder
+        self._encoded_taken = 0  # of them, reported by `take_encoded`
         self.encoded_tokens = 0  # their placeholder tokens
         self.reused = 0  # images whose features came from the cache
 
@@ -178,6 +179,11 @@ class VisionEncoder:
             self._ahead[image.key] = features
         self._keep(image.key, features)
 
+    def take_encoded(self) -> int:
+        """Images put through the encoder since the last call."""
+        fresh, self._encoded_taken = self.encoded - self._encoded_taken, self.encoded
+        return fresh
+
     def drop_ahead(self, keep: set[bytes]) -> None:
         """Forget features encoded ahead for requests no longer waiting (not in `keep`)."""
         for key in [k for k in self._ahead if k not in keep]:
@@ -271,7 +277,9 @@ class ImageWork:
         if vision is None:
             raise ValueError("this engine serves no images")
         return [
-            ImageSpan(image.offset, image.end, vision.features(image, _run(request, image)))
+            ImageSpan(
+                image.offset, image.end, vision.features(image, placeholder_run(request, image))
+            )
             for image in request.images
             if image.end > cached
         ]
@@ -280,5 +288,6 @@ class ImageWork:
         return self.vision.row_rope(request) if self.vision is not None else None
 
 
-def _run(request: GenerationRequest, image: ImageInput) -> list[int]:
+def placeholder_run(request: GenerationRequest, image: ImageInput) -> list[int]:
+    """The image's placeholder run in the request's prompt (what the encoder's merge fills)."""
     return request.prompt[image.offset : image.end]
