@@ -12,7 +12,10 @@ configurations (cells) and its greedy tokens are compared with mlx-lm's, token f
   mlx-lm's own quantized-cache generation, or keys and values quantized and dequantized where
   mlx-lm's quantized attention cannot run the model, or the plain reference where no layer is
   quantized; on a build of its own where the config's "families": {"kv8": {...}} overrides
-  head sizes that MLX cannot quantize);  distributed: two ranks over the `ring` backend.
+  head sizes that MLX cannot quantize);  distributed: two ranks over the `ring` backend;
+- the scheduling settings a user may set, each against the plain reference: stall0
+  `--max-prefill-stall-ms 0` (the prefill budget off), nogroup `--no-group-rows`, fuse
+  `--fuse-prefill`, prefill1 `--prefill-batch-size 1`, slots2 `--completion-batch-size 2`.
 
 Every cell uses `--prompt-cache-block 16` so the short prompts span several blocks. A cell is
 exact, near-tie (first differing position where mlx-lm's top two logits are within MARGIN),
@@ -50,7 +53,10 @@ ROOT = BENCH.parent
 FAMILIES = BENCH / "families"
 CONFIGS = FAMILIES / "configs"
 SKIPPED = FAMILIES / "skipped.json"
-CELLS = ("defaults", "prefix", "thread", "ngram", "kv8", "distributed")
+# The scheduling settings a user may set, each a cell of its own: exact on every architecture
+# or refused at start with the reason.
+SETTING_CELLS = ("stall0", "nogroup", "fuse", "prefill1", "slots2")
+CELLS = ("defaults", "prefix", "thread", "ngram", "kv8", "distributed", *SETTING_CELLS)
 STATUSES = (
     "exact",
     "near-tie",
@@ -759,6 +765,11 @@ CELL_FLAGS: dict[str, tuple[str, ...]] = {
     "thread": ("--engine-mode", "thread"),
     "ngram": ("--speculate", "ngram"),
     "kv8": ("--kv-bits", "8"),
+    "stall0": ("--max-prefill-stall-ms", "0"),  # the prefill budget off
+    "nogroup": ("--no-group-rows",),
+    "fuse": ("--fuse-prefill",),
+    "prefill1": ("--prefill-batch-size", "1"),
+    "slots2": ("--completion-batch-size", "2"),  # of three prompts at once, one waits
 }
 
 
@@ -811,7 +822,7 @@ def single_cells(
 ) -> dict[str, Cell]:
     base = ("--model", str(model_dir), "--prompt-cache-block", BLOCK)
     out: dict[str, Cell] = {}
-    for cell in ("defaults", "thread", "ngram", "kv8"):
+    for cell in ("defaults", "thread", "ngram", "kv8", *SETTING_CELLS):
         wanted = [c for c in ([cell, "prefix"] if cell == "defaults" else [cell]) if c in cells]
         if not wanted:
             continue
@@ -1099,12 +1110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = architectures(args.only, args.real)
     missing = sorted(set(installed_architectures()) - set(names)) if not args.only else []
     demo_dir()  # build the tokenizer's source once, before the jobs start
+    # A part again (some architectures, some cells): the rest keep their cells from the last run.
     results: dict[str, Any] = {}
-    if args.only and args.json and args.json.exists():
-        # A few architectures again: the others keep their cells from the last full run.
+    shown = list(cells)
+    if args.json and args.json.exists() and (args.only or cells != list(CELLS)):
         earlier = json.loads(args.json.read_text())
-        if earlier.get("cells") == cells:
-            results = {a: r for a, r in earlier["results"].items() if a not in names}
+        results = earlier["results"]
+        shown = [c for c in CELLS if c in cells or c in earlier.get("cells", ())]
     lock = threading.Lock()
 
     def one(arch: str) -> None:
@@ -1113,18 +1125,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             result = run_arch(arch, cells, cache, args.timeout)
         with lock:  # written after every architecture, so a cut-short run still reports
-            results[arch] = result
-            write_outputs(args, cells, results, missing)
+            results[arch] = merge_result(results.get(arch), result)
+            write_outputs(args, shown, results, missing)
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(one, names))
-    print(markdown(results, cells))
+    print(markdown(results, shown))
     complete = set(results) >= set(load_configs()) | set(load_skipped())
-    if args.readme and complete and list(cells) == list(CELLS):
-        write_readme(args.readme, readme_summary(results, cells))
+    every_cell = all(set(CELLS) <= set(r["cells"]) for r in results.values())
+    if args.readme and complete and every_cell:
+        write_readme(args.readme, readme_summary(results, CELLS))
     if missing:
         print(f"installed mlx-lm architectures without a config or a skip entry: {missing}")
     return 1 if args.strict and failing(results) else 0
+
+
+def merge_result(earlier: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """An architecture's new cells over its earlier ones (a partial run keeps the rest)."""
+    if earlier is None:
+        return new
+    return {**earlier, **new, "cells": {**earlier.get("cells", {}), **new["cells"]}}
 
 
 def failing(results: dict[str, Any]) -> list[str]:

@@ -52,7 +52,7 @@ class RawEngine:
         from mlx_lm.generate import BatchGenerator
 
         from servicer.engine import EngineConfig
-        from servicer.engine.parts import generator_settings
+        from servicer.engine.parts import batch_generator_settings
 
         model, _ = load(str(model_dir))
         config = EngineConfig(
@@ -62,7 +62,7 @@ class RawEngine:
         )
         # mlx-lm's own, unmodified: the reference the served engine is measured against.
         self.generator = BatchGenerator(
-            model, **generator_settings(config, mx.new_stream(mx.default_device()))
+            model, **batch_generator_settings(config, mx.new_stream(mx.default_device()))
         )
         self.completion_batch_size = completion_batch_size
         self.prefill_batch_size = prefill_batch_size

@@ -37,7 +37,7 @@ def run_case(
     from servicer.engine.cache_kinds import grouped as grouping
     from servicer.engine.runner import BatchRunner
 
-    generator = BatchRunner(model, completion_batch_size=32, prefill_batch_size=8)
+    generator = BatchRunner(model)
     if grouped:
         generator.group_rows(grouping)
     prompts = [[(7 * i + j) % 5000 + 100 for j in range(SHORT_PROMPT)] for i in range(rows)]

@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import BatchGenerator
 
-from servicer.engine.parts import generator_settings
+from servicer.engine.parts import batch_generator_settings, runner_settings
 from servicer.engine_config import EngineConfig
 
 CORPUS = Path(__file__).resolve().parent.parent / "servicer" / "demo_corpus.txt"
@@ -31,12 +31,14 @@ def repeat_prompt(tokenizer: Any, text: str, limit: int = 120) -> list[int]:
 
 
 def generator_kwargs(config: EngineConfig | None = None) -> dict[str, Any]:
-    """The arguments the engine builds its BatchGenerator with."""
-    return generator_settings(config or EngineConfig(), mx.new_stream(mx.default_device()))
+    """The arguments the engine builds its batch runner with."""
+    return runner_settings(config or EngineConfig(), mx.new_stream(mx.default_device()))
 
 
 def plain_generator(model: Any, **overrides: Any) -> BatchGenerator:
-    return BatchGenerator(model, **{**generator_kwargs(), **overrides})
+    """mlx-lm's BatchGenerator with the engine's default settings."""
+    settings = batch_generator_settings(EngineConfig(), mx.new_stream(mx.default_device()))
+    return BatchGenerator(model, **{**settings, **overrides})
 
 
 def perturbed_copy(model_dir: Path, scale: float = 0.35, seed: int = 1) -> Any:

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from servicer.demo_model import demo_model_path
 from servicer.engine import EngineConfig
-from servicer.engine.parts import build_parts, generator_settings, new_generator
+from servicer.engine.parts import batch_generator_settings, build_parts, new_generator
 from servicer.model_files import ModelSpec, prepare_model_files
 
 # What splitting a (rows, vocab) array into rows adds to a graph.
@@ -87,7 +87,9 @@ def test_a_plain_decode_step_launches_the_raw_engines_operations(
     config = EngineConfig()
     stream = mx.new_stream(mx.default_device())
     raw_model, _ = load(str(path))
-    raw_generator = BatchGenerator(raw_model, **generator_settings(config, stream))
+    # Every prompt in one prefill, as the runner takes what it is given (the plan's to cap).
+    settings = {**batch_generator_settings(config, stream), "prefill_batch_size": rows}
+    raw_generator = BatchGenerator(raw_model, **settings)
     raw = _step_graphs(raw_generator, rows, None, monkeypatch, "mlx_lm.generate")
 
     parts = build_parts(config, prepare_model_files(ModelSpec(str(path))).info)

@@ -41,22 +41,28 @@ REFUSED: dict[str, str] = {}
 CELLS = ("defaults", "prefix")
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("families") / "families.json"
-    command = [
-        sys.executable,
-        str(RUNNER),
-        "--only",
-        ",".join(SUBSET),
-        "--cells",
-        ",".join(CELLS),
-        "--json",
-        str(out),
-    ]
+# Layers that read padding, with the prefill budget off: the plan alone keeps them to one
+# prompt at a time (the runner once admitted a prefill batch of them by its own caps).
+BUDGET_OFF = ("mamba", "nemotron_h")
+
+
+def _run_matrix(out: Path, archs: Any, cells: Any) -> dict[str, Any]:
+    command = [sys.executable, str(RUNNER), "--only", ",".join(archs)]
+    command += ["--cells", ",".join(cells), "--json", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())["results"]
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run_matrix(tmp_path_factory.mktemp("families") / "families.json", SUBSET, CELLS)
+
+
+@pytest.mark.parametrize("arch", BUDGET_OFF)
+def test_padding_readers_are_exact_with_the_prefill_budget_off(tmp_path: Path, arch: str) -> None:
+    cell = _run_matrix(tmp_path / "stall0.json", [arch], ["stall0"])[arch]["cells"]["stall0"]
+    assert cell["status"] == "exact", f"{arch} --max-prefill-stall-ms 0: {cell}"
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,8 @@ import random
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
-from spec_support import Job, drive, generator_kwargs
+from spec_support import Job, drive, generator_kwargs, plain_generator
 
 from servicer.demo_model import demo_model_path
 from servicer.engine.decode_batch import StepRows
@@ -44,8 +43,10 @@ def _schedule(seed: int) -> list[Job]:
 
 
 def _run(model, ours: bool, seed: int, **settings):
-    kwargs = {**generator_kwargs(), **settings}
-    generator = BatchRunner(model, **kwargs) if ours else BatchGenerator(model, **kwargs)
+    if ours:
+        generator = BatchRunner(model, **{**generator_kwargs(), **settings})
+    else:
+        generator = plain_generator(model, **settings)
     mx.random.seed(seed)  # the seeded rows' draws
     try:
         return drive(generator, _schedule(seed))

@@ -47,6 +47,28 @@ def test_admits_in_arrival_order_while_memory_lasts():
     assert [a.request.ticket for a in scheduler.schedule(one_left).admits] == [3]
 
 
+@pytest.mark.parametrize("max_stall_s", [0, 0.05])
+def test_the_plan_caps_prompts_in_prefill_and_rows_with_the_budget_on_or_off(max_stall_s):
+    """One gate: the runner admits whatever the plan says, so the plan alone keeps a model
+    whose layers read padding (prefill_rows: 1) to one prompt at a time, and the batch to
+    `max_rows` (--completion-batch-size), whatever the prefill budget."""
+    roomy = Admission(ADMISSION.memory, limit_bytes=10_000 * 1024)
+    one_at_a_time = Scheduler(roomy, PrefillPolicy(max_stall_s=max_stall_s, max_rows=1))
+    one_at_a_time.enqueue([_request(i, 8) for i in range(1, 4)])
+    assert [a.request.ticket for a in one_at_a_time.schedule(IDLE).admits] == [1]
+    prefilling = BatchView(rows=1, first_tokens_due=False, prefilling=(PrefillRow(5, 0),))
+    assert one_at_a_time.schedule(prefilling).admits == []  # 1 is still in prefill
+    decoding = BatchView(rows=1, first_tokens_due=False)
+    assert [a.request.ticket for a in one_at_a_time.schedule(decoding).admits] == [2]
+
+    two_slots = Scheduler(roomy, PrefillPolicy(max_stall_s=max_stall_s, max_rows=8), max_rows=2)
+    two_slots.enqueue([_request(i, 8) for i in range(1, 5)])
+    assert [a.request.ticket for a in two_slots.schedule(IDLE).admits] == [1, 2]
+    full = BatchView(rows=2, first_tokens_due=False)
+    assert two_slots.schedule(full).admits == []  # 3 waits for a slot
+    assert two_slots.waiting == 2
+
+
 def test_a_request_alone_is_admitted_even_past_the_limit():
     # The handler refuses what could never fit; past the limit alone means nothing runs.
     scheduler = Scheduler(ADMISSION)

@@ -393,14 +393,19 @@ def snapshot_interval(memory: MemoryModel, block: int) -> int:
     return max(block, -(-int(tokens) // block) * block)
 
 
-def generator_settings(config: EngineConfig, stream: mx.Stream) -> dict[str, Any]:
-    """The batch runner's arguments an engine setting gives (mlx-lm's BatchGenerator takes
-    the same, for the raw-engine reference)."""
+def runner_settings(config: EngineConfig, stream: mx.Stream) -> dict[str, Any]:
+    """The batch runner's arguments an engine setting gives (its batch sizes are the
+    scheduler's to keep)."""
+    return {"prefill_step_size": config.prefill_step_size, "stream": stream}
+
+
+def batch_generator_settings(config: EngineConfig, stream: mx.Stream) -> dict[str, Any]:
+    """mlx-lm's BatchGenerator's arguments for the same setting (the raw-engine reference,
+    which keeps its own waiting line by the batch sizes)."""
     return {
+        **runner_settings(config, stream),
         "completion_batch_size": config.completion_batch_size,
         "prefill_batch_size": config.prefill_batch_size,
-        "prefill_step_size": config.prefill_step_size,
-        "stream": stream,
     }
 
 
@@ -420,7 +425,7 @@ def new_generator(
     `fuse_prefill`, and decoding rows of very different lengths in attention groups with
     `group_rows` (a model `enable_fused_prefill` covers, both); `adapters`: the LoRA adapters
     loaded on `model`, if any."""
-    kwargs = generator_settings(config, stream)
+    kwargs = runner_settings(config, stream)
     kwargs["vision"], kwargs["adapters"] = vision, adapters
     if speculation is None:
         generator = BatchRunner(model, **kwargs)

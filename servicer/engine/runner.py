@@ -1,9 +1,11 @@
 """The engine's batch runner: requests in, one step at a time, tokens and prompt progress out
 (engine thread only).
 
-A request waits, then prefills a chunk a step beside the decoding rows (the chunk is the
-caller's, each step), then decodes. The runner calls mlx-lm's models and cache classes
-directly; the rows, their progress and the step are its own (`PromptBatch`, `DecodeBatch`).
+A request prefills a chunk a step beside the decoding rows (the chunk is the caller's, each
+step), then decodes. Which requests join, and when, is the scheduler's plan alone: the runner
+keeps no waiting line and no caps of its own, so every setting is decided in one place.
+The runner calls mlx-lm's models and cache classes directly; the rows, their progress and
+the step are its own (`PromptBatch`, `DecodeBatch`).
 Where `fuse_prefill` is set for a model `enable_fused_prefill` covers, one prompt's chunk goes
 through the decoding rows' forward (fused_prefill). With LoRA adapters loaded (`adapters`,
 adapters.py) each request names its adapter's index; every forward sets its rows' own.
@@ -11,7 +13,6 @@ adapters.py) each request names its adapter's index; every forward sets its rows
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,14 +34,12 @@ CLEAR_EVERY = 512  # decode steps between frees of MLX's buffer cache
 
 
 class BatchRunner:
-    """Waiting requests, the rows in prefill and the decoding rows; `next` runs one step."""
+    """The rows in prefill and the decoding rows; `next` runs one step."""
 
     def __init__(
         self,
         model: Any,
         *,
-        completion_batch_size: int = 32,
-        prefill_batch_size: int = 8,
         prefill_step_size: int = 2048,
         stream: mx.Stream | None = None,
         max_kv_size: int | None = None,
@@ -53,12 +52,9 @@ class BatchRunner:
         self.adapters = adapters  # the LoRA adapters loaded on the model, if any
         self.sampler = sampler or greedy_sampler
         self.prefill_step_size = prefill_step_size  # a step's chunk unless `next` is told one
-        self.prefill_batch_size = prefill_batch_size
-        self.completion_batch_size = max(completion_batch_size, prefill_batch_size)
         self.max_kv_size = max_kv_size
         self._stream = stream or mx.new_stream(mx.default_device())
         self._next_uid = 0
-        self.waiting: deque[PromptRow] = deque()
         self.prefill = PromptBatch(model, vision, adapters)
         self.decoding: DecodeBatch = self._new_decode_batch()
         self.fuse_prefill = False
@@ -78,8 +74,8 @@ class BatchRunner:
 
     @property
     def prefilling(self) -> bool:
-        """Whether prompts wait for prefill or are in it."""
-        return bool(self.waiting) or len(self.prefill) > 0
+        """Whether prompts are in prefill."""
+        return len(self.prefill) > 0
 
     def group_rows(self, grouping: Callable[[list[Any]], list[Any]]) -> None:
         """Decoding rows of very different lengths attend in groups from now on, `grouping`
@@ -110,7 +106,7 @@ class BatchRunner:
         ropes: list[RowRope | None] | None = None,
         adapters: list[int] | None = None,
     ) -> list[int]:
-        """Requests wait for prefill, each prompt in segments (prefill stops at each segment's
+        """Requests begin their prefill (the next step runs their first chunk), each prompt in segments (prefill stops at each segment's
         end, for a snapshot), with its images, multimodal RoPE and LoRA adapter (its index in
         the runner's AdapterSet), if any; their uids."""
         n = len(segments)
@@ -133,16 +129,15 @@ class BatchRunner:
         for i, prompt in enumerate(segments):
             row = {name: values[i] for name, values in options.items()}
             rows.append(_prompt_row(self, self._next_uid + i, prompt, row))
-        self.waiting.extend(rows)
+        with mx.stream(self._stream):
+            self.prefill.add(rows)
         self._next_uid += n
         return [row.uid for row in rows]
 
     def _where(self, uids: Sequence[int]) -> dict[int, tuple[int, int]]:
-        """Each uid's stage (0 waiting, 1 prefill, 2 decoding) and position there."""
+        """Each uid's stage (0 prefill, 1 decoding) and position there."""
         wanted, found = set(uids), {}
-        for stage, ids in enumerate(
-            ([r.uid for r in self.waiting], self.prefill.uids, self.decoding.uids)
-        ):
+        for stage, ids in enumerate((self.prefill.uids, self.decoding.uids)):
             for i, uid in enumerate(ids):
                 if uid in wanted:
                     found[uid] = (stage, i)
@@ -153,24 +148,19 @@ class BatchRunner:
         results = {}
         for uid, (stage, i) in self._where(uids).items():
             if stage == 0:
-                row = self.waiting[i]
-                results[uid] = (row.cache, row.tokens)
-            elif stage == 1:
                 results[uid] = (self.prefill.extract_cache(i), self.prefill.rows[i].tokens)
             else:
                 results[uid] = (self.decoding.extract_cache(i), self.decoding.tokens[i])
         return results
 
     def remove(self, uids: Sequence[int]) -> None:
-        gone: list[set[int]] = [set(), set(), set()]
+        gone: list[set[int]] = [set(), set()]
         for stage, i in self._where(uids).values():
             gone[stage].add(i)
         if gone[0]:
-            self.waiting = deque(r for i, r in enumerate(self.waiting) if i not in gone[0])
+            self.prefill.filter([i for i in range(len(self.prefill)) if i not in gone[0]])
         if gone[1]:
-            self.prefill.filter([i for i in range(len(self.prefill)) if i not in gone[1]])
-        if gone[2]:
-            self.decoding.filter([i for i in range(len(self.decoding)) if i not in gone[2]])
+            self.decoding.filter([i for i in range(len(self.decoding)) if i not in gone[1]])
 
     # ----- one step -----
 
@@ -194,15 +184,6 @@ class BatchRunner:
         if self._fusable():
             return self._fused_step(chunk)
         responses = self._decode()
-        if len(self.decoding) >= self.completion_batch_size:
-            return [], responses
-        n = min(
-            self.prefill_batch_size - len(self.prefill),
-            self.completion_batch_size - len(self.decoding),
-            len(self.waiting),
-        )
-        if n > 0:
-            self.prefill.add([self.waiting.popleft() for _ in range(n)])
         progress = []
         starting = [i for i, row in enumerate(self.prefill.rows) if row.starting]
         for i in starting:
@@ -234,9 +215,7 @@ class BatchRunner:
     # ----- a prompt's chunk in the decoding rows' forward -----
 
     def _fusable(self) -> bool:
-        if not self.fuse_prefill or self.waiting or len(self.prefill) != 1:
-            return False
-        if not 0 < len(self.decoding) < self.completion_batch_size:
+        if not self.fuse_prefill or len(self.prefill) != 1 or not len(self.decoding):
             return False
         row = self.prefill.rows[0]
         if row.adapter or self.decoding.adapted:  # a packed forward sets no rows' adapters

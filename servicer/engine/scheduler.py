@@ -190,8 +190,8 @@ class Scheduler:
         # Widened: new prompts wait out a step whose first tokens are due (then twice as many).
         hold = widen > 1.0 and (batch.first_tokens_due or batch.starting > 0)
         for request in [] if hold else list(self._waiting):
-            full = len(rows) >= policy.max_rows or batch.rows + len(admits) >= self._max_rows
-            if policy.budgeted and full:
+            # The one gate, budget or not: the runner admits whatever the plan says.
+            if len(rows) >= policy.max_rows or batch.rows + len(admits) >= self._max_rows:
                 break
             try:
                 looked = self._look(request, reserved, occupied=bool(batch.rows or admits))
