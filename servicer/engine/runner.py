@@ -106,9 +106,10 @@ class BatchRunner:
         ropes: list[RowRope | None] | None = None,
         adapters: list[int] | None = None,
     ) -> list[int]:
-        """Requests begin their prefill (the next step runs their first chunk), each prompt in segments (prefill stops at each segment's
-        end, for a snapshot), with its images, multimodal RoPE and LoRA adapter (its index in
-        the runner's AdapterSet), if any; their uids."""
+        """Requests begin their prefill (the next step runs their first chunk), each prompt in
+        segments (prefill stops at each segment's end, for a snapshot), with its images,
+        multimodal RoPE and LoRA adapter (its index in the runner's AdapterSet), if any; their
+        uids."""
         n = len(segments)
         options = {
             "max_tokens": max_tokens or [DEFAULT_MAX_TOKENS] * n,
