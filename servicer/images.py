@@ -3,9 +3,10 @@ an image (`VisionSpec`, from its files), the fetch and the model's own image pro
 thread pool (`ImagePreparer`), and the prompt with each image's anchor expanded into its
 placeholder run (`expand`), each image named by a hash of exactly what the encoder gets.
 
-For a family the router processes itself (Qwen2-VL: DESIGN.md, "Images through the router")
-the images come as the router's `mm_inputs` instead: pixel values, patch grids and their
-placeholder runs already in the prompt (`router_images`, then `place`, which checks them).
+For a family the router processes itself (Qwen2-VL, Qwen2.5-VL, LLaVA: docs/images.md, "The
+router's two paths") the images come as the router's `mm_inputs` instead: pixel values, patch
+grids and their placeholder runs already in the prompt (`router_images`, then `place`, which
+checks them).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Generate calls in flight: each one's events from the engine and a way to await them.
 
-Runs on the event loop only. The engine's hand-offs land in `Streams.dispatch`, which routes
+Runs on the event loop only. The engine's hand-offs land in `Streams.route`, which routes
 each row's events to its request's `RequestStream`; a stream wakes its handler when the
 hand-off rule says the events are due.
 """
