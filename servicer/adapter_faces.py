@@ -1,58 +1,72 @@
-"""One served adapter's view of the handlers: the smg router picks a model by the name a
-worker address answers (one name per address), so each adapter served beside the base model
-listens on an address of its own. Its calls reach the same handlers and engine; only the
-name its GetModelInfo answers and the adapter its requests are for differ. Health, drain,
-loads and KV events are the engine's.
+"""One address's MlxEngine service: the model's, or a served adapter's. The smg router picks a
+model by the name a worker address answers (one name per address), so each adapter served
+beside the base model listens on an address of its own. Its calls reach the same handlers and
+engine; only the name its GetModelInfo answers, the adapter its requests are for and the load
+it reports differ. Health, drain and KV events are the engine's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 
-from .faces import MLX_FACE, VLLM_FACE
-from .handlers import MlxEngineServicer, generate_rpc
-from .loads import LoadFigures
-from .messages import GenerationRequest
-from .proto import mlx_engine_pb2
-from .validation import TextOptions
+from .faces import MLX_FACE
+from .handlers import Generation, Handlers
+from .metadata import SERVER_TYPE
+from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
+from .validation import RequestError
 
 
-class AdapterView:
-    """The handlers, as the address serving adapter `name` answers (MlxEngine directly; the
-    vLLM face wraps it as it wraps the handlers)."""
+class MlxEngineFace(mlx_engine_pb2_grpc.MlxEngineServicer):
+    """MlxEngine over the shared `Handlers`, as the address serving `adapter` answers it ("":
+    the base model's)."""
 
-    def __init__(self, handlers: MlxEngineServicer, name: str) -> None:
+    def __init__(self, handlers: Handlers, adapter: str = "") -> None:
         self._handlers = handlers
-        self.name = name
+        self._metadata = handlers.metadata
+        self._adapter = adapter
+        # The shared Generate, for this face's messages and this address's adapter: gRPC calls
+        # this bound async generator function as the face's own.
+        self.Generate = Generation(handlers, MLX_FACE, adapter).generate
 
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(self._handlers, attribute)
+    async def Abort(
+        self, request: mlx_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.AbortResponse:
+        try:
+            self._handlers.abort(list(request.request_ids))
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        return mlx_engine_pb2.AbortResponse()
 
-    # Generate's body reads everything else from the handlers through this view.
-    Generate = generate_rpc(MLX_FACE)
-    generate_vllm = generate_rpc(VLLM_FACE)
-
-    async def _build(self, request: Any) -> tuple[GenerationRequest, TextOptions | None]:
-        return await self._handlers._build(request, adapter=self.name)
-
-    def load_figures(self) -> LoadFigures:
-        """GetLoads: the engine's (its KV and batch are shared by every name), with this
-        adapter's own requests as the running and waiting ones."""
-        load = self._handlers._streams.load(self.name)
-        figures = self._handlers.load_figures()
-        return dataclasses.replace(figures, running=load.running, waiting=load.waiting)
+    async def HealthCheck(
+        self, request: mlx_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.HealthCheckResponse:
+        healthy, message = await self._metadata.health(context)
+        return mlx_engine_pb2.HealthCheckResponse(healthy=healthy, message=message)
 
     async def GetModelInfo(
         self, request: mlx_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> mlx_engine_pb2.GetModelInfoResponse:
-        info = await self._handlers.GetModelInfo(request, context)
-        info.served_model_name = self.name
-        return info
+        fields = await self._metadata.model_fields(context, self._adapter)
+        return mlx_engine_pb2.GetModelInfoResponse(**fields)
+
+    async def GetServerInfo(
+        self, request: mlx_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> mlx_engine_pb2.GetServerInfoResponse:
+        return mlx_engine_pb2.GetServerInfoResponse(
+            server_type=SERVER_TYPE,
+            active_requests=self._metadata.active_requests,
+            uptime_seconds=self._metadata.uptime_s,
+        )
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        async for chunk in self._metadata.tokenizer_chunks(context):
+            yield chunk
 
 
 ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")

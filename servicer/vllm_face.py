@@ -1,7 +1,7 @@
 """The VllmEngine face: the same handlers as MlxEngine, with vLLM's messages.
 
 Generate, Abort and GetTokenizer are the handlers' own (Generate built for this face's
-messages); the metadata calls map the handlers' answers field by field; Embed, GetLoads,
+messages); the metadata calls answer from the same metadata as MlxEngine's; Embed, GetLoads,
 SubscribeKvEvents and FlushCache exist on this face only, because only the router's vLLM path
 calls them. Profiling is not offered: UNIMPLEMENTED, said in words (the generated default
 says "Method not implemented!" and logs a traceback at ERROR for every call).
@@ -15,56 +15,51 @@ from datetime import UTC, datetime
 import grpc
 
 from . import __version__
-from .handlers import MlxEngineServicer
+from .faces import VLLM_FACE
+from .handlers import Generation, Handlers
 from .images import media_info
 from .kv_events import SubscriberLagged
 from .metadata import SERVER_TYPE
-from .proto import common_pb2, mlx_engine_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+from .proto import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from .validation import RequestError
 
 NO_PROFILING = "profiling is not offered by this worker (StartProfile and StopProfile)"
 
 
 class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
-    """VllmEngine over one `MlxEngineServicer`."""
+    """VllmEngine over the shared `Handlers`, as the address serving `adapter` answers it ("":
+    the base model's)."""
 
-    def __init__(self, handlers: MlxEngineServicer) -> None:
+    def __init__(self, handlers: Handlers, adapter: str = "") -> None:
         self._handlers = handlers
-        # Bound methods of the handlers: gRPC calls them as this face's own.
-        self.Generate = handlers.generate_vllm
-        self.GetTokenizer = handlers.GetTokenizer
+        self._metadata = handlers.metadata
+        self._adapter = adapter
+        # The shared Generate, for this face's messages and this address's adapter: gRPC calls
+        # this bound async generator function as the face's own.
+        self.Generate = Generation(handlers, VLLM_FACE, adapter).generate
 
     async def Abort(
         self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.AbortResponse:
-        ours = mlx_engine_pb2.AbortRequest(request_ids=request.request_ids)
-        await self._handlers.Abort(ours, context)
+        try:
+            self._handlers.abort(list(request.request_ids))
+        except RequestError as error:
+            await context.abort(error.code, error.message)
         return vllm_engine_pb2.AbortResponse()
 
     async def HealthCheck(
         self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.HealthCheckResponse:
-        answer = await self._handlers.HealthCheck(mlx_engine_pb2.HealthCheckRequest(), context)
-        return vllm_engine_pb2.HealthCheckResponse(healthy=answer.healthy, message=answer.message)
+        healthy, message = await self._metadata.health(context)
+        return vllm_engine_pb2.HealthCheckResponse(healthy=healthy, message=message)
 
     async def GetModelInfo(
         self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.GetModelInfoResponse:
-        info = await self._handlers.GetModelInfo(mlx_engine_pb2.GetModelInfoRequest(), context)
+        fields = await self._metadata.model_fields(context, self._adapter)
         return vllm_engine_pb2.GetModelInfoResponse(
-            model_path=info.model_path,
-            is_generation=info.is_generation,
-            max_context_length=info.max_context_length,
-            vocab_size=info.vocab_size,
-            served_model_name=info.served_model_name,
-            tokenizer_path=self._handlers.tokenizer_path,
-            model_type=info.model_type,
-            architectures=info.architectures,
-            eos_token_ids=info.eos_token_ids,
-            pad_token_id=info.pad_token_id,
-            bos_token_id=info.bos_token_id,
-            max_req_input_len=info.max_req_input_len,
-            embedding_size=info.embedding_size,
+            **fields,
+            tokenizer_path=self._metadata.tokenizer_path,
             supports_vision=self._handlers.images is not None,
         )
 
@@ -73,8 +68,8 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.GetServerInfoResponse:
         handlers = self._handlers
         return vllm_engine_pb2.GetServerInfoResponse(
-            active_requests=handlers.active_requests,
-            uptime_seconds=handlers.uptime_s,
+            active_requests=self._metadata.active_requests,
+            uptime_seconds=self._metadata.uptime_s,
             server_type=SERVER_TYPE,
             data_parallel_size=1,
             block_size=handlers.kv_events.block_size,
@@ -85,7 +80,7 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetLoads(
         self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.GetLoadsResponse:
-        figures = self._handlers.load_figures()
+        figures = self._handlers.load_figures(self._adapter)
         load = vllm_engine_pb2.SchedulerLoad(
             dp_rank=0,
             num_running_reqs=figures.running,
@@ -112,7 +107,7 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.EmbedResponse:
         ids = list(request.tokenized.input_ids)
         try:
-            vector, prompt_tokens = await self._handlers.embed(request.request_id, ids)
+            vector, prompt_tokens = await self._handlers.calls.embed(request.request_id, ids)
         except RequestError as error:
             await context.abort(error.code, error.message)
         return vllm_engine_pb2.EmbedResponse(
@@ -122,8 +117,14 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def FlushCache(
         self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.FlushCacheResponse:
-        success, message = await self._handlers.flush_cache()
+        success, message = await self._handlers.calls.flush_cache()
         return common_pb2.FlushCacheResponse(success=success, message=message)
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        async for chunk in self._metadata.tokenizer_chunks(context):
+            yield chunk
 
     async def StartProfile(
         self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
