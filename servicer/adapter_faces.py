@@ -8,50 +8,27 @@ it reports differ. Health, drain and KV events are the engine's.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 
 from .faces import MLX_FACE
-from .handlers import Generation, Handlers
+from .handlers import FaceServicer
 from .metadata import SERVER_TYPE
-from .proto import common_pb2, mlx_engine_pb2, mlx_engine_pb2_grpc
-from .validation import RequestError
+from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
 
 
-class MlxEngineFace(mlx_engine_pb2_grpc.MlxEngineServicer):
-    """MlxEngine over the shared `Handlers`, as the address serving `adapter` answers it ("":
-    the base model's)."""
+class MlxEngineFace(FaceServicer, mlx_engine_pb2_grpc.MlxEngineServicer):
+    """MlxEngine at one address: the RPCs both faces share, and its own metadata messages."""
 
-    def __init__(self, handlers: Handlers, adapter: str = "") -> None:
-        self._handlers = handlers
-        self._metadata = handlers.metadata
-        self._adapter = adapter
-        # The shared Generate, for this face's messages and this address's adapter: gRPC calls
-        # this bound async generator function as the face's own.
-        self.Generate = Generation(handlers, MLX_FACE, adapter).generate
-
-    async def Abort(
-        self, request: mlx_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> mlx_engine_pb2.AbortResponse:
-        try:
-            self._handlers.abort(list(request.request_ids))
-        except RequestError as error:
-            await context.abort(error.code, error.message)
-        return mlx_engine_pb2.AbortResponse()
-
-    async def HealthCheck(
-        self, request: mlx_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> mlx_engine_pb2.HealthCheckResponse:
-        healthy, message = await self._metadata.health(context)
-        return mlx_engine_pb2.HealthCheckResponse(healthy=healthy, message=message)
+    face = MLX_FACE
 
     async def GetModelInfo(
         self, request: mlx_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> mlx_engine_pb2.GetModelInfoResponse:
-        fields = await self._metadata.model_fields(context, self._adapter)
-        return mlx_engine_pb2.GetModelInfoResponse(**fields)
+        return mlx_engine_pb2.GetModelInfoResponse(
+            **await self._metadata.model_fields(context, self._adapter)
+        )
 
     async def GetServerInfo(
         self, request: mlx_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
@@ -61,12 +38,6 @@ class MlxEngineFace(mlx_engine_pb2_grpc.MlxEngineServicer):
             active_requests=self._metadata.active_requests,
             uptime_seconds=self._metadata.uptime_s,
         )
-
-    async def GetTokenizer(
-        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        async for chunk in self._metadata.tokenizer_chunks(context):
-            yield chunk
 
 
 ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")

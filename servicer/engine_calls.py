@@ -32,15 +32,15 @@ class EngineCalls:
         pooling: str = "last",
         keeps_prefixes: bool = False,
     ) -> None:
-        self._engine = engine
+        self._engine, self._tickets = engine, tickets
         self._lifecycle = lifecycle
         self._metrics = metrics
-        self._tickets = tickets
-        self._pooling = pooling
-        self._keeps_prefixes = keeps_prefixes
-        self._limits: Limits | None = None  # what an Embed call is checked against
+        self._pending: dict[int, asyncio.Future[Any]] = {}  # the calls in flight, by ticket
+        # Embed: what a call is checked against (once the engine is warm), and how it pools.
+        self._limits: Limits | None = None
         self._embedding_size = 0
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._pooling = pooling
+        self._keeps_prefixes = keeps_prefixes  # FlushCache has something to flush
 
     def attach(self, limits: Limits, embedding_size: int) -> None:
         """The engine is warm: the model's limits, and its pooled hidden states' size (0: it

@@ -1,5 +1,5 @@
-"""The handlers both faces share: the handler side of one engine (`Handlers`) and the Generate
-RPC over it (`Generation`).
+"""The handlers both faces share: the handler side of one engine (`Handlers`), the Generate RPC
+over it (`Generation`), and the RPCs both faces answer alike (`FaceServicer`).
 
 Runs on the asyncio loop only. The engine's hand-offs arrive through `Handlers.dispatch`; each
 call's `RequestStream` wakes its handler, whose `OutputProcessor` turns the events into messages.
@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import grpc
 import msgspec
@@ -41,6 +41,7 @@ from .metadata import METADATA_DEADLINE_MARGIN_S, Metadata
 from .metrics import WorkerMetrics
 from .model_files import ModelFiles
 from .output import OutputProcessor
+from .proto import common_pb2
 from .ratelimit import RateLimitedLog
 from .streams import RequestStream, Streams
 from .text import IncrementalDecoder, TextTracker
@@ -160,7 +161,8 @@ class Handlers:
 
     def set_model(self, files: ModelFiles, adapter_keys: dict[str, str] | None = None) -> None:
         """The model's files are read: its metadata can be answered from now on.
-        `adapter_keys`: each served adapter's name in the prefix store (`adapter_keys`)."""
+        `adapter_keys`: each served adapter's name in the prefix store
+        (`adapter_faces.adapter_keys`)."""
         self._codec = TextCodec(files.tokenizer)
         self._limits = Limits.for_model(
             files.info, self._options.max_prompt_tokens, prepend_bos=self._options.prepend_bos
@@ -525,3 +527,37 @@ class Generation:
         metrics.generated_tokens.inc(count)
         if stream.adapter:
             metrics.adapter_tokens.labels(stream.adapter).inc(count)
+
+
+class FaceServicer:
+    """The RPCs both faces answer alike, in the messages of the subclass's `face`, as the
+    address serving `adapter` ("": the base model's) answers them: Generate, Abort, HealthCheck
+    and GetTokenizer. Each face's servicer (`adapter_faces.MlxEngineFace`,
+    `vllm_face.VllmEngineFace`) names its face and adds the rest."""
+
+    face: ClassVar[Face]
+
+    def __init__(self, handlers: Handlers, adapter: str = "") -> None:
+        self._handlers = handlers
+        self._metadata = handlers.metadata
+        self._adapter = adapter
+        # The shared Generate, for this face's messages and this address's adapter: gRPC calls
+        # this bound async generator function as the face's own.
+        self.Generate = Generation(handlers, self.face, adapter).generate
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._handlers.abort(list(request.request_ids))
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        return self.face.pb.AbortResponse()
+
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        healthy, message = await self._metadata.health(context)
+        return self.face.pb.HealthCheckResponse(healthy=healthy, message=message)
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        async for chunk in self._metadata.tokenizer_chunks(context):
+            yield chunk

@@ -1,10 +1,10 @@
 """The VllmEngine face: the same handlers as MlxEngine, with vLLM's messages.
 
-Generate, Abort and GetTokenizer are the handlers' own (Generate built for this face's
-messages); the metadata calls answer from the same metadata as MlxEngine's; Embed, GetLoads,
-SubscribeKvEvents and FlushCache exist on this face only, because only the router's vLLM path
-calls them. Profiling is not offered: UNIMPLEMENTED, said in words (the generated default
-says "Method not implemented!" and logs a traceback at ERROR for every call).
+Generate, Abort, HealthCheck and GetTokenizer are the handlers' own (`FaceServicer`, in this
+face's messages); GetModelInfo and GetServerInfo answer from the same metadata as MlxEngine's;
+Embed, GetLoads, SubscribeKvEvents and FlushCache exist on this face only, because only the
+router's vLLM path calls them. Profiling is not offered: UNIMPLEMENTED, said in words (the
+generated default says "Method not implemented!" and logs a traceback at ERROR for every call).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import grpc
 
 from . import __version__
 from .faces import VLLM_FACE
-from .handlers import Generation, Handlers
+from .handlers import FaceServicer
 from .images import media_info
 from .kv_events import SubscriberLagged
 from .metadata import SERVER_TYPE
@@ -26,32 +26,10 @@ from .validation import RequestError
 NO_PROFILING = "profiling is not offered by this worker (StartProfile and StopProfile)"
 
 
-class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
-    """VllmEngine over the shared `Handlers`, as the address serving `adapter` answers it ("":
-    the base model's)."""
+class VllmEngineFace(FaceServicer, vllm_engine_pb2_grpc.VllmEngineServicer):
+    """VllmEngine at one address (the model's, or a served adapter's)."""
 
-    def __init__(self, handlers: Handlers, adapter: str = "") -> None:
-        self._handlers = handlers
-        self._metadata = handlers.metadata
-        self._adapter = adapter
-        # The shared Generate, for this face's messages and this address's adapter: gRPC calls
-        # this bound async generator function as the face's own.
-        self.Generate = Generation(handlers, VLLM_FACE, adapter).generate
-
-    async def Abort(
-        self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> vllm_engine_pb2.AbortResponse:
-        try:
-            self._handlers.abort(list(request.request_ids))
-        except RequestError as error:
-            await context.abort(error.code, error.message)
-        return vllm_engine_pb2.AbortResponse()
-
-    async def HealthCheck(
-        self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> vllm_engine_pb2.HealthCheckResponse:
-        healthy, message = await self._metadata.health(context)
-        return vllm_engine_pb2.HealthCheckResponse(healthy=healthy, message=message)
+    face = VLLM_FACE
 
     async def GetModelInfo(
         self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -119,12 +97,6 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> common_pb2.FlushCacheResponse:
         success, message = await self._handlers.calls.flush_cache()
         return common_pb2.FlushCacheResponse(success=success, message=message)
-
-    async def GetTokenizer(
-        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        async for chunk in self._metadata.tokenizer_chunks(context):
-            yield chunk
 
     async def StartProfile(
         self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
