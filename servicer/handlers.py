@@ -383,8 +383,9 @@ class Generation:
     def __init__(self, handlers: Handlers, face: Face, adapter: str = "") -> None:
         self._handlers = handlers
         self._metrics = handlers.metrics
-        self._face = face
-        self._context = RequestContext(face, adapter)  # what every call through here shares
+        self._face = face  # the messages its calls get
+        # What every call through here shares; `Handlers.build` adds each one's own.
+        self._context = RequestContext(face, adapter)
 
     async def generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         handlers = self._handlers
