@@ -1,4 +1,4 @@
-"""The ``qwen2_5_vl`` family of the demo vision-language model (``servicer.demo_vlm``).
+"""The ``qwen2_5_vl`` family of the demo vision-language model (``servicer.demos.vision``).
 
 Qwen2.5-VL: Qwen2-VL's text stack, tokens, chat anchor, image processor and multimodal RoPE
 (mlx-lm loads it as its qwen2_vl text model; mlx-vlm's ``get_rope_index`` is Qwen2-VL's for
@@ -22,51 +22,38 @@ Qwen-VL processing, ``mm_inputs``); under another name it leaves the images to t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from servicer import demo_vlm
-from servicer.demo_vlm import Family, patch_embedding, random_linear
-
-MODEL_TYPE = "qwen2_5_vl"
-TEXT_KIND = "llama"  # the demo_model kind whose weights become the language model
-# Bump whenever anything that changes the built files changes (configs, tokens, init).
-VLM_RECIPE_VERSION = "v1"
+from . import parts, qwen2_vl
+from .vision import Family
 
 WINDOW_SIZE = 56  # pixels: 2x2 merged tokens a window (Qwen2.5-VL's own is 112 = 4x4)
 VISION_CONFIG: Mapping[str, Any] = {
-    "model_type": MODEL_TYPE,
+    "model_type": "qwen2_5_vl",
     "depth": 2,
     "hidden_size": 64,  # the tower's width; out_hidden_size is the text model's
     "intermediate_size": 128,
     "num_heads": 2,
     "in_channels": 3,
     "in_chans": 3,
-    "patch_size": demo_vlm.PATCH_SIZE,
-    "spatial_patch_size": demo_vlm.PATCH_SIZE,
-    "spatial_merge_size": demo_vlm.MERGE_SIZE,
-    "temporal_patch_size": demo_vlm.TEMPORAL_PATCH_SIZE,
+    "patch_size": qwen2_vl.PATCH_SIZE,
+    "spatial_patch_size": qwen2_vl.PATCH_SIZE,
+    "spatial_merge_size": qwen2_vl.MERGE_SIZE,
+    "temporal_patch_size": qwen2_vl.TEMPORAL_PATCH_SIZE,
     "window_size": WINDOW_SIZE,
     "fullatt_block_indexes": [1],
     "tokens_per_second": 2,
     "hidden_act": "silu",
 }
-# E[gelu(z)^2] for z ~ N(0, 1): sizes the merger's last layer (see _vision_weights).
-_GELU_SECOND_MOMENT = 0.4252
 
 
 def _model_config(text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int) -> dict:
     """Qwen2-VL's config (the text model's fields at the top level, the vision token ids,
-    mRoPE sections) with Qwen2.5-VL's type and vision tower."""
-    config = demo_vlm._model_config(text_config, ids, vocab_size)
+    mRoPE sections) with Qwen2.5-VL's vision tower."""
+    config = qwen2_vl.model_config(text_config, ids, vocab_size)
     vision = {**VISION_CONFIG, "out_hidden_size": text_config["hidden_size"]}
-    return {
-        **config,
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-        "model_type": MODEL_TYPE,
-        "vision_config": vision,
-    }
+    return {**config, "vision_config": vision}
 
 
 def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
@@ -82,27 +69,27 @@ def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
     width, mlp = vision["hidden_size"], vision["intermediate_size"]
     hidden = vision["out_hidden_size"]
     merged = width * vision["spatial_merge_size"] ** 2
-    out: dict[str, Any] = patch_embedding(rng, vision, width)
+    out: dict[str, Any] = qwen2_vl.patch_embedding(rng, vision, width)
     for block in range(vision["depth"]):
         prefix = f"vision_tower.blocks.{block}"
         out[f"{prefix}.norm1.weight"] = np.ones(width)
         out[f"{prefix}.norm2.weight"] = np.ones(width)
-        out |= random_linear(rng, f"{prefix}.attn.qkv", 3 * width, width)
-        out |= random_linear(rng, f"{prefix}.attn.proj", width, width, gain=0.5)
-        out |= random_linear(rng, f"{prefix}.mlp.gate_proj", mlp, width)
-        out |= random_linear(rng, f"{prefix}.mlp.up_proj", mlp, width)
-        out |= random_linear(rng, f"{prefix}.mlp.down_proj", width, mlp, gain=0.5)
+        out |= parts.random_linear(rng, f"{prefix}.attn.qkv", 3 * width, width)
+        out |= parts.random_linear(rng, f"{prefix}.attn.proj", width, width, gain=0.5)
+        out |= parts.random_linear(rng, f"{prefix}.mlp.gate_proj", mlp, width)
+        out |= parts.random_linear(rng, f"{prefix}.mlp.up_proj", mlp, width)
+        out |= parts.random_linear(rng, f"{prefix}.mlp.down_proj", width, mlp, gain=0.5)
     out["vision_tower.merger.ln_q.weight"] = np.ones(width)
-    out |= random_linear(rng, "vision_tower.merger.mlp.0", merged, merged)
-    gain = feature_rms / math.sqrt(_GELU_SECOND_MOMENT)
-    out |= random_linear(rng, "vision_tower.merger.mlp.2", hidden, merged, gain=gain)
-    return {name: np.asarray(value, np.float32) for name, value in out.items()}
+    out |= parts.random_linear(rng, "vision_tower.merger.mlp.0", merged, merged)
+    gain = parts.gelu_gain(feature_rms)
+    out |= parts.random_linear(rng, "vision_tower.merger.mlp.2", hidden, merged, gain=gain)
+    return out
 
 
 def _processor_files() -> dict[str, dict[str, Any]]:
     """Qwen2-VL's image and video processor configs under Qwen2.5-VL's processor class
     (its image processor is Qwen2-VL's)."""
-    qwen2 = demo_vlm.FAMILY.processor_files
+    qwen2 = qwen2_vl.FAMILY.processor_files
     processor = {"processor_class": "Qwen2_5_VLProcessor"}
     return {
         "preprocessor_config.json": {**qwen2["preprocessor_config.json"], **processor},
@@ -115,15 +102,16 @@ def _processor_files() -> dict[str, dict[str, Any]]:
 
 
 FAMILY = Family(
-    model_type=MODEL_TYPE,
-    text_kind=TEXT_KIND,
-    recipe_version=VLM_RECIPE_VERSION,
-    vision_tokens=demo_vlm.VISION_TOKENS,
-    image_anchor=demo_vlm.IMAGE_ANCHOR,
-    image_token=demo_vlm.IMAGE_PAD,
+    model_type="qwen2_5_vl",
+    architecture="Qwen2_5_VLForConditionalGeneration",
+    text_kind="llama",
+    recipe_version="v1",  # bump whenever anything that changes the built files changes
+    vision_tokens=qwen2_vl.VISION_TOKENS,
+    image_anchor=qwen2_vl.IMAGE_ANCHOR,
+    image_token=qwen2_vl.IMAGE_PAD,
     tokens_per_image=None,  # one per merged 28x28 patch, as Qwen2-VL's
     model_config=_model_config,
     vision_weights=_vision_weights,
     processor_files=_processor_files(),
-    extra_text_weights=demo_vlm._qkv_biases,
+    extra_text_weights=qwen2_vl.qkv_biases,
 )

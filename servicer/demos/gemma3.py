@@ -1,6 +1,6 @@
-"""The ``gemma3`` family of the demo vision-language model (``servicer.demo_vlm``).
+"""The ``gemma3`` family of the demo vision-language model (``servicer.demos.vision``).
 
-Built from the ``gemma3`` text demo (``demo_model``), nothing trained here:
+Built from the ``gemma3`` text demo (``servicer.demos.text``), nothing trained here:
 
 - the language model is the text demo's trained weights as they are, under
   ``language_model.`` (mlx-vlm's Gemma 3 text stack is mlx-lm's ``gemma3_text``), so greedy
@@ -26,19 +26,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from servicer.demo_model import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
-from servicer.demo_vlm import Family, random_linear, unit_layer_norm
-
-MODEL_TYPE = "gemma3"
-TEXT_KIND = "gemma3"  # the demo_model kind whose weights become the language model
-# Bump whenever anything that changes the built files changes (configs, tokens, init).
-VLM_RECIPE_VERSION = "v1"
+from . import parts
+from .vision import Family
 
 BOI_TOKEN = "<start_of_image>"
 EOI_TOKEN = "<end_of_image>"
 IMAGE_TOKEN = "<image_soft_token>"
-# Appended after the text demo's vocabulary, in this order: ids 512, 513, 514.
-VISION_TOKENS = (BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN)
 # What the chat template renders for one image, unexpanded (Gemma 3's own anchor).
 IMAGE_ANCHOR = BOI_TOKEN
 
@@ -47,22 +40,14 @@ PATCH_SIZE = 14
 MM_TOKENS_PER_IMAGE = 4  # (IMAGE_SIZE / PATCH_SIZE)^2 = 16 patches, pooled 2x2
 # What the processor puts in place of each anchor: N image tokens between blank lines.
 IMAGE_SEQUENCE = f"\n\n{BOI_TOKEN}{IMAGE_TOKEN * MM_TOKENS_PER_IMAGE}{EOI_TOKEN}\n\n"
-SIGLIP_MEAN = SIGLIP_STD = (0.5, 0.5, 0.5)
 
-VISION_CONFIG: Mapping[str, Any] = {
-    "model_type": "siglip_vision_model",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_channels": 3,
-    "image_size": IMAGE_SIZE,
-    "patch_size": PATCH_SIZE,
-    "layer_norm_eps": 1e-6,
-    "vision_use_head": False,
-}
-# The text demo's config fields that are not the text model's.
-_NOT_TEXT_FIELDS = ("architectures", "demo_build", "torch_dtype")
+VISION_CONFIG = parts.tower_config(
+    "siglip_vision_model",
+    IMAGE_SIZE,
+    PATCH_SIZE,
+    heads={},
+    rest={"layer_norm_eps": 1e-6, "vision_use_head": False},
+)
 
 
 def _model_config(text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int) -> dict:
@@ -70,19 +55,14 @@ def _model_config(text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_
     patches = IMAGE_SIZE // PATCH_SIZE
     if side * side != MM_TOKENS_PER_IMAGE or patches % side:
         raise ValueError("the patches per side must pool evenly into sqrt(N) tokens per side")
-    text = {k: v for k, v in text_config.items() if k not in _NOT_TEXT_FIELDS}
-    return {
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "model_type": MODEL_TYPE,
-        "text_config": {
-            **text,
-            "vocab_size": vocab_size,
-            # mlx-lm's gemma3_text reads the global layers' base from rope_theta,
-            # mlx-vlm's from rope_global_base_freq.
-            "rope_global_base_freq": text_config["rope_theta"],
-            "mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
-        },
-        "vision_config": dict(VISION_CONFIG),
+    text_fields = {
+        "vocab_size": vocab_size,
+        # mlx-lm's gemma3_text reads the global layers' base from rope_theta,
+        # mlx-vlm's from rope_global_base_freq.
+        "rope_global_base_freq": text_config["rope_theta"],
+        "mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
+    }
+    fields = {
         "mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
         "boi_token_index": ids[BOI_TOKEN],
         "eoi_token_index": ids[EOI_TOKEN],
@@ -91,12 +71,8 @@ def _model_config(text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_
         # multiplies every input embedding by it), and mlx-lm sizes the vocabulary by the
         # top-level vocab_size: both default to the real model's.
         "hidden_size": text_config["hidden_size"],
-        "vocab_size": vocab_size,
-        "bos_token_id": ids[BOS_TOKEN],
-        "eos_token_id": ids[EOS_TOKEN],
-        "pad_token_id": ids[PAD_TOKEN],
-        "tie_word_embeddings": True,
     }
+    return parts.nested_config(text_config, text_fields, VISION_CONFIG, fields, ids, vocab_size)
 
 
 def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
@@ -111,68 +87,47 @@ def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
     import numpy as np
 
     vision = config["vision_config"]
-    width, mlp = vision["hidden_size"], vision["intermediate_size"]
-    patch, channels = vision["patch_size"], vision["num_channels"]
-    patches = (vision["image_size"] // patch) ** 2
+    width = vision["hidden_size"]
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
     tower = "vision_tower.vision_model"
-    out: dict[str, Any] = {}
-    # MLX's Conv2d layout: (out, height, width, in); pixels are normalised to [-1, 1].
-    out[f"{tower}.embeddings.patch_embedding.weight"] = rng.standard_normal(
-        (width, patch, patch, channels)
-    ) / math.sqrt(patch * patch * channels)
+    # Pixels are normalised to [-1, 1].
+    out = parts.patch_conv(rng, f"{tower}.embeddings.patch_embedding.weight", vision)
     out[f"{tower}.embeddings.patch_embedding.bias"] = rng.standard_normal(width) * 0.02
     out[f"{tower}.embeddings.position_embedding.weight"] = (
         rng.standard_normal((patches, width)) * 0.5
     )
-    for layer in range(vision["num_hidden_layers"]):
-        prefix = f"{tower}.encoder.layers.{layer}"
-        out |= unit_layer_norm(f"{prefix}.layer_norm1", width)
-        out |= unit_layer_norm(f"{prefix}.layer_norm2", width)
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            out |= random_linear(rng, f"{prefix}.self_attn.{proj}", width, width)
-        out |= random_linear(rng, f"{prefix}.self_attn.out_proj", width, width, gain=0.5)
-        out |= random_linear(rng, f"{prefix}.mlp.fc1", mlp, width)
-        out |= random_linear(rng, f"{prefix}.mlp.fc2", width, mlp, gain=0.5)
-    out |= unit_layer_norm(f"{tower}.post_layernorm", width)
+    out |= parts.clip_encoder(rng, tower, vision)
+    out |= parts.unit_layer_norm(f"{tower}.post_layernorm", width)
     # Gemma's RMSNorm scales by 1 + weight: zeros are the unit norm.
     out["multi_modal_projector.mm_soft_emb_norm.weight"] = np.zeros(width)
     hidden = config["text_config"]["hidden_size"]
     out["multi_modal_projector.mm_input_projection_weight"] = rng.standard_normal(
         (width, hidden)
     ) * (feature_rms * math.sqrt(hidden / width))
-    return {name: np.asarray(value, np.float32) for name, value in out.items()}
-
-
-def _image_processor_config() -> dict[str, Any]:
-    return {
-        "image_processor_type": "Gemma3ImageProcessor",
-        "processor_class": "Gemma3Processor",
-        "do_resize": True,
-        "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        "resample": 2,  # bilinear
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": list(SIGLIP_MEAN),
-        "image_std": list(SIGLIP_STD),
-        "do_convert_rgb": True,
-        "do_pan_and_scan": False,
-        "image_seq_length": MM_TOKENS_PER_IMAGE,
-    }
+    return out
 
 
 FAMILY = Family(
-    model_type=MODEL_TYPE,
-    text_kind=TEXT_KIND,
-    recipe_version=VLM_RECIPE_VERSION,
-    vision_tokens=VISION_TOKENS,
+    model_type="gemma3",
+    architecture="Gemma3ForConditionalGeneration",
+    text_kind="gemma3",
+    recipe_version="v1",  # bump whenever anything that changes the built files changes
+    # Appended after the text demo's vocabulary, in this order: ids 512, 513, 514.
+    vision_tokens=(BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN),
     image_anchor=IMAGE_ANCHOR,
     image_token=IMAGE_TOKEN,
     tokens_per_image=MM_TOKENS_PER_IMAGE,
     model_config=_model_config,
     vision_weights=_vision_weights,
     processor_files={
-        "preprocessor_config.json": _image_processor_config(),
+        "preprocessor_config.json": parts.image_processor_config(
+            "Gemma3ImageProcessor",
+            "Gemma3Processor",
+            {"size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}, "resample": 2},  # bilinear
+            mean=(0.5, 0.5, 0.5),  # SigLIP's: pixels to [-1, 1]
+            std=(0.5, 0.5, 0.5),
+            more={"do_pan_and_scan": False, "image_seq_length": MM_TOKENS_PER_IMAGE},
+        ),
         # mlx-vlm's Gemma3Processor reads image_seq_length here (default 256).
         "processor_config.json": {
             "processor_class": "Gemma3Processor",

@@ -1,8 +1,8 @@
-"""The ``mistral3`` family of the demo vision-language model (``servicer.demo_vlm``).
+"""The ``mistral3`` family of the demo vision-language model (``servicer.demos.vision``).
 
 Mistral 3 (Mistral-Small-3.1's architecture): a Pixtral vision tower, a projector that
 merges 2x2 patches, and a Mistral text model. Built from the ``llama`` text demo
-(``demo_model``), nothing trained here:
+(``servicer.demos.text``), nothing trained here:
 
 - the language model is the text demo's trained weights as they are, under
   ``language_model.``, with ``text_config.model_type`` "mistral": mlx-vlm runs it with
@@ -27,19 +27,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from servicer.demo_model import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
-from servicer.demo_vlm import CLIP_MEAN, CLIP_STD, Family, random_linear
-
-MODEL_TYPE = "mistral3"
-TEXT_KIND = "llama"  # the demo_model kind whose weights become the language model
-# Bump whenever anything that changes the built files changes (configs, tokens, init).
-VLM_RECIPE_VERSION = "v1"
+from . import parts
+from .vision import Family
 
 IMAGE_TOKEN = "[IMG]"
 IMAGE_BREAK_TOKEN = "[IMG_BREAK]"
 IMAGE_END_TOKEN = "[IMG_END]"
-# Appended after the text demo's vocabulary, in this order: ids 512, 513, 514.
-VISION_TOKENS = (IMAGE_TOKEN, IMAGE_BREAK_TOKEN, IMAGE_END_TOKEN)
 # What the chat template renders for one image, unexpanded (Pixtral's own anchor).
 IMAGE_ANCHOR = IMAGE_TOKEN
 
@@ -48,24 +41,13 @@ SPATIAL_MERGE_SIZE = 2  # one image token per 2x2 patches
 TOKEN_PIXELS = PATCH_SIZE * SPATIAL_MERGE_SIZE  # 28: the side of one image token
 IMAGE_SIZE = 84  # longest edge an image is shrunk to fit: at most 3x3 image tokens
 
-VISION_CONFIG: Mapping[str, Any] = {
-    "model_type": "pixtral",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "head_dim": 32,
-    "num_channels": 3,
-    "image_size": IMAGE_SIZE,  # sizes the 2-D RoPE table: must hold the largest image
-    "patch_size": PATCH_SIZE,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-}
-# The text demo's config fields that are not the text model's.
-_NOT_TEXT_FIELDS = ("architectures", "demo_build", "torch_dtype")
-# E[gelu(z)^2] for z ~ N(0, 1): sizes the projector's last layer (see _vision_weights).
-_GELU_SECOND_MOMENT = 0.4252
+VISION_CONFIG = parts.tower_config(
+    "pixtral",
+    IMAGE_SIZE,  # sizes the 2-D RoPE table: must hold the largest image
+    PATCH_SIZE,
+    heads={"head_dim": 32},
+    rest={"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu"},
+)
 
 
 def image_grid(height: int, width: int) -> tuple[int, int]:
@@ -92,31 +74,22 @@ def tokens_per_image(height: int, width: int) -> int:
 
 def _model_config(text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int) -> dict:
     heads = text_config["num_attention_heads"]
-    text = {k: v for k, v in text_config.items() if k not in _NOT_TEXT_FIELDS}
-    return {
-        "architectures": ["Mistral3ForConditionalGeneration"],
-        "model_type": MODEL_TYPE,
-        "text_config": {
-            **text,
-            # Any type but ministral3 and mistral4 is Pixtral's Mistral stack for mlx-vlm
-            # and llama for mlx-lm; both need head_dim given.
-            "model_type": "mistral",
-            "head_dim": text_config.get("head_dim", text_config["hidden_size"] // heads),
-            "vocab_size": vocab_size,
-            "tie_word_embeddings": True,
-        },
-        "vision_config": dict(VISION_CONFIG),
+    text_fields = {
+        # Any type but ministral3 and mistral4 is Pixtral's Mistral stack for mlx-vlm
+        # and llama for mlx-lm; both need head_dim given.
+        "model_type": "mistral",
+        "head_dim": text_config.get("head_dim", text_config["hidden_size"] // heads),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": True,
+    }
+    fields = {
         "image_token_index": ids[IMAGE_TOKEN],
         "spatial_merge_size": SPATIAL_MERGE_SIZE,
         "multimodal_projector_bias": False,
         "projector_hidden_act": "gelu",
         "vision_feature_layer": -1,
-        "vocab_size": vocab_size,
-        "bos_token_id": ids[BOS_TOKEN],
-        "eos_token_id": ids[EOS_TOKEN],
-        "pad_token_id": ids[PAD_TOKEN],
-        "tie_word_embeddings": True,
     }
+    return parts.nested_config(text_config, text_fields, VISION_CONFIG, fields, ids, vocab_size)
 
 
 def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
@@ -131,66 +104,60 @@ def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
 
     vision = config["vision_config"]
     width, mlp = vision["hidden_size"], vision["intermediate_size"]
-    patch, channels = vision["patch_size"], vision["num_channels"]
     hidden = config["text_config"]["hidden_size"]
     merge = config["spatial_merge_size"]
     tower = "vision_tower.vision_model"
-    out: dict[str, Any] = {}
-    # MLX's Conv2d layout: (out, height, width, in); pixels are CLIP-normalised.
-    out[f"{tower}.patch_conv.weight"] = rng.standard_normal(
-        (width, patch, patch, channels)
-    ) / math.sqrt(patch * patch * channels)
+
+    def linear(name: str, fan_out: int, fan_in: int, gain: float = 1.0) -> dict:
+        return parts.random_linear(rng, name, fan_out, fan_in, gain, bias=False)
+
+    out = parts.patch_conv(rng, f"{tower}.patch_conv.weight", vision)  # pixels CLIP-normalised
     out[f"{tower}.ln_pre.weight"] = np.ones(width)
     for layer in range(vision["num_hidden_layers"]):
         prefix = f"{tower}.transformer.layers.{layer}"
         out[f"{prefix}.attention_norm.weight"] = np.ones(width)
         out[f"{prefix}.ffn_norm.weight"] = np.ones(width)
         for proj in ("q_proj", "k_proj", "v_proj"):
-            out |= random_linear(rng, f"{prefix}.attention.{proj}", width, width, bias=False)
-        out |= random_linear(rng, f"{prefix}.attention.o_proj", width, width, 0.5, bias=False)
+            out |= linear(f"{prefix}.attention.{proj}", width, width)
+        out |= linear(f"{prefix}.attention.o_proj", width, width, 0.5)
         for proj in ("gate_proj", "up_proj"):
-            out |= random_linear(rng, f"{prefix}.feed_forward.{proj}", mlp, width, bias=False)
-        out |= random_linear(rng, f"{prefix}.feed_forward.down_proj", width, mlp, 0.5, False)
+            out |= linear(f"{prefix}.feed_forward.{proj}", mlp, width)
+        out |= linear(f"{prefix}.feed_forward.down_proj", width, mlp, 0.5)
     projector = "multi_modal_projector"
     out[f"{projector}.norm.weight"] = np.ones(width)
-    merged = width * merge**2
-    out |= random_linear(rng, f"{projector}.patch_merger.merging_layer", width, merged, bias=False)
-    out |= random_linear(rng, f"{projector}.linear_1", hidden, width, bias=False)
-    gain = feature_rms / math.sqrt(_GELU_SECOND_MOMENT)
-    out |= random_linear(rng, f"{projector}.linear_2", hidden, hidden, gain, bias=False)
-    return {name: np.asarray(value, np.float32) for name, value in out.items()}
-
-
-def _image_processor_config() -> dict[str, Any]:
-    return {
-        "image_processor_type": "PixtralImageProcessor",
-        "processor_class": "PixtralProcessor",
-        "do_resize": True,
-        "size": {"longest_edge": IMAGE_SIZE},
-        # The processor passes patch_size * spatial_merge_size: sides round to 28 pixels.
-        "patch_size": {"height": PATCH_SIZE, "width": PATCH_SIZE},
-        "resample": 3,  # bicubic
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": list(CLIP_MEAN),
-        "image_std": list(CLIP_STD),
-        "do_convert_rgb": True,
-    }
+    out |= linear(f"{projector}.patch_merger.merging_layer", width, width * merge**2)
+    out |= linear(f"{projector}.linear_1", hidden, width)
+    out |= linear(f"{projector}.linear_2", hidden, hidden, parts.gelu_gain(feature_rms))
+    return out
 
 
 FAMILY = Family(
-    model_type=MODEL_TYPE,
-    text_kind=TEXT_KIND,
-    recipe_version=VLM_RECIPE_VERSION,
-    vision_tokens=VISION_TOKENS,
+    model_type="mistral3",
+    architecture="Mistral3ForConditionalGeneration",
+    text_kind="llama",
+    recipe_version="v1",  # bump whenever anything that changes the built files changes
+    # Appended after the text demo's vocabulary, in this order: ids 512, 513, 514.
+    vision_tokens=(IMAGE_TOKEN, IMAGE_BREAK_TOKEN, IMAGE_END_TOKEN),
     image_anchor=IMAGE_ANCHOR,
     image_token=IMAGE_TOKEN,
     tokens_per_image=None,  # rows x cols of 28-pixel tokens, plus a break or end per row
     model_config=_model_config,
     vision_weights=_vision_weights,
     processor_files={
-        "preprocessor_config.json": _image_processor_config(),
+        "preprocessor_config.json": parts.image_processor_config(
+            "PixtralImageProcessor",
+            "PixtralProcessor",
+            {
+                "size": {"longest_edge": IMAGE_SIZE},
+                # The processor passes patch_size * spatial_merge_size: sides round to 28
+                # pixels.
+                "patch_size": {"height": PATCH_SIZE, "width": PATCH_SIZE},
+                "resample": 3,  # bicubic
+            },
+            parts.CLIP_MEAN,
+            parts.CLIP_STD,
+            more={},
+        ),
         # Mistral-Small-3.1's own processor_config.json, for the demo's tokens and sizes.
         "processor_config.json": {
             "processor_class": "PixtralProcessor",
