@@ -32,6 +32,8 @@ from .vision import Family
 BOI_TOKEN = "<start_of_image>"
 EOI_TOKEN = "<end_of_image>"
 IMAGE_TOKEN = "<image_soft_token>"
+# Appended after the text demo's vocabulary, in this order: ids 512, 513, 514.
+VISION_TOKENS = (BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN)
 # What the chat template renders for one image, unexpanded (Gemma 3's own anchor).
 IMAGE_ANCHOR = BOI_TOKEN
 
@@ -50,76 +52,24 @@ VISION_CONFIG = parts.tower_config(
 )
 
 
-def _model_config(text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int) -> dict:
-    side = math.isqrt(MM_TOKENS_PER_IMAGE)
-    patches = IMAGE_SIZE // PATCH_SIZE
-    if side * side != MM_TOKENS_PER_IMAGE or patches % side:
-        raise ValueError("the patches per side must pool evenly into sqrt(N) tokens per side")
-    text_fields = {
-        "vocab_size": vocab_size,
-        # mlx-lm's gemma3_text reads the global layers' base from rope_theta,
-        # mlx-vlm's from rope_global_base_freq.
-        "rope_global_base_freq": text_config["rope_theta"],
-        "mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
+class Gemma3(Family):
+    model_type = "gemma3"
+    architecture = "Gemma3ForConditionalGeneration"
+    text_kind = "gemma3"
+    recipe_version = "v1"
+    vision_tokens = VISION_TOKENS
+    image_anchor = IMAGE_ANCHOR
+    image_token = IMAGE_TOKEN
+    tokens_per_image = MM_TOKENS_PER_IMAGE
+    # The processor reads these tokens (and their ids) as the tokenizer's attributes.
+    tokenizer_fields = {
+        "extra_special_tokens": {
+            "boi_token": BOI_TOKEN,
+            "eoi_token": EOI_TOKEN,
+            "image_token": IMAGE_TOKEN,
+        },
     }
-    fields = {
-        "mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
-        "boi_token_index": ids[BOI_TOKEN],
-        "eoi_token_index": ids[EOI_TOKEN],
-        "image_token_index": ids[IMAGE_TOKEN],
-        # mlx-vlm divides the image features by sqrt(hidden_size) (the language model then
-        # multiplies every input embedding by it), and mlx-lm sizes the vocabulary by the
-        # top-level vocab_size: both default to the real model's.
-        "hidden_size": text_config["hidden_size"],
-    }
-    return parts.nested_config(text_config, text_fields, VISION_CONFIG, fields, ids, vocab_size)
-
-
-def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
-    """Random SigLIP and projector weights, shaped as mlx-vlm's Gemma 3 holds them.
-
-    Linear layers get N(0, 1/fan_in) weights and small biases, so every activation stays
-    near unit scale; the projector (after its RMSNorm, unit scale) is scaled so the image
-    tokens come out with RMS `feature_rms` * sqrt(hidden): the text embeddings' RMS once
-    scaled by Gemma's sqrt(hidden), as the language model takes them in (mlx-vlm divides the
-    image tokens by sqrt(hidden) and then scales every input embedding by it).
-    """
-    import numpy as np
-
-    vision = config["vision_config"]
-    width = vision["hidden_size"]
-    patches = (vision["image_size"] // vision["patch_size"]) ** 2
-    tower = "vision_tower.vision_model"
-    # Pixels are normalised to [-1, 1].
-    out = parts.patch_conv(rng, f"{tower}.embeddings.patch_embedding.weight", vision)
-    out[f"{tower}.embeddings.patch_embedding.bias"] = rng.standard_normal(width) * 0.02
-    out[f"{tower}.embeddings.position_embedding.weight"] = (
-        rng.standard_normal((patches, width)) * 0.5
-    )
-    out |= parts.clip_encoder(rng, tower, vision)
-    out |= parts.unit_layer_norm(f"{tower}.post_layernorm", width)
-    # Gemma's RMSNorm scales by 1 + weight: zeros are the unit norm.
-    out["multi_modal_projector.mm_soft_emb_norm.weight"] = np.zeros(width)
-    hidden = config["text_config"]["hidden_size"]
-    out["multi_modal_projector.mm_input_projection_weight"] = rng.standard_normal(
-        (width, hidden)
-    ) * (feature_rms * math.sqrt(hidden / width))
-    return out
-
-
-FAMILY = Family(
-    model_type="gemma3",
-    architecture="Gemma3ForConditionalGeneration",
-    text_kind="gemma3",
-    recipe_version="v1",  # bump whenever anything that changes the built files changes
-    # Appended after the text demo's vocabulary, in this order: ids 512, 513, 514.
-    vision_tokens=(BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN),
-    image_anchor=IMAGE_ANCHOR,
-    image_token=IMAGE_TOKEN,
-    tokens_per_image=MM_TOKENS_PER_IMAGE,
-    model_config=_model_config,
-    vision_weights=_vision_weights,
-    processor_files={
+    processor_files = {
         "preprocessor_config.json": parts.image_processor_config(
             "Gemma3ImageProcessor",
             "Gemma3Processor",
@@ -133,13 +83,64 @@ FAMILY = Family(
             "processor_class": "Gemma3Processor",
             "image_seq_length": MM_TOKENS_PER_IMAGE,
         },
-    },
-    # The processor reads these tokens (and their ids) as the tokenizer's attributes.
-    tokenizer_fields={
-        "extra_special_tokens": {
-            "boi_token": BOI_TOKEN,
-            "eoi_token": EOI_TOKEN,
-            "image_token": IMAGE_TOKEN,
-        },
-    },
-)
+    }
+
+    def model_config(
+        self, text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int
+    ) -> dict:
+        side = math.isqrt(MM_TOKENS_PER_IMAGE)
+        patches = IMAGE_SIZE // PATCH_SIZE
+        if side * side != MM_TOKENS_PER_IMAGE or patches % side:
+            raise ValueError("the patches per side must pool evenly into sqrt(N) tokens per side")
+        text_fields = {
+            "vocab_size": vocab_size,
+            # mlx-lm's gemma3_text reads the global layers' base from rope_theta,
+            # mlx-vlm's from rope_global_base_freq.
+            "rope_global_base_freq": text_config["rope_theta"],
+            "mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
+        }
+        fields = {
+            "mm_tokens_per_image": MM_TOKENS_PER_IMAGE,
+            "boi_token_index": ids[BOI_TOKEN],
+            "eoi_token_index": ids[EOI_TOKEN],
+            "image_token_index": ids[IMAGE_TOKEN],
+            # mlx-vlm divides the image features by sqrt(hidden_size) (the language model then
+            # multiplies every input embedding by it), and mlx-lm sizes the vocabulary by the
+            # top-level vocab_size: both default to the real model's.
+            "hidden_size": text_config["hidden_size"],
+        }
+        return parts.nested_config(text_config, text_fields, VISION_CONFIG, fields, ids, vocab_size)
+
+    def vision_weights(self, config: Mapping[str, Any], feature_rms: float, rng) -> dict:
+        """Random SigLIP and projector weights, shaped as mlx-vlm's Gemma 3 holds them.
+
+        Linear layers get N(0, 1/fan_in) weights and small biases, so every activation stays
+        near unit scale; the projector (after its RMSNorm, unit scale) is scaled so the image
+        tokens come out with RMS `feature_rms` * sqrt(hidden): the text embeddings' RMS once
+        scaled by Gemma's sqrt(hidden), as the language model takes them in (mlx-vlm divides
+        the image tokens by sqrt(hidden) and then scales every input embedding by it).
+        """
+        import numpy as np
+
+        vision = config["vision_config"]
+        width = vision["hidden_size"]
+        patches = (vision["image_size"] // vision["patch_size"]) ** 2
+        tower = "vision_tower.vision_model"
+        # Pixels are normalised to [-1, 1].
+        out = parts.patch_conv(rng, f"{tower}.embeddings.patch_embedding.weight", vision)
+        out[f"{tower}.embeddings.patch_embedding.bias"] = rng.standard_normal(width) * 0.02
+        out[f"{tower}.embeddings.position_embedding.weight"] = (
+            rng.standard_normal((patches, width)) * 0.5
+        )
+        out |= parts.clip_encoder(rng, tower, vision)
+        out |= parts.unit_layer_norm(f"{tower}.post_layernorm", width)
+        # Gemma's RMSNorm scales by 1 + weight: zeros are the unit norm.
+        out["multi_modal_projector.mm_soft_emb_norm.weight"] = np.zeros(width)
+        hidden = config["text_config"]["hidden_size"]
+        out["multi_modal_projector.mm_input_projection_weight"] = rng.standard_normal(
+            (width, hidden)
+        ) * (feature_rms * math.sqrt(hidden / width))
+        return out
+
+
+FAMILY = Gemma3()

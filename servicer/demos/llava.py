@@ -44,61 +44,17 @@ VISION_CONFIG = parts.tower_config(
 )
 
 
-def _model_config(text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int) -> dict:
-    hidden, heads = text_config["hidden_size"], text_config["num_attention_heads"]
-    if text_config.get("head_dim", hidden // heads) * heads != hidden:
-        raise ValueError("mlx-vlm's LLaVA text stack needs head_dim = hidden_size / heads")
-    text_fields = {"model_type": "llama", "vocab_size": vocab_size, "tie_word_embeddings": True}
-    fields = {
-        "image_token_index": ids[IMAGE_TOKEN],
-        "image_seq_length": TOKENS_PER_IMAGE,
-        "projector_hidden_act": "gelu",
-        "vision_feature_select_strategy": "default",  # the CLS token dropped
-        "vision_feature_layer": -2,
-    }
-    return parts.nested_config(text_config, text_fields, VISION_CONFIG, fields, ids, vocab_size)
-
-
-def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
-    """Random CLIP and projector weights, shaped as mlx-vlm's LLaVA holds them.
-
-    Linear layers get N(0, 1/fan_in) weights and small biases, so every activation stays
-    near unit scale (the tower's residual stream starts LayerNorm-ed); the projector's last
-    layer is scaled so the image tokens come out with RMS about `feature_rms` (the text
-    embeddings'), for gelu of unit-scale inputs.
-    """
-    vision = config["vision_config"]
-    width = vision["hidden_size"]
-    positions = (vision["image_size"] // vision["patch_size"]) ** 2 + 1  # the patches and CLS
-    hidden = config["text_config"]["hidden_size"]
-    tower = "vision_tower.vision_model"
-    # Pixels are CLIP-normalised. CLIP's patch embedding has no bias.
-    out = parts.patch_conv(rng, f"{tower}.embeddings.patch_embedding.weight", vision)
-    out[f"{tower}.embeddings.class_embedding"] = rng.standard_normal(width)
-    out[f"{tower}.embeddings.position_embedding.weight"] = (
-        rng.standard_normal((positions, width)) * 0.5
-    )
-    out |= parts.unit_layer_norm(f"{tower}.pre_layrnorm", width)  # sic: CLIP's own name
-    out |= parts.clip_encoder(rng, tower, vision)
-    out |= parts.unit_layer_norm(f"{tower}.post_layernorm", width)
-    out |= parts.random_linear(rng, "multi_modal_projector.linear_1", hidden, width)
-    gain = parts.gelu_gain(feature_rms)
-    out |= parts.random_linear(rng, "multi_modal_projector.linear_2", hidden, hidden, gain)
-    return out
-
-
-FAMILY = Family(
-    model_type="llava",
-    architecture="LlavaForConditionalGeneration",
-    text_kind="llama",
-    recipe_version="v1",  # bump whenever anything that changes the built files changes
-    vision_tokens=(IMAGE_TOKEN,),  # appended after the text demo's vocabulary: id 512
-    image_anchor=IMAGE_ANCHOR,
-    image_token=IMAGE_TOKEN,
-    tokens_per_image=TOKENS_PER_IMAGE,
-    model_config=_model_config,
-    vision_weights=_vision_weights,
-    processor_files={
+class Llava(Family):
+    model_type = "llava"
+    architecture = "LlavaForConditionalGeneration"
+    text_kind = "llama"
+    recipe_version = "v1"
+    vision_tokens = (IMAGE_TOKEN,)  # appended after the text demo's vocabulary: id 512
+    image_anchor = IMAGE_ANCHOR
+    image_token = IMAGE_TOKEN
+    tokens_per_image = TOKENS_PER_IMAGE
+    tokenizer_fields = {"extra_special_tokens": {"image_token": IMAGE_TOKEN}}
+    processor_files = {
         "preprocessor_config.json": parts.image_processor_config(
             "CLIPImageProcessor",
             "LlavaProcessor",
@@ -110,7 +66,6 @@ FAMILY = Family(
             },
             parts.CLIP_MEAN,
             parts.CLIP_STD,
-            more={},
         ),
         # llava-1.5's own processor_config.json, for the demo's sizes: the processor counts
         # (56/14)^2 patches + 1 (CLS) - 1 (dropped by the "default" strategy) tokens.
@@ -121,6 +76,50 @@ FAMILY = Family(
             "vision_feature_select_strategy": "default",
             "num_additional_image_tokens": 1,
         },
-    },
-    tokenizer_fields={"extra_special_tokens": {"image_token": IMAGE_TOKEN}},
-)
+    }
+
+    def model_config(
+        self, text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int
+    ) -> dict:
+        hidden, heads = text_config["hidden_size"], text_config["num_attention_heads"]
+        if text_config.get("head_dim", hidden // heads) * heads != hidden:
+            raise ValueError("mlx-vlm's LLaVA text stack needs head_dim = hidden_size / heads")
+        text_fields = {"model_type": "llama", "vocab_size": vocab_size, "tie_word_embeddings": True}
+        fields = {
+            "image_token_index": ids[IMAGE_TOKEN],
+            "image_seq_length": TOKENS_PER_IMAGE,
+            "projector_hidden_act": "gelu",
+            "vision_feature_select_strategy": "default",  # the CLS token dropped
+            "vision_feature_layer": -2,
+        }
+        return parts.nested_config(text_config, text_fields, VISION_CONFIG, fields, ids, vocab_size)
+
+    def vision_weights(self, config: Mapping[str, Any], feature_rms: float, rng) -> dict:
+        """Random CLIP and projector weights, shaped as mlx-vlm's LLaVA holds them.
+
+        Linear layers get N(0, 1/fan_in) weights and small biases, so every activation stays
+        near unit scale (the tower's residual stream starts LayerNorm-ed); the projector's last
+        layer is scaled so the image tokens come out with RMS about `feature_rms` (the text
+        embeddings'), for gelu of unit-scale inputs.
+        """
+        vision = config["vision_config"]
+        width = vision["hidden_size"]
+        positions = (vision["image_size"] // vision["patch_size"]) ** 2 + 1  # patches and CLS
+        hidden = config["text_config"]["hidden_size"]
+        tower = "vision_tower.vision_model"
+        # Pixels are CLIP-normalised. CLIP's patch embedding has no bias.
+        out = parts.patch_conv(rng, f"{tower}.embeddings.patch_embedding.weight", vision)
+        out[f"{tower}.embeddings.class_embedding"] = rng.standard_normal(width)
+        out[f"{tower}.embeddings.position_embedding.weight"] = (
+            rng.standard_normal((positions, width)) * 0.5
+        )
+        out |= parts.unit_layer_norm(f"{tower}.pre_layrnorm", width)  # sic: CLIP's own name
+        out |= parts.clip_encoder(rng, tower, vision)
+        out |= parts.unit_layer_norm(f"{tower}.post_layernorm", width)
+        out |= parts.random_linear(rng, "multi_modal_projector.linear_1", hidden, width)
+        gain = parts.gelu_gain(feature_rms)
+        out |= parts.random_linear(rng, "multi_modal_projector.linear_2", hidden, hidden, gain)
+        return out
+
+
+FAMILY = Llava()

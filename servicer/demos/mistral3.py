@@ -33,6 +33,8 @@ from .vision import Family
 IMAGE_TOKEN = "[IMG]"
 IMAGE_BREAK_TOKEN = "[IMG_BREAK]"
 IMAGE_END_TOKEN = "[IMG_END]"
+# Appended after the text demo's vocabulary, in this order: ids 512, 513, 514.
+VISION_TOKENS = (IMAGE_TOKEN, IMAGE_BREAK_TOKEN, IMAGE_END_TOKEN)
 # What the chat template renders for one image, unexpanded (Pixtral's own anchor).
 IMAGE_ANCHOR = IMAGE_TOKEN
 
@@ -72,91 +74,27 @@ def tokens_per_image(height: int, width: int) -> int:
     return rows * cols + rows
 
 
-def _model_config(text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int) -> dict:
-    heads = text_config["num_attention_heads"]
-    text_fields = {
-        # Any type but ministral3 and mistral4 is Pixtral's Mistral stack for mlx-vlm
-        # and llama for mlx-lm; both need head_dim given.
-        "model_type": "mistral",
-        "head_dim": text_config.get("head_dim", text_config["hidden_size"] // heads),
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": True,
-    }
-    fields = {
-        "image_token_index": ids[IMAGE_TOKEN],
-        "spatial_merge_size": SPATIAL_MERGE_SIZE,
-        "multimodal_projector_bias": False,
-        "projector_hidden_act": "gelu",
-        "vision_feature_layer": -1,
-    }
-    return parts.nested_config(text_config, text_fields, VISION_CONFIG, fields, ids, vocab_size)
-
-
-def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
-    """Random Pixtral and projector weights, shaped as mlx-vlm's Mistral 3 holds them.
-
-    Linear layers get N(0, 1/fan_in) weights (Pixtral has no biases), so every activation
-    stays near unit scale; RMSNorms start at one. The projector normalises the tower's
-    output, merges 2x2 patches, and its last layer is scaled so the image tokens come out
-    with RMS `feature_rms` (the text embeddings'), for gelu of unit-scale inputs.
-    """
-    import numpy as np
-
-    vision = config["vision_config"]
-    width, mlp = vision["hidden_size"], vision["intermediate_size"]
-    hidden = config["text_config"]["hidden_size"]
-    merge = config["spatial_merge_size"]
-    tower = "vision_tower.vision_model"
-
-    def linear(name: str, fan_out: int, fan_in: int, gain: float = 1.0) -> dict:
-        return parts.random_linear(rng, name, fan_out, fan_in, gain, bias=False)
-
-    out = parts.patch_conv(rng, f"{tower}.patch_conv.weight", vision)  # pixels CLIP-normalised
-    out[f"{tower}.ln_pre.weight"] = np.ones(width)
-    for layer in range(vision["num_hidden_layers"]):
-        prefix = f"{tower}.transformer.layers.{layer}"
-        out[f"{prefix}.attention_norm.weight"] = np.ones(width)
-        out[f"{prefix}.ffn_norm.weight"] = np.ones(width)
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            out |= linear(f"{prefix}.attention.{proj}", width, width)
-        out |= linear(f"{prefix}.attention.o_proj", width, width, 0.5)
-        for proj in ("gate_proj", "up_proj"):
-            out |= linear(f"{prefix}.feed_forward.{proj}", mlp, width)
-        out |= linear(f"{prefix}.feed_forward.down_proj", width, mlp, 0.5)
-    projector = "multi_modal_projector"
-    out[f"{projector}.norm.weight"] = np.ones(width)
-    out |= linear(f"{projector}.patch_merger.merging_layer", width, width * merge**2)
-    out |= linear(f"{projector}.linear_1", hidden, width)
-    out |= linear(f"{projector}.linear_2", hidden, hidden, parts.gelu_gain(feature_rms))
-    return out
-
-
-FAMILY = Family(
-    model_type="mistral3",
-    architecture="Mistral3ForConditionalGeneration",
-    text_kind="llama",
-    recipe_version="v1",  # bump whenever anything that changes the built files changes
-    # Appended after the text demo's vocabulary, in this order: ids 512, 513, 514.
-    vision_tokens=(IMAGE_TOKEN, IMAGE_BREAK_TOKEN, IMAGE_END_TOKEN),
-    image_anchor=IMAGE_ANCHOR,
-    image_token=IMAGE_TOKEN,
-    tokens_per_image=None,  # rows x cols of 28-pixel tokens, plus a break or end per row
-    model_config=_model_config,
-    vision_weights=_vision_weights,
-    processor_files={
+class Mistral3(Family):
+    model_type = "mistral3"
+    architecture = "Mistral3ForConditionalGeneration"
+    text_kind = "llama"
+    recipe_version = "v1"
+    vision_tokens = VISION_TOKENS
+    image_anchor = IMAGE_ANCHOR
+    image_token = IMAGE_TOKEN
+    # tokens_per_image: rows x cols of 28-pixel tokens, plus a break or end per row.
+    processor_files = {
         "preprocessor_config.json": parts.image_processor_config(
             "PixtralImageProcessor",
             "PixtralProcessor",
             {
                 "size": {"longest_edge": IMAGE_SIZE},
-                # The processor passes patch_size * spatial_merge_size: sides round to 28
-                # pixels.
+                # The processor passes patch_size * spatial_merge_size: sides round to 28.
                 "patch_size": {"height": PATCH_SIZE, "width": PATCH_SIZE},
                 "resample": 3,  # bicubic
             },
             parts.CLIP_MEAN,
             parts.CLIP_STD,
-            more={},
         ),
         # Mistral-Small-3.1's own processor_config.json, for the demo's tokens and sizes.
         "processor_config.json": {
@@ -167,5 +105,66 @@ FAMILY = Family(
             "patch_size": PATCH_SIZE,
             "spatial_merge_size": SPATIAL_MERGE_SIZE,
         },
-    },
-)
+    }
+
+    def model_config(
+        self, text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int
+    ) -> dict:
+        heads = text_config["num_attention_heads"]
+        text_fields = {
+            # Any type but ministral3 and mistral4 is Pixtral's Mistral stack for mlx-vlm
+            # and llama for mlx-lm; both need head_dim given.
+            "model_type": "mistral",
+            "head_dim": text_config.get("head_dim", text_config["hidden_size"] // heads),
+            "vocab_size": vocab_size,
+            "tie_word_embeddings": True,
+        }
+        fields = {
+            "image_token_index": ids[IMAGE_TOKEN],
+            "spatial_merge_size": SPATIAL_MERGE_SIZE,
+            "multimodal_projector_bias": False,
+            "projector_hidden_act": "gelu",
+            "vision_feature_layer": -1,
+        }
+        return parts.nested_config(text_config, text_fields, VISION_CONFIG, fields, ids, vocab_size)
+
+    def vision_weights(self, config: Mapping[str, Any], feature_rms: float, rng) -> dict:
+        """Random Pixtral and projector weights, shaped as mlx-vlm's Mistral 3 holds them.
+
+        Linear layers get N(0, 1/fan_in) weights (Pixtral has no biases), so every activation
+        stays near unit scale; RMSNorms start at one. The projector normalises the tower's
+        output, merges 2x2 patches, and its last layer is scaled so the image tokens come out
+        with RMS `feature_rms` (the text embeddings'), for gelu of unit-scale inputs.
+        """
+        import numpy as np
+
+        vision = config["vision_config"]
+        width, mlp = vision["hidden_size"], vision["intermediate_size"]
+        hidden = config["text_config"]["hidden_size"]
+        merge = config["spatial_merge_size"]
+        tower = "vision_tower.vision_model"
+
+        def linear(name: str, fan_out: int, fan_in: int, gain: float = 1.0) -> dict:
+            return parts.random_linear(rng, name, fan_out, fan_in, gain, bias=False)
+
+        out = parts.patch_conv(rng, f"{tower}.patch_conv.weight", vision)  # pixels CLIP-normalised
+        out[f"{tower}.ln_pre.weight"] = np.ones(width)
+        for layer in range(vision["num_hidden_layers"]):
+            prefix = f"{tower}.transformer.layers.{layer}"
+            out[f"{prefix}.attention_norm.weight"] = np.ones(width)
+            out[f"{prefix}.ffn_norm.weight"] = np.ones(width)
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                out |= linear(f"{prefix}.attention.{proj}", width, width)
+            out |= linear(f"{prefix}.attention.o_proj", width, width, 0.5)
+            for proj in ("gate_proj", "up_proj"):
+                out |= linear(f"{prefix}.feed_forward.{proj}", mlp, width)
+            out |= linear(f"{prefix}.feed_forward.down_proj", width, mlp, 0.5)
+        projector = "multi_modal_projector"
+        out[f"{projector}.norm.weight"] = np.ones(width)
+        out |= linear(f"{projector}.patch_merger.merging_layer", width, width * merge**2)
+        out |= linear(f"{projector}.linear_1", hidden, width)
+        out |= linear(f"{projector}.linear_2", hidden, hidden, parts.gelu_gain(feature_rms))
+        return out
+
+
+FAMILY = Mistral3()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from .common import special_token_ids
@@ -71,7 +72,7 @@ def image_processor_config(
     resize: Mapping[str, Any],
     mean: Sequence[float],
     std: Sequence[float],
-    more: Mapping[str, Any],
+    more: Mapping[str, Any] = MappingProxyType({}),
 ) -> dict[str, Any]:
     """preprocessor_config.json of a family that resizes with `resize`'s fields, then
     rescales to [0, 1] and normalises with `mean` and `std`; `more` comes last."""

@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import parts, qwen2_vl
-from .vision import Family
 
 WINDOW_SIZE = 56  # pixels: 2x2 merged tokens a window (Qwen2.5-VL's own is 112 = 4x4)
 VISION_CONFIG: Mapping[str, Any] = {
@@ -48,44 +47,6 @@ VISION_CONFIG: Mapping[str, Any] = {
 }
 
 
-def _model_config(text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int) -> dict:
-    """Qwen2-VL's config (the text model's fields at the top level, the vision token ids,
-    mRoPE sections) with Qwen2.5-VL's vision tower."""
-    config = qwen2_vl.model_config(text_config, ids, vocab_size)
-    vision = {**VISION_CONFIG, "out_hidden_size": text_config["hidden_size"]}
-    return {**config, "vision_config": vision}
-
-
-def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
-    """Random vision tower weights, shaped as mlx-vlm's Qwen2.5-VL VisionModel holds them.
-
-    Linear layers get N(0, 1/fan_in) weights and small biases, so every activation stays
-    near unit scale; RMSNorms start at one. The merger's last layer is scaled so the image
-    tokens come out with RMS `feature_rms` (the text embeddings'), for unit-scale gelu inputs.
-    """
-    import numpy as np
-
-    vision = config["vision_config"]
-    width, mlp = vision["hidden_size"], vision["intermediate_size"]
-    hidden = vision["out_hidden_size"]
-    merged = width * vision["spatial_merge_size"] ** 2
-    out: dict[str, Any] = qwen2_vl.patch_embedding(rng, vision, width)
-    for block in range(vision["depth"]):
-        prefix = f"vision_tower.blocks.{block}"
-        out[f"{prefix}.norm1.weight"] = np.ones(width)
-        out[f"{prefix}.norm2.weight"] = np.ones(width)
-        out |= parts.random_linear(rng, f"{prefix}.attn.qkv", 3 * width, width)
-        out |= parts.random_linear(rng, f"{prefix}.attn.proj", width, width, gain=0.5)
-        out |= parts.random_linear(rng, f"{prefix}.mlp.gate_proj", mlp, width)
-        out |= parts.random_linear(rng, f"{prefix}.mlp.up_proj", mlp, width)
-        out |= parts.random_linear(rng, f"{prefix}.mlp.down_proj", width, mlp, gain=0.5)
-    out["vision_tower.merger.ln_q.weight"] = np.ones(width)
-    out |= parts.random_linear(rng, "vision_tower.merger.mlp.0", merged, merged)
-    gain = parts.gelu_gain(feature_rms)
-    out |= parts.random_linear(rng, "vision_tower.merger.mlp.2", hidden, merged, gain=gain)
-    return out
-
-
 def _processor_files() -> dict[str, dict[str, Any]]:
     """Qwen2-VL's image and video processor configs under Qwen2.5-VL's processor class
     (its image processor is Qwen2-VL's)."""
@@ -101,17 +62,52 @@ def _processor_files() -> dict[str, dict[str, Any]]:
     }
 
 
-FAMILY = Family(
-    model_type="qwen2_5_vl",
-    architecture="Qwen2_5_VLForConditionalGeneration",
-    text_kind="llama",
-    recipe_version="v1",  # bump whenever anything that changes the built files changes
-    vision_tokens=qwen2_vl.VISION_TOKENS,
-    image_anchor=qwen2_vl.IMAGE_ANCHOR,
-    image_token=qwen2_vl.IMAGE_PAD,
-    tokens_per_image=None,  # one per merged 28x28 patch, as Qwen2-VL's
-    model_config=_model_config,
-    vision_weights=_vision_weights,
-    processor_files=_processor_files(),
-    extra_text_weights=qwen2_vl.qkv_biases,
-)
+class Qwen2_5VL(qwen2_vl.Qwen2VL):
+    """Qwen2-VL's tokens, text stack (its zero q/k/v biases) and processor, with Qwen2.5-VL's
+    vision tower."""
+
+    model_type = "qwen2_5_vl"
+    architecture = "Qwen2_5_VLForConditionalGeneration"
+    recipe_version = "v1"
+    processor_files = _processor_files()
+
+    def model_config(
+        self, text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int
+    ) -> dict:
+        """Qwen2-VL's config (the text model's fields at the top level, the vision token ids,
+        mRoPE sections) with Qwen2.5-VL's vision tower."""
+        config = super().model_config(text_config, ids, vocab_size)
+        vision = {**VISION_CONFIG, "out_hidden_size": text_config["hidden_size"]}
+        return {**config, "vision_config": vision}
+
+    def vision_weights(self, config: Mapping[str, Any], feature_rms: float, rng) -> dict:
+        """Random vision tower weights, shaped as mlx-vlm's Qwen2.5-VL VisionModel holds them.
+
+        Linear layers get N(0, 1/fan_in) weights and small biases, so every activation stays
+        near unit scale; RMSNorms start at one. The merger's last layer is scaled so the image
+        tokens come out with RMS `feature_rms` (the text embeddings'), for unit-scale gelu inputs.
+        """
+        import numpy as np
+
+        vision = config["vision_config"]
+        width, mlp = vision["hidden_size"], vision["intermediate_size"]
+        hidden = vision["out_hidden_size"]
+        merged = width * vision["spatial_merge_size"] ** 2
+        out: dict[str, Any] = qwen2_vl.patch_embedding(rng, vision, width)
+        for block in range(vision["depth"]):
+            prefix = f"vision_tower.blocks.{block}"
+            out[f"{prefix}.norm1.weight"] = np.ones(width)
+            out[f"{prefix}.norm2.weight"] = np.ones(width)
+            out |= parts.random_linear(rng, f"{prefix}.attn.qkv", 3 * width, width)
+            out |= parts.random_linear(rng, f"{prefix}.attn.proj", width, width, gain=0.5)
+            out |= parts.random_linear(rng, f"{prefix}.mlp.gate_proj", mlp, width)
+            out |= parts.random_linear(rng, f"{prefix}.mlp.up_proj", mlp, width)
+            out |= parts.random_linear(rng, f"{prefix}.mlp.down_proj", width, mlp, gain=0.5)
+        out["vision_tower.merger.ln_q.weight"] = np.ones(width)
+        out |= parts.random_linear(rng, "vision_tower.merger.mlp.0", merged, merged)
+        gain = parts.gelu_gain(feature_rms)
+        out |= parts.random_linear(rng, "vision_tower.merger.mlp.2", hidden, merged, gain=gain)
+        return out
+
+
+FAMILY = Qwen2_5VL()

@@ -89,59 +89,6 @@ def _image_processor_config() -> dict[str, Any]:
     }
 
 
-def model_config(text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int) -> dict:
-    heads = text_config["num_attention_heads"]
-    head_dim = text_config["hidden_size"] // heads
-    if text_config.get("head_dim", head_dim) != head_dim or head_dim % 8:
-        raise ValueError("the text model's head_dim must be hidden_size / heads, a multiple of 8")
-    # Multimodal RoPE splits the head's frequencies over (t, h, w) as 1/4, 3/8, 3/8 (the
-    # real checkpoints' [16, 24, 24] for a 128-wide head).
-    quarter = head_dim // 8
-    mrope_section = [quarter, (head_dim // 2 - quarter) // 2, (head_dim // 2 - quarter) // 2]
-    # The language model's fields sit at the top level, as in Qwen2-VL's own config.
-    copied = (
-        "hidden_size",
-        "num_hidden_layers",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "rope_theta",
-        "rms_norm_eps",
-    )
-    return {
-        **{name: text_config[name] for name in copied},
-        "hidden_act": "silu",
-        "tie_word_embeddings": True,
-        "rope_scaling": {"type": "mrope", "mrope_section": mrope_section},
-        "vocab_size": vocab_size,
-        **special_token_ids(ids),
-        "vision_start_token_id": ids[VISION_START],
-        "vision_end_token_id": ids[VISION_END],
-        "vision_token_id": ids[VISION_PAD],
-        "image_token_id": ids[IMAGE_PAD],
-        "video_token_id": ids[VIDEO_PAD],
-        "vision_config": {**VISION_CONFIG, "hidden_size": text_config["hidden_size"]},
-    }
-
-
-def qkv_biases(text_config: Mapping[str, Any]) -> dict:
-    """Zero q/k/v biases: Qwen2 has them, llama lacks them."""
-    import numpy as np
-
-    head_dim = text_config["hidden_size"] // text_config["num_attention_heads"]
-    widths = {
-        "q_proj": text_config["num_attention_heads"] * head_dim,
-        "k_proj": text_config["num_key_value_heads"] * head_dim,
-        "v_proj": text_config["num_key_value_heads"] * head_dim,
-    }
-    return {
-        f"language_model.model.layers.{layer}.self_attn.{proj}.bias": np.zeros(width, np.float32)
-        for layer in range(text_config["num_hidden_layers"])
-        for proj, width in widths.items()
-    }
-
-
 def patch_embedding(rng, vision: Mapping[str, Any], width: int) -> dict[str, Any]:
     """A Qwen-VL tower's patch embedding (a Conv3d without bias) in MLX's layout: (out,
     frames, height, width, in). A patch is the (flattened) normalised pixels, about unit scale,
@@ -156,57 +103,112 @@ def patch_embedding(rng, vision: Mapping[str, Any], width: int) -> dict[str, Any
     return {"vision_tower.patch_embed.proj.weight": weight}
 
 
-def _vision_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
-    """Random vision tower weights, shaped as mlx-vlm's Qwen2-VL VisionModel holds them.
-
-    Linear layers get N(0, 1/fan_in) weights and small biases, so every activation stays
-    near unit scale; the merger's last layer is scaled so the image tokens come out with
-    RMS `feature_rms` (the text embeddings'), for post-LayerNorm inputs.
-    """
-    config = config["vision_config"]
-    width = config["embed_dim"]
-    hidden = config["hidden_size"]
-    mlp = int(width * config["mlp_ratio"])
-    merged = width * config["spatial_merge_size"] ** 2
-    out: dict[str, Any] = patch_embedding(rng, config, width)
-    for block in range(config["depth"]):
-        prefix = f"vision_tower.blocks.{block}"
-        out |= parts.unit_layer_norm(f"{prefix}.norm1", width)
-        out |= parts.unit_layer_norm(f"{prefix}.norm2", width)
-        out |= parts.random_linear(rng, f"{prefix}.attn.qkv", 3 * width, width)
-        out |= parts.random_linear(rng, f"{prefix}.attn.proj", width, width, gain=0.5)
-        out |= parts.random_linear(rng, f"{prefix}.mlp.fc1", mlp, width)
-        out |= parts.random_linear(rng, f"{prefix}.mlp.fc2", width, mlp, gain=0.5)
-    out |= parts.unit_layer_norm("vision_tower.merger.ln_q", width)
-    out |= parts.random_linear(rng, "vision_tower.merger.mlp.0", merged, merged)
-    gain = parts.gelu_gain(feature_rms)
-    out |= parts.random_linear(rng, "vision_tower.merger.mlp.2", hidden, merged, gain=gain)
-    return out
-
-
 _VIDEO_PROCESSOR_CONFIG = {
     **{k: v for k, v in _image_processor_config().items() if k != "image_processor_type"},
     "video_processor_type": "Qwen2VLVideoProcessor",
 }
 
-FAMILY = Family(
-    model_type="qwen2_vl",
-    architecture="Qwen2VLForConditionalGeneration",
-    text_kind="llama",
-    # Bump whenever anything that changes the built files changes (configs, tokens, init);
-    # the text model's own RECIPE_VERSION is part of the build name too.
-    recipe_version="v2",
-    vision_tokens=VISION_TOKENS,
-    image_anchor=IMAGE_ANCHOR,
-    image_token=IMAGE_PAD,
-    tokens_per_image=None,  # one per merged 28x28 patch
-    model_config=model_config,
-    vision_weights=_vision_weights,
-    processor_files={
+
+class Qwen2VL(Family):
+    model_type = "qwen2_vl"
+    architecture = "Qwen2VLForConditionalGeneration"
+    text_kind = "llama"
+    # The text model's own RECIPE_VERSION is part of the build name too.
+    recipe_version = "v2"
+    vision_tokens = VISION_TOKENS
+    image_anchor = IMAGE_ANCHOR
+    image_token = IMAGE_PAD
+    # tokens_per_image: one per merged 28x28 patch.
+    processor_files = {
         "preprocessor_config.json": _image_processor_config(),
         # Present so that mlx-vlm never looks for them on the hub.
         "processor_config.json": {"processor_class": "Qwen2VLProcessor"},
         "video_preprocessor_config.json": _VIDEO_PROCESSOR_CONFIG,
-    },
-    extra_text_weights=qkv_biases,
-)
+    }
+
+    def model_config(
+        self, text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int
+    ) -> dict:
+        heads = text_config["num_attention_heads"]
+        head_dim = text_config["hidden_size"] // heads
+        if text_config.get("head_dim", head_dim) != head_dim or head_dim % 8:
+            raise ValueError(
+                "the text model's head_dim must be hidden_size / heads, a multiple of 8"
+            )
+        # Multimodal RoPE splits the head's frequencies over (t, h, w) as 1/4, 3/8, 3/8 (the
+        # real checkpoints' [16, 24, 24] for a 128-wide head).
+        quarter = head_dim // 8
+        mrope_section = [quarter, (head_dim // 2 - quarter) // 2, (head_dim // 2 - quarter) // 2]
+        # The language model's fields sit at the top level, as in Qwen2-VL's own config.
+        copied = (
+            "hidden_size",
+            "num_hidden_layers",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rope_theta",
+            "rms_norm_eps",
+        )
+        return {
+            **{name: text_config[name] for name in copied},
+            "hidden_act": "silu",
+            "tie_word_embeddings": True,
+            "rope_scaling": {"type": "mrope", "mrope_section": mrope_section},
+            "vocab_size": vocab_size,
+            **special_token_ids(ids),
+            "vision_start_token_id": ids[VISION_START],
+            "vision_end_token_id": ids[VISION_END],
+            "vision_token_id": ids[VISION_PAD],
+            "image_token_id": ids[IMAGE_PAD],
+            "video_token_id": ids[VIDEO_PAD],
+            "vision_config": {**VISION_CONFIG, "hidden_size": text_config["hidden_size"]},
+        }
+
+    def extra_text_weights(self, text_config: Mapping[str, Any]) -> dict:
+        """Zero q/k/v biases: Qwen2 has them, llama lacks them."""
+        import numpy as np
+
+        head_dim = text_config["hidden_size"] // text_config["num_attention_heads"]
+        widths = {
+            "q_proj": text_config["num_attention_heads"] * head_dim,
+            "k_proj": text_config["num_key_value_heads"] * head_dim,
+            "v_proj": text_config["num_key_value_heads"] * head_dim,
+        }
+        return {
+            f"language_model.model.layers.{layer}.self_attn.{proj}.bias": np.zeros(
+                width, np.float32
+            )
+            for layer in range(text_config["num_hidden_layers"])
+            for proj, width in widths.items()
+        }
+
+    def vision_weights(self, config: Mapping[str, Any], feature_rms: float, rng) -> dict:
+        """Random vision tower weights, shaped as mlx-vlm's Qwen2-VL VisionModel holds them.
+
+        Linear layers get N(0, 1/fan_in) weights and small biases, so every activation stays
+        near unit scale; the merger's last layer is scaled so the image tokens come out with
+        RMS `feature_rms` (the text embeddings'), for post-LayerNorm inputs.
+        """
+        config = config["vision_config"]
+        width = config["embed_dim"]
+        hidden = config["hidden_size"]
+        mlp = int(width * config["mlp_ratio"])
+        merged = width * config["spatial_merge_size"] ** 2
+        out: dict[str, Any] = patch_embedding(rng, config, width)
+        for block in range(config["depth"]):
+            prefix = f"vision_tower.blocks.{block}"
+            out |= parts.unit_layer_norm(f"{prefix}.norm1", width)
+            out |= parts.unit_layer_norm(f"{prefix}.norm2", width)
+            out |= parts.random_linear(rng, f"{prefix}.attn.qkv", 3 * width, width)
+            out |= parts.random_linear(rng, f"{prefix}.attn.proj", width, width, gain=0.5)
+            out |= parts.random_linear(rng, f"{prefix}.mlp.fc1", mlp, width)
+            out |= parts.random_linear(rng, f"{prefix}.mlp.fc2", width, mlp, gain=0.5)
+        out |= parts.unit_layer_norm("vision_tower.merger.ln_q", width)
+        out |= parts.random_linear(rng, "vision_tower.merger.mlp.0", merged, merged)
+        gain = parts.gelu_gain(feature_rms)
+        out |= parts.random_linear(rng, "vision_tower.merger.mlp.2", hidden, merged, gain=gain)
+        return out
+
+
+FAMILY = Qwen2VL()

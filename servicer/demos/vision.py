@@ -24,15 +24,16 @@ Usage: ``python -m servicer.demos.vision [--family qwen2_vl] [--seed 0] [--out D
 
 from __future__ import annotations
 
+import abc
 import argparse
 import importlib
 import json
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from . import common, text
@@ -74,30 +75,41 @@ def chat_template(image_anchor: str) -> str:
     )
 
 
-@dataclass(frozen=True)
-class Family:
-    """What one demo VLM family is made of; the build steps around it are shared."""
+class Family(abc.ABC):
+    """What one demo VLM family is made of: a subclass a family (its module's FAMILY is one),
+    what differs in its attributes and methods; the build steps around it are shared."""
 
     model_type: str  # config.json's, which mlx-vlm (and the router) dispatch on
     architecture: str  # config.json's architectures
     text_kind: str  # the text demo kind whose trained weights become language_model.*
-    recipe_version: str  # bump whenever this family's built files change
+    recipe_version: str  # bump whenever anything that changes this family's built files does
     vision_tokens: tuple[str, ...]  # special tokens appended to the text vocabulary
     image_anchor: str  # what the chat template renders per image, unexpanded
     image_token: str  # the token the processor repeats, where the image features go
     # How many image tokens one image becomes; None where that depends on its size.
-    tokens_per_image: int | None
-    # (text demo config, special-token ids, vocabulary size) -> config.json, less the
-    # architectures, model_type, torch_dtype and demo_build fields the build adds.
-    model_config: Callable[[Mapping[str, Any], Mapping[str, int], int], dict]
-    # (config.json, text embedding RMS, numpy generator) -> vision tower and projector.
-    vision_weights: Callable[[Mapping[str, Any], float, Any], dict]
+    tokens_per_image: int | None = None
     # File name -> JSON content: the image processor's and processor's configs.
     processor_files: Mapping[str, Mapping[str, Any]]
-    # (text demo config) -> weights the text stack has and the text demo lacks.
-    extra_text_weights: Callable[[Mapping[str, Any]], dict] = lambda text_config: {}
     # Fields added to tokenizer_config.json.
-    tokenizer_fields: Mapping[str, Any] = field(default_factory=dict)
+    tokenizer_fields: Mapping[str, Any] = MappingProxyType({})
+
+    @abc.abstractmethod
+    def model_config(
+        self, text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int
+    ) -> dict:
+        """config.json, less the architectures, model_type, torch_dtype and demo_build
+        fields the build adds: from the text demo's config, every special token's id and the
+        vocabulary size."""
+
+    @abc.abstractmethod
+    def vision_weights(self, config: Mapping[str, Any], feature_rms: float, rng) -> dict:
+        """The vision tower's and projector's weights for `config` (config.json), random
+        from numpy generator `rng`, scaled so that the image tokens enter the language model
+        with RMS `feature_rms` (the text embeddings')."""
+
+    def extra_text_weights(self, text_config: Mapping[str, Any]) -> dict:
+        """Weights the family's text stack has and the text demo lacks."""
+        return {}
 
     @property
     def chat_template(self) -> str:
