@@ -49,12 +49,12 @@ log = logging.getLogger(__name__)
 
 
 class Batch:
-    """Rows by uid, and the generator that steps them. Each row holds its admission (the
+    """Rows by uid, and the runner that steps them. Each row holds its admission (the
     memory it reserved, which `view` sums) and its prefix pins until it leaves."""
 
     def __init__(
         self,
-        new_generator: Callable[[], BatchRunner],
+        new_runner: Callable[[], BatchRunner],
         sampling: SamplingFactory,
         prefix: AnyPrefixStore,
         faults: FaultPlan | None = None,
@@ -65,12 +65,12 @@ class Batch:
         adapters: AdapterSet | None = None,
     ) -> None:
         """`new_row`: a request's empty caches (quantized ones with --kv-bits); None: the
-        generator makes mlx-lm's. `adapters`: the LoRA adapters requests name (by name)."""
+        runner makes mlx-lm's. `adapters`: the LoRA adapters requests name (by name)."""
         self._new_row = new_row
         self._adapters = adapters
         self._images = ImageWork(vision)  # a vision model's images, encoded as rows join
-        self._new_generator = new_generator
-        self._generator = new_generator()
+        self._new_runner = new_runner
+        self._runner = new_runner()
         self._sampling = sampling
         self._prefix = prefix
         self._faults = faults
@@ -85,8 +85,8 @@ class Batch:
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
 
     @property
-    def generator(self) -> BatchRunner:
-        return self._generator
+    def runner(self) -> BatchRunner:
+        return self._runner
 
     @property
     def decode_step_s(self) -> float:
@@ -105,13 +105,13 @@ class Batch:
     def remove(self, tickets: list[int], out: StepOutput) -> None:
         aborted = set(tickets)
         removed = [row for row in self.rows.values() if row.ticket in aborted]
-        self._generator.remove([row.uid for row in removed])
+        self._runner.remove([row.uid for row in removed])
         for row in removed:
             self.book.drop(row)
             out.events.append(RowEvent(row.ticket, None, FINISH_ABORT))
 
     def insert(self, admits: list[Admit], hits: list[Hit | None], out: StepOutput) -> None:
-        """Admitted requests into the generator, with their reused prefixes (whose pins their
+        """Admitted requests into the runner, with their reused prefixes (whose pins their
         rows take over). A request whose own parts cannot be built fails alone."""
         parts = []
         for admit, hit in zip(admits, hits, strict=True):
@@ -126,7 +126,7 @@ class Batch:
         sampling = self._sampling
         requests = [part.admit.request for part in parts]
         try:
-            uids = self._generator.insert_segments(
+            uids = self._runner.insert_segments(
                 [part.segments for part in parts],
                 max_tokens=[r.max_tokens for r in requests],
                 caches=[_cache_for(part.hit, self._new_row) for part in parts],
@@ -170,30 +170,30 @@ class Batch:
     # ----- stepping -----
 
     def step(self, out: StepOutput) -> StepReport:
-        """One generator step; its events go to `out`. A step with prefill work (a chunk, or
+        """One runner step; its events go to `out`. A step with prefill work (a chunk, or
         the first tokens of prompts that are through) reports what that work added to it."""
         self.steps += 1
         if self._faults is not None:
             self._faults.before_step(self.steps)
         decoding = self.book.decoding
         started = time.perf_counter()
-        generator = self._generator
+        runner = self._runner
         if not self.book.prefilling:
-            prompt_progress, responses = generator.next(self._chunk, self._catch_up)
-            catch_up = generator.caught_up
+            prompt_progress, responses = runner.next(self._chunk, self._catch_up)
+            catch_up = runner.caught_up
             self.cost.observe_decode(decoding, time.perf_counter() - started - catch_up[1])
             self._track_prefill(prompt_progress)
             events = self._collect(responses, out)
             return StepReport(events, None, catch_up=catch_up)
-        fused_before, prompt_before = generator.fused_steps, generator.prompt_tokens
-        prompt_progress, responses = generator.next(self._chunk, self._catch_up)
-        fused = generator.fused_steps > fused_before
-        prompt_tokens = generator.prompt_tokens - prompt_before
+        fused_before, prompt_before = runner.fused_steps, runner.prompt_tokens
+        prompt_progress, responses = runner.next(self._chunk, self._catch_up)
+        fused = runner.fused_steps > fused_before
+        prompt_tokens = runner.prompt_tokens - prompt_before
         # What the prefill added: the step less a decode step, or all of it with none.
         decode_s = self.cost.decode.seconds(decoding) if decoding else 0.0
         added = time.perf_counter() - started - decode_s
         self._track_prefill(prompt_progress)
-        work = generator.prefilled
+        work = runner.prefilled
         sample = work.took(max(added, 0.0)) if work.any else None
         events = self._collect(responses, out)
         return StepReport(events, sample, prompt_tokens, fused)
@@ -241,7 +241,7 @@ class Batch:
             if finish is not None and row.uid in rows:
                 self._finish(row, response)
         if broken:
-            self._generator.remove(broken)
+            self._runner.remove(broken)
         if wanted:
             _attach_logprobs(wanted)
         self.check = check % (1 << 31)
@@ -265,14 +265,14 @@ class Batch:
         token."""
         done = [p.uid for p in progress if p.end_of_segment and not p.end_of_prompt]
         if done:
-            for uid, (cache, tokens) in self._generator.extract_cache(done).items():
+            for uid, (cache, tokens) in self._runner.extract_cache(done).items():
                 tokens = store_tokens(self.rows[uid], tokens)
                 self._prefix.keep_later(tokens, cache, snapshot=True)
 
     # ----- failures and the end -----
 
     def recover(self, exc: Exception, plan: Plan, out: StepOutput) -> None:
-        """A failed step fails the requests in the batch; a fresh generator serves the rest."""
+        """A failed step fails the requests in the batch; a fresh runner serves the rest."""
         already = {failure.ticket for failure in out.failures}
         failed = (self.book.tickets() | {admit.request.ticket for admit in plan.admits}) - already
         self._errors.error(
@@ -284,8 +284,8 @@ class Batch:
         out.failures.extend(RowFailure(t, FailureKind.INTERNAL, message) for t in sorted(failed))
         for row in list(self.rows.values()):
             self.book.drop(row)
-        self._generator.close()
-        self._generator = self._new_generator()
+        self._runner.close()
+        self._runner = self._new_runner()
 
     def end_all(self, out: StepOutput) -> None:
         """Every row ends with `abort` (shutdown)."""
@@ -294,7 +294,7 @@ class Batch:
             out.events.append(RowEvent(row.ticket, None, FINISH_ABORT))
 
     def close(self) -> None:
-        self._generator.close()
+        self._runner.close()
 
 
 def _attach_logprobs(wanted: list[tuple[RowEvent, Any, int]]) -> None:
@@ -321,7 +321,7 @@ def check_same_prefix(cached: int, expected: int) -> None:
 
 @dataclass(slots=True)
 class _Prepared:
-    """An admitted request's parts, built before it joins the generator."""
+    """An admitted request's parts, built before it joins the runner."""
 
     admit: Admit
     hit: Hit | None
@@ -333,7 +333,7 @@ class _Prepared:
 
 
 def _cache_for(hit: Hit | None, new_row: Callable[[], list[Any]] | None) -> list[Any] | None:
-    """A joining request's caches: its reused prefix's, or empty ones (None: the generator
+    """A joining request's caches: its reused prefix's, or empty ones (None: the runner
     makes mlx-lm's)."""
     if hit is not None:
         return hit.cache

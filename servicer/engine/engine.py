@@ -40,11 +40,10 @@ from .encoding import ImageEncodes
 from .figures import FiguresPublisher
 from .inbox import Inbox
 from .lockstep import Lockstep
-from .parts import EngineParts, build_parts, new_generator, warm_up
+from .parts import EngineParts, build_parts, new_runner, warm_up
 from .planner import Planner, reusable
 from .prefill import PrefillPolicy, StepCost
 from .prefix.store import AnyPrefixStore, Hit
-from .runner import BatchRunner
 from .scheduler import Plan, Scheduler
 from .speculation import SpeculationCounters
 from .watchdog import StepWatch
@@ -227,11 +226,11 @@ class EngineLoop:
         parts = build_parts(config, info, lockstep)
         self.parts = parts
         self.store = parts.prefix
-        self.speculation = SpeculationCounters()  # across generators, should one be replaced
+        self.speculation = SpeculationCounters()  # across runners, should one be replaced
         self.cost = StepCost()  # every part of a step, learned: the scheduler plans with it
         self.batch = _new_batch(parts, config, stream, self.speculation, self._leads, self.cost)
         if config.warmup:
-            warm_up(self.batch.generator, info.bos_token_id or 0, parts.new_row)
+            warm_up(self.batch.runner, info.bos_token_id or 0, parts.new_row)
         self.store.on_disk_done(inbox.nudge)
         self.encodes = (
             ImageEncodes(parts.vision, functools.partial(reusable, self.store, config))
@@ -297,7 +296,7 @@ class EngineLoop:
 
     def _apply_and_step(self, plan: Plan, hits: list[Hit | None], out: StepOutput) -> bool:
         """The plan applied and one step run (a failure fails the batch's requests, and a fresh
-        generator serves on); True when some handler needs the output now."""
+        runner serves on); True when some handler needs the output now."""
         batch = self.batch
         started = time.perf_counter()
         due = False
@@ -416,23 +415,20 @@ def _new_batch(
 ) -> Batch:
     """The engine's batch (its runner built anew should a step fail; speculation's `counters`
     go on across runners). Only rank 0 (`leads`) sends logprobs anywhere."""
-    model = parts.loaded.model
-
-    def new_runner() -> BatchRunner:
-        return new_generator(
-            model,
-            config,
-            stream,
-            parts.speculation,
-            counters,
-            parts.fused_prefill,
-            parts.group_rows,
-            parts.vision,
-            parts.adapters,
-        )
-
-    return Batch(
+    runner = functools.partial(
         new_runner,
+        parts.loaded.model,
+        config,
+        stream,
+        parts.speculation,
+        counters,
+        parts.fused_prefill,
+        parts.group_rows,
+        parts.vision,
+        parts.adapters,
+    )
+    return Batch(
+        runner,
         parts.sampling,
         parts.prefix,
         config.faults,

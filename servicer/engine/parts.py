@@ -57,7 +57,7 @@ class Speculation:
     config: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def source(self) -> DraftSource:
-        """A fresh draft source (it keeps per-row state: one per generator)."""
+        """A fresh draft source (it keeps per-row state: one per runner)."""
         if self.kind == "draft":
             assert self.draft is not None
             return DraftModel(self.draft)
@@ -409,7 +409,7 @@ def batch_generator_settings(config: EngineConfig, stream: mx.Stream) -> dict[st
     }
 
 
-def new_generator(
+def new_runner(
     model: nn.Module,
     config: EngineConfig,
     stream: mx.Stream,
@@ -428,29 +428,29 @@ def new_generator(
     kwargs = runner_settings(config, stream)
     kwargs["vision"], kwargs["adapters"] = vision, adapters
     if speculation is None:
-        generator = BatchRunner(model, **kwargs)
+        runner = BatchRunner(model, **kwargs)
     else:
-        generator = SpeculativeRunner(
+        runner = SpeculativeRunner(
             model,
             source=speculation.source(),
             speculation=speculation.config,
             counters=counters,
             **kwargs,
         )
-    generator.fuse_prefill = fuse_prefill
+    runner.fuse_prefill = fuse_prefill
     if group_rows:
-        generator.group_rows(grouped)
-    return generator
+        runner.group_rows(grouped)
+    return runner
 
 
 def warm_up(
-    generator: BatchRunner, token: int, new_row: Callable[[], list[Any]] | None = None
+    runner: BatchRunner, token: int, new_row: Callable[[], list[Any]] | None = None
 ) -> None:
     """One short request through the whole path, so the first real one pays no JIT."""
     caches = [new_row()] if new_row is not None else None
-    (uid,) = generator.insert([[token] * 4], max_tokens=[2], caches=caches)
+    (uid,) = runner.insert([[token] * 4], max_tokens=[2], caches=caches)
     for _ in range(16):
-        _, responses = generator.next()
+        _, responses = runner.next()
         if any(r.uid == uid and r.finish_reason for r in responses):
             return
-    generator.remove([uid])
+    runner.remove([uid])

@@ -67,7 +67,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
         self._timer = StepTimer(speculator.clock, speculator.modes)
         self._rolls_back = False  # whether the caches are this package's (see extend)
         self._shadow_wait = 0  # steps without drafts until the next shadow lookup
-        self.shares_step_with_prefill = False  # set by the generator before each step
+        self.shares_step_with_prefill = False  # set by the runner before each step
         super().__init__(*args, **kwargs)
         if self.uids:
             speculator.source.extend(self.tokens)

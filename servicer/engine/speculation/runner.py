@@ -31,7 +31,7 @@ class SpeculativeRunner(BatchRunner):
         counters: SpeculationCounters | None = None,
         **kwargs: Any,
     ) -> None:
-        """`counters`: where to count (a generator built to replace another goes on with its
+        """`counters`: where to count (a runner built to replace another goes on with its
         counts); fresh ones by default."""
         self._source, self._config = source, speculation or SpeculationConfig()
         self._counters = counters or SpeculationCounters()
@@ -68,7 +68,7 @@ class SpeculativeRunner(BatchRunner):
 
     def after_pause(self) -> None:
         """The caller did other work since the last step (a benchmark alternating
-        generators): neither clock counts that gap as the last step's time."""
+        runners): neither clock counts that gap as the last step's time."""
         self._speculating.after_pause()
 
     @property
