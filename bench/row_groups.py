@@ -37,9 +37,7 @@ def run_case(
     from servicer.engine.cache_kinds import grouped as grouping
     from servicer.engine.runner import BatchRunner
 
-    runner = BatchRunner(model)
-    if grouped:
-        runner.group_rows(grouping)
+    runner = BatchRunner(model, grouping=grouping if grouped else None)
     prompts = [[(7 * i + j) % 5000 + 100 for j in range(SHORT_PROMPT)] for i in range(rows)]
     streams = runner.insert(prompts, max_tokens=[STREAM_TOKENS] * rows)
     tokens: dict[int, list[int]] = {uid: [] for uid in streams}

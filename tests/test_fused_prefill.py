@@ -50,9 +50,7 @@ def arrival_jobs(tokenizer: Any, seed: int, seeded: bool = False) -> list[Job]:
 
 
 def fused_runner(model: Any, step: int) -> BatchRunner:
-    runner = BatchRunner(model, **{**runner_kwargs(), "prefill_step_size": step})
-    runner.fuse_prefill = True
-    return runner
+    return BatchRunner(model, fuse_prefill=True, **{**runner_kwargs(), "prefill_step_size": step})
 
 
 def assert_same(want: dict, got: dict) -> None:
@@ -93,9 +91,9 @@ def test_fused_steps_beside_speculation(kind_model):
         model,
         source=PromptLookup(),
         speculation=SpeculationConfig(costed=False, max_rows=16),
+        fuse_prefill=True,
         **{**runner_kwargs(), "prefill_step_size": 32},
     )
-    runner.fuse_prefill = True
     speculated = drive(runner, jobs())
     assert runner.fused_steps > 0 and runner.speculation.drafted > 0
     for name, want in plain.items():

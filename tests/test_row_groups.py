@@ -61,9 +61,7 @@ def mixed_jobs(tokenizer: Any, seed: int, seeded: bool = False) -> list[Job]:
 
 
 def grouping_runner(model: Any, **overrides: Any) -> BatchRunner:
-    runner = BatchRunner(model, **{**runner_kwargs(), **overrides})
-    runner.group_rows(grouped)
-    return runner
+    return BatchRunner(model, grouping=grouped, **{**runner_kwargs(), **overrides})
 
 
 def most_groups(runner: BatchRunner) -> list[int]:
@@ -102,14 +100,13 @@ def repeating_jobs(tokenizer: Any, seed: int) -> list[Job]:
 
 
 def speculating_in_groups(model: Any, costed: bool) -> SpeculativeRunner:
-    runner = SpeculativeRunner(
+    return SpeculativeRunner(
         model,
         source=PromptLookup(),
         speculation=SpeculationConfig(costed=costed, max_rows=16),
+        grouping=grouped,
         **runner_kwargs(),
     )
-    runner.group_rows(grouped)
-    return runner
 
 
 def test_groups_beside_speculation(kind_model):
@@ -166,8 +163,7 @@ def test_groups_beside_fused_prefill(kind_model):
         return out
 
     plain = drive(plain_generator(model, prefill_step_size=256), jobs())
-    runner = grouping_runner(model, prefill_step_size=256)
-    runner.fuse_prefill = True
+    runner = grouping_runner(model, prefill_step_size=256, fuse_prefill=True)
     fused_in_groups = []
     groups = most_groups(runner)
 

@@ -193,8 +193,7 @@ def test_real_gemma_fused_prefill_identical(gemma: tuple[Any, Any]) -> None:
     plain = drive(plain_generator(model, prefill_step_size=96), jobs())
     two_rows = drive(plain_generator(model, prefill_step_size=96), jobs(joining=False))
     batch_noise = max(farthest(two_rows[n].logprobs, plain[n].logprobs) for n in two_rows)
-    runner = BatchRunner(model, **{**runner_kwargs(), "prefill_step_size": 96})
-    runner.fuse_prefill = True
+    runner = BatchRunner(model, fuse_prefill=True, **{**runner_kwargs(), "prefill_step_size": 96})
     fused = drive(runner, jobs())
     assert runner.fused_steps >= 5
     for name, want in plain.items():

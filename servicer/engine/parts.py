@@ -427,6 +427,7 @@ def new_runner(
     loaded on `model`, if any."""
     kwargs = runner_settings(config, stream)
     kwargs["vision"], kwargs["adapters"] = vision, adapters
+    kwargs["fuse_prefill"], kwargs["grouping"] = fuse_prefill, grouped if group_rows else None
     if speculation is None:
         runner = BatchRunner(model, **kwargs)
     else:
@@ -437,9 +438,6 @@ def new_runner(
             counters=counters,
             **kwargs,
         )
-    runner.fuse_prefill = fuse_prefill
-    if group_rows:
-        runner.group_rows(grouped)
     return runner
 
 
