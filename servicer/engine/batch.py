@@ -76,8 +76,8 @@ class Batch:
         self._faults = faults
         self._wants_logprobs = wants_logprobs  # only rank 0 sends them anywhere
         self._errors = RateLimitedLog(log, 10.0)
-        self.book = RowBook()
-        self.rows = self.book.rows  # the same dict, by uid
+        self._book = RowBook()
+        self.rows = self._book.rows  # the same dict, by uid
         self._chunk: int | None = None  # prompt tokens a row the next step prefills
         self._catch_up: int | None = None  # a draft model's catch-up tokens the next step
         self.cost = cost or StepCost()  # the decode steps' part is learned here
@@ -91,10 +91,35 @@ class Batch:
     @property
     def decode_step_s(self) -> float:
         """How long the next step takes without prefill, for the rows decoding now."""
-        return self.cost.decode.seconds(max(self.book.decoding, 1))
+        return self.cost.decode.seconds(max(self._book.decoding, 1))
 
     def view(self) -> BatchView:
-        return self.book.view(self.decode_step_s)
+        return self._book.view(self.decode_step_s)
+
+    # ----- what the rows' bookkeeping says (the figures, the planner, the hand-off) -----
+
+    @property
+    def starting(self) -> int:
+        """Rows whose first token is not out yet."""
+        return self._book.starting
+
+    @property
+    def generated(self) -> int:
+        """Tokens produced since the batch began."""
+        return self._book.generated
+
+    @property
+    def admitted_prompt(self) -> int:
+        """Prompt tokens of every row admitted so far."""
+        return self._book.admitted_prompt
+
+    def tickets(self) -> set[int]:
+        """The tickets of the requests in the batch."""
+        return self._book.tickets()
+
+    def handed_over(self) -> None:
+        """Every row's events so far went to the handlers."""
+        self._book.handed_over()
 
     def set_plan(self, plan: Plan) -> None:
         """The next step's work: prompt tokens a row, a draft model's catch-up."""
@@ -107,7 +132,7 @@ class Batch:
         removed = [row for row in self.rows.values() if row.ticket in aborted]
         self._runner.remove([row.uid for row in removed])
         for row in removed:
-            self.book.drop(row)
+            self._book.drop(row)
             out.events.append(RowEvent(row.ticket, None, FINISH_ABORT))
 
     def insert(self, admits: list[Admit], hits: list[Hit | None], out: StepOutput) -> None:
@@ -150,7 +175,7 @@ class Batch:
             pins = part.hit.pins if part.hit is not None else None
             row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, pins=pins)
             row.text = sampling.stop_text(admit.request)
-            self.book.add(row)
+            self._book.add(row)
 
     def _prepare(self, admit: Admit, hit: Hit | None) -> _Prepared:
         request, cached = admit.request, admit.cached_tokens
@@ -175,10 +200,10 @@ class Batch:
         self.steps += 1
         if self._faults is not None:
             self._faults.before_step(self.steps)
-        decoding = self.book.decoding
+        decoding = self._book.decoding
         started = time.perf_counter()
         runner = self._runner
-        if not self.book.prefilling:
+        if not self._book.prefilling:
             prompt_progress, responses = runner.next(self._chunk, self._catch_up)
             catch_up = runner.caught_up
             self.cost.observe_decode(decoding, time.perf_counter() - started - catch_up[1])
@@ -199,13 +224,13 @@ class Batch:
         return StepReport(events, sample, prompt_tokens, fused)
 
     def _track_prefill(self, prompt_progress: list[Any]) -> None:
-        self.book.track_prefill(prompt_progress)
+        self._book.track_prefill(prompt_progress)
         self._snapshot_prefills(prompt_progress)
 
     def _collect(self, responses: list[Any], out: StepOutput) -> bool:
         """The step's tokens as events in `out`; True when some handler needs them now."""
         due, broken, wanted = False, [], []
-        rows, events, first_due = self.rows, out.events, self.book.first_due
+        rows, events, first_due = self.rows, out.events, self._book.first_due
         logprobs_wanted = self._wants_logprobs
         now = time.perf_counter()
         horizon = now + self.decode_step_s  # the end of the next step
@@ -227,7 +252,7 @@ class Batch:
             if row.text is not None and _stop_string(row.text, token):
                 if finish is None:  # it leaves here, its cache not kept (as an abort's)
                     broken.append(row.uid)
-                    self.book.drop(row)
+                    self._book.drop(row)
                 finish, stop_token = FINISH_STOP, None
             event = RowEvent(row.ticket, token, finish, stop_token, None, row.admit.cached_tokens)
             events.append(event)
@@ -245,17 +270,17 @@ class Batch:
         if wanted:
             _attach_logprobs(wanted)
         self.check = check % (1 << 31)
-        self.book.generated += produced
+        self._book.count_generated(produced)
         return due
 
     def _fail_grammar(self, row: Row, out: StepOutput) -> None:
         assert row.grammar is not None
         message = f"the request's grammar failed while generating: {row.grammar.error}"
         out.failures.append(RowFailure(row.ticket, FailureKind.INVALID_ARGUMENT, message))
-        self.book.drop(row)
+        self._book.drop(row)
 
     def _finish(self, row: Row, response: Any) -> None:
-        self.book.drop(row)
+        self._book.drop(row)
         if response.prompt_cache is not None:
             tokens = store_tokens(row, response.all_tokens)
             self._prefix.keep_later(tokens, response.prompt_cache, snapshot=True)
@@ -274,7 +299,7 @@ class Batch:
     def recover(self, exc: Exception, plan: Plan, out: StepOutput) -> None:
         """A failed step fails the requests in the batch; a fresh runner serves the rest."""
         already = {failure.ticket for failure in out.failures}
-        failed = (self.book.tickets() | {admit.request.ticket for admit in plan.admits}) - already
+        failed = (self._book.tickets() | {admit.request.ticket for admit in plan.admits}) - already
         self._errors.error(
             "step", "engine step failed (%d requests failed)", len(failed), exc_info=exc
         )
@@ -283,14 +308,14 @@ class Batch:
         out.events[:] = [e for e in out.events if e.ticket not in failed]
         out.failures.extend(RowFailure(t, FailureKind.INTERNAL, message) for t in sorted(failed))
         for row in list(self.rows.values()):
-            self.book.drop(row)
+            self._book.drop(row)
         self._runner.close()
         self._runner = self._new_runner()
 
     def end_all(self, out: StepOutput) -> None:
         """Every row ends with `abort` (shutdown)."""
         for row in list(self.rows.values()):
-            self.book.drop(row)
+            self._book.drop(row)
             out.events.append(RowEvent(row.ticket, None, FINISH_ABORT))
 
     def close(self) -> None:

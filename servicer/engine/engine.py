@@ -71,12 +71,15 @@ class Engine:
         sink: Sink,
         exit_on_stall: bool = False,
         lockstep: Lockstep | None = None,
+        crossed: bool = False,
     ) -> None:
         """`exit_on_stall`: a stalled step ends the process once the stall is reported (the
         engine process: its server learns of it from the report and the exit); otherwise
         the server's fatal path ends it. `lockstep`: one model over several processes
-        (--distributed), rank 0 planning every step and sharing the plan."""
+        (--distributed), rank 0 planning every step and sharing the plan. `crossed`: every
+        request comes over a process boundary (the engine process), its grammar uncompiled."""
         self.config = config
+        self._crossed = crossed
         self._sink = sink
         self._lockstep = lockstep
         self._exit_on_stall = exit_on_stall
@@ -157,6 +160,7 @@ class Engine:
                     stream,
                     self._watch,
                     self._lockstep,
+                    self._crossed,
                 )
             except BaseException as exc:
                 log.error("engine startup failed: %s", exc, exc_info=exc)
@@ -216,6 +220,7 @@ class EngineLoop:
         stream: mx.Stream,
         watch: StepWatch | None = None,
         lockstep: Lockstep | None = None,
+        crossed: bool = False,
     ) -> None:
         self.config = config
         self._watch = watch or StepWatch(0.0)  # marks each step for the watchdog
@@ -223,7 +228,7 @@ class EngineLoop:
         self._inbox = inbox
         self._lockstep = lockstep
         self._leads = self._lockstep is None or self._lockstep.leads
-        parts = build_parts(config, info, lockstep)
+        parts = build_parts(config, info, lockstep, crossed)
         self.parts = parts
         self.store = parts.prefix
         self.speculation = SpeculationCounters()  # across runners, should one be replaced
@@ -281,7 +286,7 @@ class EngineLoop:
             self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
             due = self._apply_and_step(plan, hits, out)
             self._inbox.fan_out(out)
-            if self.planner.embeds or self.embedder.busy:
+            if self.planner.embeds_waiting or self.embedder.busy:
                 self._embed(out, plan.embed_tokens)
             if self.encodes is not None and self.scheduler.waiting:
                 self._encode_ahead(plan.encode_s)
@@ -366,8 +371,7 @@ class EngineLoop:
     def _embed(self, out: StepOutput, tokens: int | None) -> None:
         """Embeds run in forwards of their own after the step (no cache of the batch's is
         touched): while rows decode, one chunk of the plan's `tokens` a step."""
-        embeds, self.planner.embeds = self.planner.embeds, []
-        out.embeddings.extend(self.embedder.take(embeds, tokens))
+        out.embeddings.extend(self.embedder.take(self.planner.take_embeds(), tokens))
 
     def _encode_ahead(self, budget_s: float | None) -> None:
         """Waiting requests' images, a few vision layers within what the step left."""
@@ -394,7 +398,7 @@ class EngineLoop:
         if out:
             due = output_due(out, due, bool(self.batch.rows))
             if due:
-                self.batch.book.handed_over()
+                self.batch.handed_over()
             self._sink.put(out, due)
         if self.store.keep_pending() and not self.batch.rows:
             self._sink.put(StepOutput(kv_events=self.store.take_events()), due=True)

@@ -83,10 +83,15 @@ class EngineParts:
 
 
 def build_parts(
-    config: EngineConfig, info: ModelInfo, lockstep: Lockstep | None = None
+    config: EngineConfig,
+    info: ModelInfo,
+    lockstep: Lockstep | None = None,
+    crossed: bool = False,
 ) -> EngineParts:
     """Load the model `info` describes and build everything around it (with a `lockstep`:
-    this rank's shard, and what every rank must hold alike)."""
+    this rank's shard, and what every rank must hold alike). `crossed`: every request comes
+    over a process boundary (the engine process), its grammar uncompiled, as a follower
+    rank's come in rank 0's plans."""
     log_blas_hint()
     if config.faults is not None:
         config.faults.before_load()
@@ -102,7 +107,12 @@ def build_parts(
     eos = info.eos_token_ids[0] if info.eos_token_ids else 0
     sampling = SamplingFactory(
         info.vocab_size,
-        GrammarFactory(tokenizer._tokenizer, info.vocab_size, eos),
+        GrammarFactory(
+            tokenizer._tokenizer,
+            info.vocab_size,
+            eos,
+            build_at_load=crossed or (lockstep is not None and not lockstep.leads),
+        ),
         seed,
         think_start=tokenizer.think_start_tokens,
         think_end=tokenizer.think_end_tokens,
