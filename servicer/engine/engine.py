@@ -43,7 +43,7 @@ from .lockstep import Lockstep
 from .parts import EngineParts, build_parts, new_runner, warm_up
 from .planner import Planner, reusable
 from .prefill import PrefillPolicy, StepCost
-from .prefix.store import AnyPrefixStore, Hit
+from .prefix.store import Hit
 from .scheduler import Plan, Scheduler
 from .speculation import SpeculationCounters
 from .watchdog import StepWatch
@@ -117,11 +117,6 @@ class Engine:
         `wait_ready`)."""
         assert self._capabilities is not None
         return self._capabilities
-
-    @property
-    def prefix_cache(self) -> AnyPrefixStore | None:
-        """The engine thread's prefix store, for tests that look inside an idle engine."""
-        return self._loop.store if self._loop is not None else None
 
     def submit(self, request: GenerationRequest) -> None:
         self._inbox.put(request)
