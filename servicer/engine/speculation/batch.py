@@ -153,7 +153,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
         config = self.speculator.config
         if rows <= config.max_rows and (not config.costed or self.speculator.modes.drafting(rows)):
             return True
-        self.speculator.counters.cutoff_steps += 1
+        self.speculator.counters.record_cutoff()
         if self._rolls_back:
             self._release()
         return False
@@ -225,7 +225,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
             rows, 1 + max(ks), expected_tokens(self._paces, ks)
         )
         if width == 1:
-            self.speculator.counters.cutoff_steps += 1
+            self.speculator.counters.record_cutoff()
         return [min(k, width - 1) for k in ks], probing
 
     def _speculate(self, pending: list[int], drafts: list[list[int]]) -> list[Any]:
@@ -327,7 +327,7 @@ def worth_verifying(
     lengths = [len(d) for d in drafts]
     width = speculator.clock.best(len(drafts), 1 + max(lengths), expected_tokens(paces, lengths))
     if width == 1:
-        speculator.counters.cutoff_steps += 1
+        speculator.counters.record_cutoff()
     return [d[: width - 1] for d in drafts]
 
 
