@@ -137,7 +137,7 @@ def installed_architectures() -> list[str]:
 
 
 def demo_dir() -> Path:
-    from servicer.demo_model import demo_model_path
+    from servicer.demos.text import demo_model_path
 
     return demo_model_path()
 
@@ -161,7 +161,7 @@ def make_prompts(tokenizer_file: Path) -> tuple[list[list[int]], list[list[int]]
     as the worker would put it there."""
     from tokenizers import Tokenizer
 
-    from servicer.demo_model import _CORPUS_PATH
+    from servicer.demos.text import _CORPUS_PATH
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     paragraphs = [p for p in _CORPUS_PATH.read_text(encoding="utf-8").split("\n\n") if p.strip()]
@@ -1104,7 +1104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells = [c.strip() for c in args.cells.split(",") if c.strip()]
     if bad := [c for c in cells if c not in CELLS]:
         raise SystemExit(f"unknown cells {bad}; known: {list(CELLS)}")
-    from servicer.demo_model import default_cache_dir
+    from servicer.demos.common import default_cache_dir
 
     cache = args.cache or default_cache_dir() / "families"
     names = architectures(args.only, args.real)

@@ -12,7 +12,7 @@
   (`MLX_GRPC_WORKER_CACHE`, default ~/.cache/mlx-grpc-worker) as `spec-target-s0-...`, keyed
   on the demo `RECIPE_VERSION` and `TARGET_VERSION`, behind a lock file, deterministic.
 
-The demo models themselves are the package's (`servicer.demo_model`).
+The demo models themselves are the package's (`servicer.demos.text`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,8 @@ from typing import Any
 
 import _checkout  # noqa: F401  (before any `servicer` import)
 
-from servicer.demo_model import (
-    DEMO_SEED,
-    RECIPE_VERSION,
-    default_cache_dir,
-    demo_model_path,
-    is_finished_build,
-)
+from servicer.demos.common import default_cache_dir
+from servicer.demos.text import DEMO_SEED, RECIPE_VERSION, demo_model_path, is_finished_build
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -734,7 +734,7 @@ async def stall_phase(
 def resolve(model: str, image_size: int, bits: int) -> tuple[str, Path, str]:
     """(kind, directory, name) for `demo`, `shape` or a directory."""
     if model == "demo":
-        from servicer.demo_vlm import demo_vlm_path
+        from servicer.demos.vision import demo_vlm_path
 
         return "demo", demo_vlm_path(family="gemma3"), "demo:vlm (gemma3)"
     if model == "shape":

@@ -5,7 +5,7 @@ the full-precision cache, all through this project's BatchQuantizedKVCache (batc
 by merging per-row caches, as BatchGenerator does):
 
 - perplexity, teacher-forced, each paragraph one sequence: (a) the last HELD_OUT prose
-  paragraphs of servicer/demo_corpus.txt (never used as prompts here, but the demo models were
+  paragraphs of servicer/demos/corpus.txt (never used as prompts here, but the demo models were
   trained on the whole corpus, so they are seen text) and (b) UNSEEN_TEXT, written for this
   bench and in no training data;
 - the largest logprob difference (any vocabulary entry, any position) on those same texts;
@@ -27,7 +27,7 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from servicer.demo_model import TEST_PROMPTS, demo_model_path
+from servicer.demos.text import TEST_PROMPTS, demo_model_path
 from servicer.engine.cache_kinds import make_row_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def label(bits: int | None) -> str:
 
 
 def held_out_paragraphs() -> list[str]:
-    text = (ROOT / "servicer" / "demo_corpus.txt").read_text(encoding="utf-8")
+    text = (ROOT / "servicer" / "demos" / "corpus.txt").read_text(encoding="utf-8")
     blocks = [b.strip() for b in re.split(r"\n\s*\n", text.strip())]
     prose = [b for b in blocks if b and not b.startswith("User:")]
     return prose[-HELD_OUT:]

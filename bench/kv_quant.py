@@ -28,7 +28,7 @@ from load import served_run
 from workers import BatchConfig, Worker, log, our_worker, resolve_model, scrape_metrics
 from workload import make_prompts, percentile
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.sysinfo import free_port
 
 VARIANTS = {"fp": (), "q8": ("--kv-bits", "8"), "q4": ("--kv-bits", "4")}

@@ -116,7 +116,7 @@ def model_dirs(model: Path | None) -> dict[str, Path]:
     """The models the prefix part runs on: the llama and hybrid demos, or the one given."""
     if model is not None:
         return {model.name: model}
-    from servicer.demo_model import demo_model_path
+    from servicer.demos.text import demo_model_path
 
     return {kind: demo_model_path(kind) for kind in ("llama", "hybrid")}
 

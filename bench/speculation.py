@@ -54,7 +54,7 @@ from workload import (
     percentile,
 )
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.sysinfo import free_port
 
 LEVELS = (1, 2, 4, 8, 16)

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlx_lm.utils import load_tokenizer
 
-    from servicer.demo_model import demo_model_path
+    from servicer.demos.text import demo_model_path
     from servicer.engine import EngineConfig
     from servicer.engine.parts import build_parts
     from servicer.model_files import ModelSpec, prepare_model_files

@@ -1,7 +1,7 @@
 """The vision rows of the family matrix: the vision-language families the worker serves images
 for (gemma3, mistral3, llava, qwen2_vl, qwen2_5_vl), served by the real worker, against mlx-vlm.
 
-Each family's tiny demo checkpoint (`servicer.demo_vlm.demo_vlm_path`, built offline, cached)
+Each family's tiny demo checkpoint (`servicer.demos.vision.demo_vlm_path`, built offline, cached)
 is served by `python -m servicer --protocols vllm --prompt-cache-block 4` (bench/families.py's
 worker launcher and supervision); the prompt is the chat template's, one anchor per image, the
 images `data:` media references (tests/test_images.py's `image_request`). Each answer must
@@ -344,7 +344,7 @@ def ngram_cell(ref: Reference, model_dir: Path, timeout: float) -> Cell:
 
 
 def run_family(family: str, cells: Sequence[str], timeout: float) -> dict[str, Any]:
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
 
     started = time.monotonic()
     if importlib.util.find_spec("mlx_vlm") is None:

@@ -5,7 +5,7 @@
     python bench/vlm_shape.py --bits 4            # 4-bit language model (mlx_vlm.convert)
 
 Its outputs are noise; its speed is a real model's. The files take the gemma3 demo VLM's
-(`servicer.demo_vlm_gemma3`) as template: the same model type (mlx-vlm's `gemma3`, which
+(`servicer.demos.gemma3`) as template: the same model type (mlx-vlm's `gemma3`, which
 mlx-lm also loads as its text model), chat template, image tokens and processor files, at
 these sizes:
 
@@ -47,7 +47,7 @@ from typing import Any
 
 import _checkout  # noqa: F401  (before any `servicer` import)
 
-from servicer.demo_model import build_atomically, cached_build, default_cache_dir
+from servicer.demos.common import build_atomically, cached_build, default_cache_dir
 
 # Bump whenever anything that changes the built files changes.
 RECIPE_VERSION = "v1"
@@ -92,7 +92,7 @@ REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "preproc
 
 
 def template_path() -> Path:
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
 
     return demo_vlm_path(family="gemma3")
 

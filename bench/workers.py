@@ -96,7 +96,7 @@ def parse_levels(text: str) -> list[int]:
 def model_or_demo(model: Path | None) -> Path:
     """A resolved `--model`, or the demo model when none was given."""
     if model is None:
-        from servicer.demo_model import demo_model_path
+        from servicer.demos.text import demo_model_path
 
         return demo_model_path()
     return model.expanduser().resolve()

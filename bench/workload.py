@@ -95,7 +95,7 @@ def copy_prompts(tokenizer: Any) -> list[list[int]]:
 def chat_prompts(tokenizer: Any) -> list[list[int]]:
     """Genai-style prompts on the demo text: the demo test prompts, openings of every 5th
     corpus paragraph, and the first chat questions (in the chat template)."""
-    from servicer.demo_model import TEST_PROMPTS, _read_corpus
+    from servicer.demos.text import TEST_PROMPTS, _read_corpus
 
     prose, chats = _read_corpus()
     texts = [*TEST_PROMPTS, *(" ".join(p.split()[:5]) for p in prose[::5])]
@@ -112,7 +112,7 @@ def chat_prompt(tokenizer: Any, system: str | None, question: str) -> list[int]:
 
 def system_texts(tokenizer: Any, count: int, tokens: int, seed: str) -> list[str]:
     """`count` different system prompts of about `tokens` tokens of demo text."""
-    from servicer.demo_model import TEST_PROMPTS
+    from servicer.demos.text import TEST_PROMPTS
 
     texts = []
     for i in range(count):
@@ -209,7 +209,9 @@ REAL_PROSE: tuple[str, ...] = (
 
 def real_passages() -> list[str]:
     """Two paragraphs of the demo corpus (natural text), then their first 8 words again."""
-    text = (Path(__file__).resolve().parent.parent / "servicer" / "demo_corpus.txt").read_text()
+    text = (
+        Path(__file__).resolve().parent.parent / "servicer" / "demos" / "corpus.txt"
+    ).read_text()
     paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) >= 200]
     out = []
     for i in (0, 2, 4):

@@ -9,7 +9,8 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -119,54 +120,69 @@ def _size_text(value: int) -> str:
     raise AssertionError("a scale of 1 divides every value")
 
 
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def _flag(
+    parser: argparse.ArgumentParser,
+    config: type,
+    flag: str,
+    field: str,
+    text: str,
+    show: Callable[[Any], str] | None = None,
+    **options: Any,
+) -> None:
+    """Add `flag`, which sets field `field` of the config dataclass `config` and takes its
+    default from there (`_default`); with `show`, a "{}" in its help `text` is that default as
+    `show` writes it."""
+    default = _default(config, field)
+    text = text.format(show(default)) if show is not None else text
+    parser.add_argument(flag, default=default, help=text, **options)
+
+
 def _add_media_flags(parser: argparse.ArgumentParser) -> None:
     """Images of a vision model's requests (vLLM face): where they may come from, how many and
     how large."""
-    media = MediaPolicy()
-    parser.add_argument(
+    media = partial(_flag, parser, MediaPolicy)
+    media(
         "--allowed-media-hosts",
-        type=lambda text: tuple(h.strip() for h in text.split(",") if h.strip()),
-        default=media.allowed_hosts,
-        help="image URLs over http(s) are fetched from these hosts only (comma-separated names, "
+        "allowed_hosts",
+        "image URLs over http(s) are fetched from these hosts only (comma-separated names, "
         "*.suffix, * for any public host, IPs or CIDRs; a loopback, private or link-local "
         "address only when listed itself; default: none, data: URLs only)",
+        type=lambda text: tuple(h.strip() for h in text.split(",") if h.strip()),
     )
-    parser.add_argument(
+    media(
         "--media-dir",
+        "media_dir",
+        "file:// image URLs are read from under this directory only (default: none)",
         type=Path,
-        default=media.media_dir,
-        help="file:// image URLs are read from under this directory only (default: none)",
     )
-    parser.add_argument(
+    media(
         "--max-images",
+        "max_images",
+        "most images a request may carry (default %(default)s)",
         type=_positive,
-        default=media.max_images,
-        help="most images a request may carry (default %(default)s)",
     )
-    parser.add_argument(
+    media(
         "--max-image-bytes",
+        "max_bytes",
+        "largest image file (default {})",
+        _size_text,
         type=_size,
-        default=media.max_bytes,
-        help=f"largest image file (default {_size_text(media.max_bytes)})",
     )
-    parser.add_argument(
+    media(
         "--max-image-pixels",
+        "max_pixels",
+        "largest image, width x height (default %(default)s)",
         type=_positive,
-        default=media.max_pixels,
-        help="largest image, width x height (default %(default)s)",
     )
-    parser.add_argument(
+    media(
         "--media-fetch-timeout",
+        "fetch_timeout_s",
+        "seconds a request's images may take to fetch (default %(default)s)",
         type=_non_negative,
-        default=media.fetch_timeout_s,
-        help="seconds a request's images may take to fetch (default %(default)s)",
-    )
-    parser.add_argument(
-        "--encoder-cache-size",
-        type=_size,
-        default=_default(EngineConfig, "encoder_cache_bytes"),
-        help="image features kept for images seen again (default "
-        f"{_size_text(_default(EngineConfig, 'encoder_cache_bytes'))})",
     )
 
 
@@ -176,6 +192,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Serve an MLX model over the SMG router's mlx.grpc.engine.MlxEngine gRPC API.",
         allow_abbrev=False,  # a prefix of one flag is never read as another
     )
+    engine, handlers, server, speculation = (
+        partial(_flag, parser, config)
+        for config in (EngineConfig, HandlerOptions, ServerConfig, SpeculationConfig)
+    )
     parser.add_argument(
         "--model",
         help="local mlx-lm model directory, Hugging Face hub id, or demo:KIND for a built-in "
@@ -183,10 +203,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "demo:llama",
     )
     parser.add_argument("--served-model-name", help="name reported to the router")
-    parser.add_argument(
+    engine(
         "--adapter-path",
-        default=_default(EngineConfig, "adapter_path"),
-        help="one LoRA adapter directory merged into the model at load",
+        "adapter_path",
+        "one LoRA adapter directory merged into the model at load",
     )
     parser.add_argument(
         "--adapter",
@@ -203,184 +223,198 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--port", type=int, default=port, help=f"port to bind (default {port}; 0: any free port)"
     )
-    parser.add_argument(
+    server(
         "--protocols",
-        type=_protocols,
-        default=_default(ServerConfig, "protocols"),
-        help="router services to answer: mlx (default), vllm, or mlx,vllm. The smg router "
+        "protocols",
+        "router services to answer: mlx (default), vllm, or mlx,vllm. The smg router "
         "takes a port that answers vllm for a vLLM worker and then sends it n > 1, stop "
         "strings, structured output, embeddings, load polls and KV event subscriptions",
+        type=_protocols,
     )
-    parser.add_argument(
+    handlers(
         "--embedding-pooling",
-        choices=["last", "mean"],
-        default=_default(HandlerOptions, "embedding_pooling"),
-        help="how Embed pools the model's hidden states: last (the last token's) or mean "
+        "embedding_pooling",
+        "how Embed pools the model's hidden states: last (the last token's) or mean "
         "(default %(default)s)",
+        choices=["last", "mean"],
     )
     _add_media_flags(parser)
-    parser.add_argument(
+    engine(
+        "--encoder-cache-size",
+        "encoder_cache_bytes",
+        "image features kept for images seen again (default {})",
+        _size_text,
+        type=_size,
+    )
+    engine(
         "--completion-batch-size",
+        "completion_batch_size",
+        "most requests decoding at once (default %(default)s)",
         type=_positive,
-        default=_default(EngineConfig, "completion_batch_size"),
-        help="most requests decoding at once (default %(default)s)",
     )
-    parser.add_argument(
+    engine(
         "--prefill-batch-size",
+        "prefill_batch_size",
+        "most prompts prefilled together (default %(default)s)",
         type=_positive,
-        default=_default(EngineConfig, "prefill_batch_size"),
-        help="most prompts prefilled together (default %(default)s)",
     )
-    parser.add_argument(
+    engine(
         "--prefill-step-size",
+        "prefill_step_size",
+        "prompt tokens processed per prefill step (default %(default)s)",
         type=_positive,
-        default=_default(EngineConfig, "prefill_step_size"),
-        help="prompt tokens processed per prefill step (default %(default)s)",
     )
-    parser.add_argument(
+    engine(
         "--max-prefill-stall-ms",
-        type=_non_negative,
-        default=(stall := _default(EngineConfig, "max_prefill_stall_ms")),
-        help="while requests decode, a step prefills only as much prompt as fits this many "
-        f"milliseconds, learned as the worker runs (default {stall:g}; 0: full "
+        "max_prefill_stall_ms",
+        "while requests decode, a step prefills only as much prompt as fits this many "
+        "milliseconds, learned as the worker runs (default {}; 0: full "
         "--prefill-step-size "
         "chunks, as mlx-lm does)",
+        _number,
+        type=_non_negative,
     )
-    parser.add_argument(
+    engine(
         "--max-prefill-stall-widen",
-        type=_at_least_one,
-        default=(widen := _default(EngineConfig, "max_prefill_stall_widen")),
-        help="while prompts queue up faster than the budget lets them in, the budget widens "
+        "max_prefill_stall_widen",
+        "while prompts queue up faster than the budget lets them in, the budget widens "
         "step by step up to this many times --max-prefill-stall-ms, and narrows back once "
-        f"the line is empty (default {widen:g}; 1: never widen)",
+        "the line is empty (default {}; 1: never widen)",
+        _number,
+        type=_at_least_one,
     )
-    parser.add_argument(
+    engine(
         "--fuse-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=(fuse := _default(EngineConfig, "fuse_prefill")),
-        help="put a prompt's prefill chunk through the same forward as the decoding rows' "
+        "fuse_prefill",
+        "put a prompt's prefill chunk through the same forward as the decoding rows' "
         "step, one read of the weights for both, on models with a standard attention "
-        f"(Llama, Qwen2/3, Gemma 3 text; outputs bit-identical; default {_on_off(fuse)}: "
+        "(Llama, Qwen2/3, Gemma 3 text; outputs bit-identical; default {}: "
         "measure it on your machine, bench/fused_step.py)",
-    )
-    parser.add_argument(
-        "--group-rows",
+        _on_off,
         action=argparse.BooleanOptionalAction,
-        default=(group := _default(EngineConfig, "group_rows")),
-        help="decoding rows of very different lengths (a long prompt beside short streams) "
+    )
+    engine(
+        "--group-rows",
+        "group_rows",
+        "decoding rows of very different lengths (a long prompt beside short streams) "
         "attend in groups instead of one batch padded to the longest row, on models with a "
-        f"standard attention (Llama, Qwen2/3, Gemma 3 text; default {_on_off(group)})",
+        "standard attention (Llama, Qwen2/3, Gemma 3 text; default {})",
+        _on_off,
+        action=argparse.BooleanOptionalAction,
     )
-    parser.add_argument(
+    handlers(
         "--max-prompt-tokens",
+        "max_prompt_tokens",
+        "refuse longer prompts (default: the model's context length - 1)",
         type=_positive,
-        default=_default(HandlerOptions, "max_prompt_tokens"),
-        help="refuse longer prompts (default: the model's context length - 1)",
     )
-    parser.add_argument(
+    engine(
         "--prompt-cache-size",
-        type=int,
-        default=_default(EngineConfig, "prompt_cache_size"),
-        help="prompt blocks kept in RAM for prefix reuse (default %(default)s; 0 turns prefix "
+        "prompt_cache_size",
+        "prompt blocks kept in RAM for prefix reuse (default %(default)s; 0 turns prefix "
         "reuse off)",
+        type=int,
     )
-    parser.add_argument(
+    engine(
         "--prompt-cache-bytes",
-        type=_size,
-        default=_default(EngineConfig, "prompt_cache_bytes"),
-        help="bytes the kept prompt blocks may hold in RAM, e.g. 4G (default: a quarter of "
+        "prompt_cache_bytes",
+        "bytes the kept prompt blocks may hold in RAM, e.g. 4G (default: a quarter of "
         "--max-kv-memory, at most 1G)",
+        type=_size,
     )
-    parser.add_argument(
+    engine(
         "--prompt-cache-block",
+        "prompt_cache_block",
+        "tokens per prompt block (default %(default)s)",
         type=_positive,
-        default=_default(EngineConfig, "prompt_cache_block"),
-        help="tokens per prompt block (default %(default)s)",
     )
-    parser.add_argument(
+    engine(
         "--prompt-cache-snapshot-interval",
-        type=_positive,
-        default=_default(EngineConfig, "prompt_cache_snapshot_interval"),
-        help="tokens between snapshots of recurrent and sliding-window state during prefill "
+        "prompt_cache_snapshot_interval",
+        "tokens between snapshots of recurrent and sliding-window state during prefill "
         "(default: chosen from the model so they add at most a quarter to a prompt's KV bytes)",
+        type=_positive,
     )
-    parser.add_argument(
+    engine(
         "--prompt-cache-dir",
-        default=_default(EngineConfig, "prompt_cache_dir"),
-        help="keep prompt blocks evicted from RAM in this directory, across restarts "
+        "prompt_cache_dir",
+        "keep prompt blocks evicted from RAM in this directory, across restarts "
         "(default: no disk tier)",
     )
-    parser.add_argument(
+    engine(
         "--prompt-cache-disk-bytes",
+        "prompt_cache_disk_bytes",
+        "bytes the disk tier may hold (default {})",
+        _size_text,
         type=_size,
-        default=(disk := _default(EngineConfig, "prompt_cache_disk_bytes")),
-        help=f"bytes the disk tier may hold (default {_size_text(disk)})",
     )
-    parser.add_argument(
+    engine(
         "--max-kv-memory",
-        type=_size,
-        default=_default(EngineConfig, "max_kv_memory"),
-        help="KV and recurrent-state bytes running requests may reserve, e.g. 8G (default: "
+        "max_kv_memory",
+        "KV and recurrent-state bytes running requests may reserve, e.g. 8G (default: "
         "half the device's memory less the weights); a request that cannot fit alone gets "
         "RESOURCE_EXHAUSTED",
+        type=_size,
     )
-    parser.add_argument(
+    handlers(
         "--max-queued-requests",
+        "max_queued_requests",
+        "refuse new requests with RESOURCE_EXHAUSTED while this many wait (default %(default)s)",
         type=_positive,
-        default=_default(HandlerOptions, "max_queued_requests"),
-        help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (default "
-        "%(default)s)",
     )
-    parser.add_argument(
+    handlers(
         "--max-load-wait",
-        type=_non_negative,
-        default=(load_wait := _default(HandlerOptions, "max_load_wait_s")),
-        help="seconds a request that arrives while the model loads waits for it, within the "
+        "max_load_wait_s",
+        "seconds a request that arrives while the model loads waits for it, within the "
         "call's own deadline, before it is refused with RESOURCE_EXHAUSTED (default "
-        f"{load_wait:g}; 0: refuse at once)",
+        "{}; 0: refuse at once)",
+        _number,
+        type=_non_negative,
     )
-    parser.add_argument(
+    handlers(
         "--stream-interval",
-        type=_positive,
-        default=_default(HandlerOptions, "stream_interval"),
-        help="tokens per streamed chunk after the first (default %(default)s); more sends fewer "
+        "stream_interval",
+        "tokens per streamed chunk after the first (default %(default)s); more sends fewer "
         "messages "
         "and leaves more CPU to the engine",
+        type=_positive,
     )
-    parser.add_argument(
+    handlers(
         "--stream-window-ms",
-        type=_non_negative,
-        default=(window := _default(HandlerOptions, "stream_window_ms")),
-        metavar="MS",
-        help="after the first token, a token waits at most this long for more tokens to share "
-        f"its chunk (default {window:g}; 0: every token as soon as it is sampled); a model "
+        "stream_window_ms",
+        "after the first token, a token waits at most this long for more tokens to share "
+        "its chunk (default {}; 0: every token as soon as it is sampled); a model "
         "slower than this per token streams every token at once",
+        _number,
+        type=_non_negative,
+        metavar="MS",
     )
-    parser.add_argument(
+    handlers(
         "--prepend-bos",
-        action=argparse.BooleanOptionalAction,
-        default=(bos := _default(HandlerOptions, "prepend_bos")),
-        help="put the model's BOS before a prompt whose ids do not start with it, when the "
+        "prepend_bos",
+        "put the model's BOS before a prompt whose ids do not start with it, when the "
         "model's tokenizer adds one to every encoding (Gemma, Llama; never for models with "
         "no BOS, such as Qwen); the smg router sends raw-text completions without it "
-        f"(default {_on_off(bos)}; --no-prepend-bos sends the ids as they come)",
+        "(default {}; --no-prepend-bos sends the ids as they come)",
+        _on_off,
+        action=argparse.BooleanOptionalAction,
     )
-    parser.add_argument(
+    engine(
         "--kv-bits",
-        type=int,
-        choices=KV_BITS,
-        default=_default(EngineConfig, "kv_bits"),
-        help="keep the attention layers' KV cache quantized to this many bits, about 0.53x "
+        "kv_bits",
+        "keep the attention layers' KV cache quantized to this many bits, about 0.53x "
         "(8) or 0.28x (4) of float16's bytes, so --max-kv-memory admits about 1.9x or 3.5x "
         "the requests (default: the model's dtype; recurrent state stays as it is)",
+        type=int,
+        choices=KV_BITS,
     )
-    parser.add_argument(
+    engine(
         "--kv-group-size",
+        "kv_group_size",
+        "values that share one scale and bias in the quantized KV cache; must divide "
+        "the model's attention head size (default: the largest of 64 and 32 that does)",
         type=int,
         choices=KV_GROUP_SIZES,
-        default=_default(EngineConfig, "kv_group_size"),
-        help="values that share one scale and bias in the quantized KV cache; must divide "
-        "the model's attention head size (default: the largest of 64 and 32 that does)",
     )
     parser.add_argument(
         "--speculate",
@@ -390,63 +424,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "it measures that drafting pays); draft drafts with --draft-model; off never drafts. "
         "Off by itself where the model's caches cannot roll back, and with --distributed",
     )
-    parser.add_argument(
+    engine(
         "--draft-model",
-        default=_default(EngineConfig, "draft_model"),
-        help="a smaller model sharing the target's tokenizer that drafts for speculative "
+        "draft_model",
+        "a smaller model sharing the target's tokenizer that drafts for speculative "
         "decoding: a directory, hub id or demo:KIND (implies --speculate draft)",
     )
-    parser.add_argument(
+    speculation(
         "--speculate-k",
-        type=_positive,
-        default=_default(SpeculationConfig, "k_max"),
-        help="most draft tokens a request verifies in one step (default %(default)s; adapts per "
+        "k_max",
+        "most draft tokens a request verifies in one step (default %(default)s; adapts per "
         "request to its acceptance)",
-    )
-    parser.add_argument(
-        "--speculate-max-batch",
         type=_positive,
-        default=_default(SpeculationConfig, "max_rows"),
-        help="with more decoding requests than this in the batch (drafting or not) a step "
+    )
+    speculation(
+        "--speculate-max-batch",
+        "max_rows",
+        "with more decoding requests than this in the batch (drafting or not) a step "
         "runs without drafts, since verifying then costs more than it saves (default %(default)s, "
         "measured on a CPU; GPUs pay to larger batches); at or below it each step drafts "
         "only when it measures that it pays",
-    )
-    parser.add_argument(
-        "--step-timeout",
-        type=_non_negative,
-        default=(step_timeout := _default(EngineConfig, "step_timeout_s")),
-        help="seconds one engine step may run (at least; 8x the longest step so far when "
-        "that is more) before the worker takes it for a hang: every request fails with "
-        f"UNAVAILABLE and the worker exits non-zero (default {step_timeout:g}; 0: no watchdog)",
-    )
-    parser.add_argument(
-        "--max-message-bytes",
         type=_positive,
-        default=(message := _default(ServerConfig, "max_message_bytes")),
-        help=f"largest gRPC message accepted or sent (default {_size_text(message)})",
     )
-    parser.add_argument(
+    engine(
+        "--step-timeout",
+        "step_timeout_s",
+        "seconds one engine step may run (at least; 8x the longest step so far when "
+        "that is more) before the worker takes it for a hang: every request fails with "
+        "UNAVAILABLE and the worker exits non-zero (default {}; 0: no watchdog)",
+        _number,
+        type=_non_negative,
+    )
+    server(
+        "--max-message-bytes",
+        "max_message_bytes",
+        "largest gRPC message accepted or sent (default {})",
+        _size_text,
+        type=_positive,
+    )
+    server(
         "--metrics-port",
+        "metrics_port",
+        "serve Prometheus metrics on http://HOST:PORT/metrics (default: off)",
         type=int,
-        default=_default(ServerConfig, "metrics_port"),
-        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)",
     )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve over TLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
-    parser.add_argument(
+    server(
         "--shutdown-grace",
+        "shutdown_grace_s",
+        "seconds in-flight requests get to finish after SIGTERM (default {})",
+        _number,
         type=float,
-        default=(grace := _default(ServerConfig, "shutdown_grace_s")),
-        help=f"seconds in-flight requests get to finish after SIGTERM (default {grace:g})",
     )
-    parser.add_argument(
+    server(
         "--engine-mode",
-        choices=["process", "thread"],
-        default=_default(ServerConfig, "engine_mode"),
-        help="process: the engine runs in a child process, so serving and stepping do not "
+        "engine_mode",
+        "process: the engine runs in a child process, so serving and stepping do not "
         "share one GIL (default); thread: in the server's own process (embedding; a "
         "--distributed worker always does this)",
+        choices=["process", "thread"],
     )
     parser.add_argument(
         "--distributed",
@@ -524,13 +561,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         faults=FaultPlan.parse(faults) if (faults := os.environ.get(FAULTS_ENV_VAR)) else None,
     )
     handlers = HandlerOptions(
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_queued_requests=args.max_queued_requests,
-        stream_interval=args.stream_interval,
-        stream_window_ms=args.stream_window_ms,
-        prepend_bos=args.prepend_bos,
-        max_load_wait_s=args.max_load_wait,
-        embedding_pooling=args.embedding_pooling,
         media=MediaPolicy(
             allowed_hosts=args.allowed_media_hosts,
             media_dir=args.media_dir,
@@ -539,6 +569,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_images=args.max_images,
             fetch_timeout_s=args.media_fetch_timeout,
         ),
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_queued_requests=args.max_queued_requests,
+        stream_interval=args.stream_interval,
+        stream_window_ms=args.stream_window_ms,
+        prepend_bos=args.prepend_bos,
+        max_load_wait_s=args.max_load_wait,
+        embedding_pooling=args.embedding_pooling,
     )
     return ServerConfig(
         model=ModelSpec(args.model, args.served_model_name),

@@ -1,7 +1,8 @@
-"""The MlxEngine gRPC handlers: validate, hand requests to the engine, stream events back.
+"""The handlers both faces share: the handler side of one engine (`Handlers`), the Generate RPC
+over it (`Generation`), and the RPCs both faces answer alike (`FaceServicer`).
 
-Runs on the asyncio loop only. The engine's hand-offs arrive through `dispatch`; each call's
-`RequestStream` wakes its handler, whose `OutputProcessor` turns the events into messages.
+Runs on the asyncio loop only. The engine's hand-offs arrive through `Handlers.dispatch`; each
+call's `RequestStream` wakes its handler, whose `OutputProcessor` turns the events into messages.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import grpc
 import msgspec
@@ -21,7 +22,7 @@ from .admission import Admission
 from .codec import TextCodec
 from .engine_calls import EngineCalls
 from .engine_handle import EngineHandle
-from .faces import MLX_FACE, VLLM_FACE, Face
+from .faces import Face
 from .images import ImagePreparer, has_media
 from .kv_events import KvEventHub
 from .lifecycle import Lifecycle, Phase
@@ -29,31 +30,30 @@ from .loads import LoadFigures, Throughput, load_figures
 from .media import MediaPolicy
 from .messages import (
     FINISH_STOP,
-    EmbedRequest,
     EngineFigures,
     EngineLoad,
     GenerationRequest,
-    ModelInfo,
     PrefixCacheStats,
     RowEvent,
     StepOutput,
 )
-from .metadata import METADATA_DEADLINE_MARGIN_S, MetadataRpcs
+from .metadata import METADATA_DEADLINE_MARGIN_S, Metadata
 from .metrics import WorkerMetrics
 from .model_files import ModelFiles
 from .output import OutputProcessor
-from .proto import mlx_engine_pb2, mlx_engine_pb2_grpc
+from .proto import common_pb2
 from .ratelimit import RateLimitedLog
 from .streams import RequestStream, Streams
 from .text import IncrementalDecoder, TextTracker
-from .tokenizer_bundle import ArchiveBuild
 from .validation import (
     GrammarCheck,
+    Handoff,
     Limits,
+    RequestContext,
     RequestError,
     TextOptions,
     build_request,
-    embed_prompt,
+    not_serving,
     sample_count,
 )
 
@@ -67,16 +67,6 @@ BOS_ADDED = (
 )
 
 
-def _refusal_status(phase: Phase) -> grpc.StatusCode:
-    """While the worker starts, RESOURCE_EXHAUSTED: the smg router retries it (on another
-    worker when it has one) without counting it against the worker's circuit breaker, which
-    UNAVAILABLE would open for a minute after ten refusals. Shutting down or failed:
-    UNAVAILABLE, so the router takes the worker out."""
-    if phase in (Phase.STARTING, Phase.LOADING):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    return grpc.StatusCode.UNAVAILABLE
-
-
 def memory_refusal(admission: Admission, job: GenerationRequest) -> str | None:
     """Why a request that could never fit is refused (what fits only later waits in the
     engine), or None."""
@@ -88,19 +78,6 @@ def memory_refusal(admission: Admission, job: GenerationRequest) -> str | None:
         f"({len(job.prompt)} prompt + {job.max_tokens} new tokens) but the worker "
         f"allows {limit / 2**20:.1f} MiB (--max-kv-memory); ask for fewer max_tokens"
     )
-
-
-def observe_tokens(metrics: WorkerMetrics, stream: RequestStream, count: int) -> None:
-    """A stream's first token (its TTFT) or the gap since its last ones."""
-    now = time.perf_counter()
-    if stream.last_token_at is None:
-        metrics.ttft.observe(now - stream.accepted_at)
-    else:
-        metrics.inter_token.observe((now - stream.last_token_at) / count)
-    stream.last_token_at = now
-    metrics.generated_tokens.inc(count)
-    if stream.adapter:
-        metrics.adapter_tokens.labels(stream.adapter).inc(count)
 
 
 class Codec(Protocol):
@@ -130,187 +107,12 @@ class HandlerOptions:
     media: MediaPolicy = field(default_factory=MediaPolicy)  # what images may be fetched
 
 
-async def wait_for_model(
-    lifecycle: Lifecycle,
-    limits: Limits | None,
-    metrics: WorkerMetrics,
-    options: HandlerOptions,
-    request: Any,
-    context: grpc.aio.ServicerContext,
-    face: Face = MLX_FACE,
-) -> AsyncIterator[Any]:
-    """A request that comes while the model loads waits for it, up to `max_load_wait_s` and
-    within its deadline, so the first clients of a worker the router has just registered are
-    served instead of refused. What can be checked already is checked first (a bad request is
-    refused at once, before any message). A stream gets an empty chunk every KEEPALIVE_S
-    meanwhile: the smg router takes a worker whose streams see nothing for 3 s for wedged,
-    and clients see no tokens in it."""
-    if limits is not None and request.WhichOneof("input") == "tokenized":
-        try:
-            build_request(request, 0, limits)
-        except RequestError as error:
-            metrics.errors.labels("invalid_request").inc()
-            await context.abort(error.code, error.message)
-    wait = options.max_load_wait_s
-    remaining = context.time_remaining()
-    if remaining is not None:
-        wait = min(wait, remaining - METADATA_DEADLINE_MARGIN_S)
-    deadline = time.monotonic() + wait
-    metrics.load_waiting.inc()
-    try:
-        while lifecycle.starting and (left := deadline - time.monotonic()) > 0:
-            await lifecycle.wait_started(min(left, KEEPALIVE_S))
-            if lifecycle.starting and request.stream:
-                yield face.pb.GenerateResponse(chunk=face.pb.GenerateStreamChunk())
-    finally:
-        metrics.load_waiting.dec()
-
-
-def emit_row(
-    self: MlxEngineServicer, stream: RequestStream, output: OutputProcessor, events: list[RowEvent]
-) -> list[Any]:
-    """One batch of a row's events: the messages its client gets now (the engine ended the
-    row itself where a stop string completed)."""
-    emission = output.process(events)
-    if emission.tokens:
-        observe_tokens(self._metrics, stream, emission.tokens)
-    stream.finish_reason = emission.finish_reason
-    return emission.responses
-
-
-def generate_rpc(face: Face) -> Callable[..., AsyncIterator[Any]]:
-    """The Generate handler of one face. gRPC wants an async generator function for a
-    streaming method, and wrapping one shared body in another would cost every message a
-    hop: so each face gets its own function with this body."""
-
-    async def generate(
-        self: MlxEngineServicer, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        if self._lifecycle.starting:
-            waiting = wait_for_model(
-                self._lifecycle, self._limits, self._metrics, self._options, request, context, face
-            )
-            async for keepalive in waiting:
-                yield keepalive
-        try:
-            job, text = await self._build(request)
-            samples = sample_count(request.sampling_params)
-            if samples > 1:  # one request to the engine, with a ticket for each other sample
-                tickets = tuple(itertools.islice(self._tickets, samples - 1))
-                job = msgspec.structs.replace(job, sample_tickets=tickets)
-            streams = self._accept(job)
-        except RequestError as error:
-            log.debug("refused request %r: %s", request.request_id, error.message)
-            self._metrics.requests.labels(error.code.name.lower()).inc()
-            await context.abort(error.code, error.message)
-            return
-        if samples > 1:
-            try:
-                async for response in sample_rows(self, job, streams, text, request.stream, face):
-                    yield response
-            except RequestError as error:
-                await context.abort(error.code, error.message)
-            return
-        stream = streams[0]
-        output = OutputProcessor(job, request.stream, self._tracker(text), face)
-        outcome = "cancelled"  # unless it finishes or fails below
-        try:
-            # The loop lives here, not in a nested generator: one hop less for every message.
-            while stream.finish_reason is None:
-                for response in emit_row(self, stream, output, await stream.take()):
-                    yield response
-            outcome = stream.finish_reason
-        except RequestError as error:
-            outcome = error.code.name.lower()
-            stream.finish_reason = outcome
-            await context.abort(error.code, error.message)
-        finally:
-            self._metrics.count_request(outcome, job.adapter)
-            self._release(job, streams)
-
-    return generate
-
-
-async def sample_rows(
-    self: MlxEngineServicer,
-    job: GenerationRequest,
-    streams: list[RequestStream],
-    text: TextOptions | None,
-    streaming: bool,
-    face: Face,
-) -> AsyncIterator[Any]:
-    """n rows from one prompt, their messages merged as they come, each with its `index`.
-    The engine got one request: it admits the other samples once the first's prompt is
-    through, and ends or fails them together when the first ends before that."""
-    merged: asyncio.Queue[Any] = asyncio.Queue()
-    tasks = [
-        asyncio.ensure_future(
-            _sample_row(
-                self, stream, OutputProcessor(job, streaming, self._tracker(text), face, i), merged
-            )
-        )
-        for i, stream in enumerate(streams)
-    ]
-    outcome = "cancelled"
-    try:
-        left = len(streams)
-        while left:
-            item = await merged.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, RequestError):
-                outcome = item.code.name.lower()
-                raise item
-            else:
-                yield item
-        outcome = streams[0].finish_reason or FINISH_STOP
-    finally:
-        for task in tasks:
-            task.cancel()
-        self._metrics.count_request(outcome, job.adapter)
-        self._release(job, streams)
-
-
-async def _sample_row(
-    self: MlxEngineServicer,
-    stream: RequestStream,
-    output: OutputProcessor,
-    merged: asyncio.Queue[Any],
-) -> None:
-    """One of n rows: its messages into `merged`, then None (done) or its RequestError."""
-    try:
-        while stream.finish_reason is None:
-            for response in emit_row(self, stream, output, await stream.take()):
-                merged.put_nowait(response)
-    except RequestError as error:
-        merged.put_nowait(error)
-    else:
-        merged.put_nowait(None)
-
-
-async def embed_request(
-    self: MlxEngineServicer, request_id: str, ids: list[int]
-) -> tuple[list[float], int]:
-    """The prompt's pooled, L2-normalised hidden state, and its length."""
-    if self._limits is None or not self._lifecycle.serving:
-        raise RequestError(_refusal_status(self._lifecycle.phase), self._lifecycle.refusal)
-    if not self._embedding_size:
-        raise RequestError(
-            grpc.StatusCode.UNIMPLEMENTED, "this model cannot embed (no hidden states)"
-        )
-    prompt = embed_prompt(request_id, ids, self._limits)
-    ticket = next(self._tickets)
-    request = EmbedRequest(ticket, prompt, self._options.embedding_pooling)
-    self._metrics.prompt_tokens.inc(len(prompt))
-    result = await self._calls.call(ticket, lambda: self._engine.embed(request))
-    if result.error is not None:
-        raise RequestError(grpc.StatusCode.INTERNAL, result.error)
-    return result.embedding, len(prompt)
-
-
-class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
-    """Handlers for one engine. The metadata RPCs answer once `set_model` has the model's
-    files; Generate is accepted while the lifecycle says serving (after `attach`).
+class Handlers:
+    """The handler side of one engine, shared by every address and face that serves it: its
+    Generate requests from check to release and their streams, Abort, and the engine's
+    hand-offs (Embed and FlushCache: `calls`; the metadata RPCs' answers: `metadata`). The
+    metadata answers once `set_model` has the model's files; Generate is accepted while the
+    lifecycle says serving (after `attach`).
     `block_size`: the engine's prefix store's tokens per block (`EngineConfig.block_size`;
     0: no prefix reuse)."""
 
@@ -329,39 +131,46 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         self._on_fatal = on_fatal
         self._options = options or HandlerOptions()
         self._metrics = metrics or WorkerMetrics(self.load, self.figures)
-        self._info: ModelInfo | None = None
         self._codec: Codec | None = None
         self._admission: Admission | None = None
         self._limits: Limits | None = None
         self._tickets = itertools.count(1)
         self._streams = Streams()
-        self._archive = ArchiveBuild()
-        self._block_size = block_size  # names each prompt's blocks, as the engine's store does
-        self._started = time.monotonic()
+        # Paces each request's hand-offs; names its prompt's blocks as the engine's store does.
+        window_s = self._options.stream_window_ms / 1000
+        self._handoff = Handoff(self._options.stream_interval, window_s, block_size)
         self._figures = EngineFigures()  # the engine's, as it last published them
+        self._throughput = Throughput()
+        self._once = RateLimitedLog(log, float("inf"))  # says each thing once
+        self._images: ImagePreparer | None = None  # a vision model's image fetch and processing
+        self._adapter_keys: dict[str, str] = {}  # served adapters' names in the prefix store
+        self._preparing: dict[str, bool] = {}  # request ids whose images are prepared: aborted?
+        self.metadata = Metadata(lifecycle, engine, self._streams)
+        self.calls = EngineCalls(  # Embed and FlushCache
+            engine,
+            lifecycle,
+            self._metrics,
+            self._tickets,
+            self._options.embedding_pooling,
+            keeps_prefixes=block_size > 0,
+        )
         self.kv_events = KvEventHub(block_size)
         self.max_running_requests = max_running_requests
-        self._throughput = Throughput()
-        self._embedding_size = 0
-        self._calls = EngineCalls()  # embeds and flushes waiting for the engine
-        self._once = RateLimitedLog(log, float("inf"))  # says each thing once
-        self.images: ImagePreparer | None = None  # a vision model's image fetch and processing
-        self.adapter_keys: dict[str, str] = {}  # served adapters' names in the prefix store
-        self._preparing: dict[
-            str, bool
-        ] = {}  # request ids whose images are being prepared: aborted?
 
     # ----- lifecycle, driven by the server -----
 
-    def set_model(self, files: ModelFiles) -> None:
-        """The model's files are read: its metadata can be answered from now on."""
-        self._info = files.info
+    def set_model(self, files: ModelFiles, adapter_keys: dict[str, str] | None = None) -> None:
+        """The model's files are read: its metadata can be answered from now on.
+        `adapter_keys`: each served adapter's name in the prefix store
+        (`adapter_faces.adapter_keys`)."""
         self._codec = TextCodec(files.tokenizer)
         self._limits = Limits.for_model(
             files.info, self._options.max_prompt_tokens, prepend_bos=self._options.prepend_bos
         )
+        self._adapter_keys = dict(adapter_keys or {})
         if files.vision is not None:
-            self.images = ImagePreparer(files.model_dir, files.vision, self._options.media)
+            self._images = ImagePreparer(files.model_dir, files.vision, self._options.media)
+        self.metadata.set_model(files.info, self._limits.prompt_limit)
 
     def attach(
         self,
@@ -374,9 +183,26 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         `embedding_size`: its pooled hidden states' size (0: it cannot embed)."""
         assert self._limits is not None, "set_model first"
         self._admission = admission
-        self._embedding_size = embedding_size
         # The model's limits, as set_model made them, and now what the engine supports.
         self._limits = replace(self._limits, has_thinking=has_thinking, check_grammar=check_grammar)
+        self.calls.attach(self._limits, embedding_size)
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        return self._lifecycle
+
+    @property
+    def metrics(self) -> WorkerMetrics:
+        return self._metrics
+
+    @property
+    def options(self) -> HandlerOptions:
+        return self._options
+
+    @property
+    def images(self) -> ImagePreparer | None:
+        """A vision model's image fetch and processing (None: it takes no images)."""
+        return self._images
 
     @property
     def active_requests(self) -> int:
@@ -399,15 +225,17 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         """True once no call is in flight, False if `timeout` passes first."""
         return await self._streams.wait_idle(timeout)
 
-    @property
-    def uptime_s(self) -> float:
-        return time.monotonic() - self._started
-
-    def load_figures(self) -> LoadFigures:
-        """The load a router reads (GetLoads), from the engine's last published figures."""
-        return load_figures(
+    def load_figures(self, adapter: str = "") -> LoadFigures:
+        """The load a router reads (GetLoads), from the engine's last published figures; an
+        adapter's address: the engine's (its KV and batch are shared by every name), with that
+        adapter's own requests as the running and waiting ones."""
+        figures = load_figures(
             self._figures, self._admission, self._throughput, self.max_running_requests
         )
+        if not adapter:
+            return figures
+        load = self._streams.load(adapter)
+        return replace(figures, running=load.running, waiting=load.waiting)
 
     def dispatch(self, out: StepOutput) -> None:
         """Route one engine hand-off (called on the loop thread)."""
@@ -419,35 +247,24 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         self._streams.route(out)
         if out.kv_events:
             self.kv_events.publish(out.kv_events)
-        self._calls.settle(out)
+        self.calls.settle(out)
 
-    embed = embed_request  # Embed (VllmEngine only)
+    # ----- Generate: check, build, accept, release -----
 
-    async def flush_cache(self) -> tuple[bool, str]:
-        """Empty the prefix store (RAM and disk); requests in flight go on."""
-        if not self.kv_events.block_size:
-            return True, "this worker keeps no prefix cache"
-        if not self._lifecycle.serving:
-            return False, self._lifecycle.refusal
-        ticket = next(self._tickets)
-        try:
-            await self._calls.call(ticket, lambda: self._engine.flush_cache(ticket))
-        except RequestError as error:
-            return False, error.message
-        return True, "prefix cache flushed"
+    def check_early(self, request: Any, context: RequestContext) -> None:
+        """What can be checked of a request while the model loads (its files read, a tokenized
+        prompt): RequestError for a bad one, so that it is refused at once."""
+        if self._limits is not None and request.WhichOneof("input") == "tokenized":
+            build_request(request, context, self._limits)
 
-    # ----- Generate -----
-
-    Generate = generate_rpc(MLX_FACE)
-    generate_vllm = generate_rpc(VLLM_FACE)  # VllmEngine's Generate (servicer.vllm_face)
-
-    async def _build(
-        self, request: Any, adapter: str = ""
+    async def build(
+        self, request: Any, context: RequestContext
     ) -> tuple[GenerationRequest, TextOptions | None]:
-        """Validate into a GenerationRequest; text encoding and grammar compilation, which can
-        take a while, run off the loop."""
+        """Validate into a GenerationRequest, with a ticket for each of its n samples past the
+        first; text encoding and grammar compilation, which can take a while, run off the loop.
+        `context`: the face and adapter of the address it came to."""
         if not self._lifecycle.serving or self._limits is None:
-            raise RequestError(_refusal_status(self._lifecycle.phase), self._lifecycle.refusal)
+            raise not_serving(self._lifecycle)
         text_ids = None
         if request.WhichOneof("input") == "text" and self._codec is not None:
             if len(request.text) < 4096:
@@ -455,27 +272,30 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
             else:
                 text_ids = await asyncio.to_thread(self._codec.encode, request.text)
         try:
-            expand_images = None
-            if self.images is not None and has_media(request):
-                expand_images = await self._prepare_images(request)
-            args = (
-                request,
-                next(self._tickets),
-                self._limits,
-                text_ids,
-                self._options.stream_interval,
-                self._block_size,
-                self._options.stream_window_ms / 1000,
-                expand_images,
-                adapter,
-                self.adapter_keys.get(adapter, adapter),
+            images = None
+            if self._images is not None and has_media(request):
+                images = await self._prepare_images(request)
+            adapter = context.adapter
+            prepared = replace(
+                context,
+                adapter_key=self._adapter_keys.get(adapter, adapter),
+                ticket=next(self._tickets),
+                text_ids=text_ids,
+                images=images,
             )
+            args = (request, prepared, self._limits, self._handoff)
             if request.sampling_params.WhichOneof("constraint") is None:
-                return build_request(*args)
-            return await asyncio.to_thread(build_request, *args)
+                job, text = build_request(*args)
+            else:
+                job, text = await asyncio.to_thread(build_request, *args)
         except RequestError:
             self._metrics.errors.labels("invalid_request").inc()
             raise
+        samples = sample_count(request.sampling_params)
+        if samples > 1:  # one request to the engine, with a ticket for each other sample
+            tickets = tuple(itertools.islice(self._tickets, samples - 1))
+            job = msgspec.structs.replace(job, sample_tickets=tickets)
+        return job, text
 
     async def _prepare_images(self, request: Any) -> Any:
         """The request's images fetched and processed; an Abort of its id meanwhile (it is
@@ -483,7 +303,7 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         rid = request.request_id
         self._preparing[rid] = False
         try:
-            expand_images = await self.images.prepare(request)  # type: ignore[union-attr]
+            expand_images = await self._images.prepare(request)  # type: ignore[union-attr]
         finally:
             aborted = self._preparing.pop(rid, False)
         if aborted:
@@ -492,7 +312,7 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         self._metrics.image_requests.labels(by).inc()
         return expand_images
 
-    def _accept(self, job: GenerationRequest) -> list[RequestStream]:
+    def accept(self, job: GenerationRequest) -> list[RequestStream]:
         """The request checked against what the worker holds, and submitted to the engine:
         its streams, one for each of its n samples."""
         errors = self._metrics.errors
@@ -522,12 +342,13 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         self._engine.submit(job)
         return streams
 
-    def _tracker(self, text: TextOptions | None) -> TextTracker | None:
+    def tracker(self, text: TextOptions | None) -> TextTracker | None:
+        """The decoded text and stop strings of one row, when its request wants them."""
         if text is None or self._codec is None:
             return None
         return TextTracker(self._codec.decoder(), text.stops, text.include_stop, text.min_tokens)
 
-    def _release(self, job: GenerationRequest, streams: list[RequestStream]) -> None:
+    def release(self, job: GenerationRequest, streams: list[RequestStream]) -> None:
         """The call is over: its streams close; rows it did not see finish are aborted (the
         client went away, the call was cancelled, or a sibling sample failed)."""
         unfinished = []
@@ -538,17 +359,206 @@ class MlxEngineServicer(MetadataRpcs, mlx_engine_pb2_grpc.MlxEngineServicer):
         if unfinished:
             self._engine.abort(unfinished)
 
-    # ----- the other RPCs -----
-
-    async def Abort(
-        self, request: mlx_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> mlx_engine_pb2.AbortResponse:
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort: these requests end `abort` (those in flight; one whose images are being
+        prepared is cancelled once they are). RequestError outside serving and draining."""
         if self._lifecycle.phase not in (Phase.SERVING, Phase.DRAINING):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
-        for rid in request.request_ids:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
+        for rid in request_ids:
             if rid in self._preparing:
                 self._preparing[rid] = True
-        tickets = self._streams.tickets(list(request.request_ids))
+        tickets = self._streams.tickets(request_ids)
         if tickets:
             self._engine.abort(tickets)
-        return mlx_engine_pb2.AbortResponse()
+
+
+class Generation:
+    """The Generate RPC as one address answers it through one face (the model's address or a
+    served adapter's; MlxEngine's messages or VllmEngine's): the call waits while the model
+    loads, the shared `Handlers` check and accept it, and its rows' events go back as messages.
+
+    gRPC wants an async generator function for a streaming method, and wrapping one in another
+    would cost every message a hop: so a face serves `generate` itself, as its Generate."""
+
+    def __init__(self, handlers: Handlers, face: Face, adapter: str = "") -> None:
+        self._handlers = handlers
+        self._metrics = handlers.metrics
+        self._face = face  # the messages its calls get
+        # What every call through here shares; `Handlers.build` adds each one's own.
+        self._context = RequestContext(face, adapter)
+
+    async def generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        handlers = self._handlers
+        if handlers.lifecycle.starting:
+            async for keepalive in self._wait_for_model(request, context):
+                yield keepalive
+        try:
+            job, text = await handlers.build(request, self._context)
+            streams = handlers.accept(job)
+        except RequestError as error:
+            log.debug("refused request %r: %s", request.request_id, error.message)
+            self._metrics.requests.labels(error.code.name.lower()).inc()
+            await context.abort(error.code, error.message)
+            return
+        if len(streams) > 1:  # n samples
+            try:
+                async for response in self._merged_rows(job, streams, text, request.stream):
+                    yield response
+            except RequestError as error:
+                await context.abort(error.code, error.message)
+            return
+        stream = streams[0]
+        output = OutputProcessor(job, request.stream, handlers.tracker(text), self._face)
+        outcome = "cancelled"  # unless it finishes or fails below
+        try:
+            # The loop lives here, not in a nested generator: one hop less for every message.
+            while stream.finish_reason is None:
+                for response in self._emit(stream, output, await stream.take()):
+                    yield response
+            outcome = stream.finish_reason
+        except RequestError as error:
+            outcome = error.code.name.lower()
+            stream.set_finish_reason(outcome)
+            await context.abort(error.code, error.message)
+        finally:
+            self._metrics.count_request(outcome, job.adapter)
+            handlers.release(job, streams)
+
+    async def _wait_for_model(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """A request that comes while the model loads waits for it, up to `max_load_wait_s`
+        and within its deadline, so the first clients of a worker the router has just
+        registered are served instead of refused. What can be checked already is checked first
+        (a bad request is refused at once, before any message). A stream gets an empty chunk
+        every KEEPALIVE_S meanwhile: the smg router takes a worker whose streams see nothing
+        for 3 s for wedged, and clients see no tokens in it."""
+        handlers, metrics = self._handlers, self._metrics
+        try:
+            handlers.check_early(request, self._context)
+        except RequestError as error:
+            metrics.errors.labels("invalid_request").inc()
+            await context.abort(error.code, error.message)
+        wait = handlers.options.max_load_wait_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = min(wait, remaining - METADATA_DEADLINE_MARGIN_S)
+        deadline = time.monotonic() + wait
+        lifecycle, pb = handlers.lifecycle, self._face.pb
+        metrics.load_waiting.inc()
+        try:
+            while lifecycle.starting and (left := deadline - time.monotonic()) > 0:
+                await lifecycle.wait_started(min(left, KEEPALIVE_S))
+                if lifecycle.starting and request.stream:
+                    yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk())
+        finally:
+            metrics.load_waiting.dec()
+
+    async def _merged_rows(
+        self,
+        job: GenerationRequest,
+        streams: list[RequestStream],
+        text: TextOptions | None,
+        streaming: bool,
+    ) -> AsyncIterator[Any]:
+        """n rows from one prompt, their messages merged as they come, each with its `index`.
+        The engine got one request: it admits the other samples once the first's prompt is
+        through, and ends or fails them together when the first ends before that."""
+        merged: asyncio.Queue[Any] = asyncio.Queue()
+        tracker = self._handlers.tracker
+        tasks = [
+            asyncio.ensure_future(
+                self._row_into(
+                    stream, OutputProcessor(job, streaming, tracker(text), self._face, i), merged
+                )
+            )
+            for i, stream in enumerate(streams)
+        ]
+        outcome = "cancelled"
+        try:
+            left = len(streams)
+            while left:
+                item = await merged.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, RequestError):
+                    outcome = item.code.name.lower()
+                    raise item
+                else:
+                    yield item
+            outcome = streams[0].finish_reason or FINISH_STOP
+        finally:
+            for task in tasks:
+                task.cancel()
+            self._metrics.count_request(outcome, job.adapter)
+            self._handlers.release(job, streams)
+
+    async def _row_into(
+        self, stream: RequestStream, output: OutputProcessor, merged: asyncio.Queue[Any]
+    ) -> None:
+        """One of n rows: its messages into `merged`, then None (done) or its RequestError."""
+        try:
+            while stream.finish_reason is None:
+                for response in self._emit(stream, output, await stream.take()):
+                    merged.put_nowait(response)
+        except RequestError as error:
+            merged.put_nowait(error)
+        else:
+            merged.put_nowait(None)
+
+    def _emit(
+        self, stream: RequestStream, output: OutputProcessor, events: list[RowEvent]
+    ) -> list[Any]:
+        """One batch of a row's events: the messages its client gets now (the engine ended the
+        row itself where a stop string completed)."""
+        emission = output.process(events)
+        if emission.tokens:
+            self._observe_tokens(stream, emission.tokens)
+        stream.set_finish_reason(emission.finish_reason)
+        return emission.responses
+
+    def _observe_tokens(self, stream: RequestStream, count: int) -> None:
+        """A stream's first tokens (its TTFT) or the gap since its last ones."""
+        metrics = self._metrics
+        first, elapsed = stream.record_tokens(time.perf_counter())
+        if first:
+            metrics.ttft.observe(elapsed)
+        else:
+            metrics.inter_token.observe(elapsed / count)
+        metrics.generated_tokens.inc(count)
+        if stream.adapter:
+            metrics.adapter_tokens.labels(stream.adapter).inc(count)
+
+
+class FaceServicer:
+    """The RPCs both faces answer alike, in the messages of the subclass's `face`, as the
+    address serving `adapter` ("": the base model's) answers them: Generate, Abort, HealthCheck
+    and GetTokenizer. Each face's servicer (`adapter_faces.MlxEngineFace`,
+    `vllm_face.VllmEngineFace`) names its face and adds the rest."""
+
+    face: ClassVar[Face]
+
+    def __init__(self, handlers: Handlers, adapter: str = "") -> None:
+        self._handlers = handlers
+        self._metadata = handlers.metadata
+        self._adapter = adapter
+        # The shared Generate, for this face's messages and this address's adapter: gRPC calls
+        # this bound async generator function as the face's own.
+        self.Generate = Generation(handlers, self.face, adapter).generate
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            self._handlers.abort(list(request.request_ids))
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        return self.face.pb.AbortResponse()
+
+    async def HealthCheck(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        healthy, message = await self._metadata.health(context)
+        return self.face.pb.HealthCheckResponse(healthy=healthy, message=message)
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        async for chunk in self._metadata.tokenizer_chunks(context):
+            yield chunk

@@ -3,9 +3,10 @@ an image (`VisionSpec`, from its files), the fetch and the model's own image pro
 thread pool (`ImagePreparer`), and the prompt with each image's anchor expanded into its
 placeholder run (`expand`), each image named by a hash of exactly what the encoder gets.
 
-For a family the router processes itself (Qwen2-VL: DESIGN.md, "Images through the router")
-the images come as the router's `mm_inputs` instead: pixel values, patch grids and their
-placeholder runs already in the prompt (`router_images`, then `place`, which checks them).
+For a family the router processes itself (Qwen2-VL, Qwen2.5-VL, LLaVA: docs/images.md, "The
+router's two paths") the images come as the router's `mm_inputs` instead: pixel values, patch
+grids and their placeholder runs already in the prompt (`router_images`, then `place`, which
+checks them).
 """
 
 from __future__ import annotations
@@ -440,11 +441,7 @@ def router_images(
     if grids.ndim != 2 or grids.shape[1] != 3:
         raise _invalid(f"mm_inputs image_grid_thw: shape {list(grids.shape)}, not [images, 3]")
     count = grids.shape[0]
-    if count > max_images:
-        too_many = f"too many images: {count} in the request, limit {max_images}"
-        raise RequestError(grpc_status("limit"), too_many)
-    if len(mm.mm_placeholders) != count:
-        raise _invalid(f"mm_inputs has {len(mm.mm_placeholders)} placeholders for {count} images")
+    _check_count(mm, count, max_images)
     patches = [int(np.prod(g)) for g in grids]
     width = patch_width if patch_width is not None else (pixels.shape[-1] if pixels.ndim else 0)
     if pixels.ndim != 2 or pixels.shape != (sum(patches), width):
@@ -452,9 +449,7 @@ def router_images(
             f"mm_inputs pixel_values: shape {list(pixels.shape)}, not [{sum(patches)}, {width}] "
             "(the patches of every image's grid, a row each)"
         )
-    token = mm.im_token_id if mm.HasField("im_token_id") else spec.image_token_id
-    if token not in (spec.image_token_id, *spec.placeholder_ids):
-        raise _invalid(f"mm_inputs im_token_id {token} is not this model's image token")
+    token = _image_token(mm, spec)
     images, start = [], 0
     for i, (grid, n) in enumerate(zip(grids, patches, strict=True)):
         try:
@@ -469,6 +464,23 @@ def router_images(
     return RouterImages(tuple(images), placeholders, token)
 
 
+def _check_count(mm: Any, count: int, max_images: int) -> None:
+    """`mm_inputs` holds `count` images: at most `max_images`, a placeholder each."""
+    if count > max_images:
+        too_many = f"too many images: {count} in the request, limit {max_images}"
+        raise RequestError(grpc_status("limit"), too_many)
+    if len(mm.mm_placeholders) != count:
+        raise _invalid(f"mm_inputs has {len(mm.mm_placeholders)} placeholders for {count} images")
+
+
+def _image_token(mm: Any, spec: VisionSpec) -> int:
+    """The image token `mm_inputs` names (the model's own by default): one of the model's."""
+    token = mm.im_token_id if mm.HasField("im_token_id") else spec.image_token_id
+    if token not in (spec.image_token_id, *spec.placeholder_ids):
+        raise _invalid(f"mm_inputs im_token_id {token} is not this model's image token")
+    return token
+
+
 def _whole_images(mm: Any, spec: VisionSpec, max_images: int) -> RouterImages:
     """The router's images for a family of fixed-size images (LLaVA's): pixel values
     [images, channels, height, width], a run of `tokens_per_image` each."""
@@ -478,14 +490,8 @@ def _whole_images(mm: Any, spec: VisionSpec, max_images: int) -> RouterImages:
     if pixels.ndim != 4 or pixels.shape[1] != 3:
         raise _invalid(f"mm_inputs pixel_values: shape {list(pixels.shape)}, not [images, 3, h, w]")
     count = pixels.shape[0]
-    if count > max_images:
-        too_many = f"too many images: {count} in the request, limit {max_images}"
-        raise RequestError(grpc_status("limit"), too_many)
-    if len(mm.mm_placeholders) != count:
-        raise _invalid(f"mm_inputs has {len(mm.mm_placeholders)} placeholders for {count} images")
-    token = mm.im_token_id if mm.HasField("im_token_id") else spec.image_token_id
-    if token not in (spec.image_token_id, *spec.placeholder_ids):
-        raise _invalid(f"mm_inputs im_token_id {token} is not this model's image token")
+    _check_count(mm, count, max_images)
+    token = _image_token(mm, spec)
     images = []
     for i in range(count):
         values = tensor(pixels[i : i + 1])

@@ -1,5 +1,5 @@
-"""The MlxEngine service's metadata RPCs (HealthCheck, GetModelInfo, GetServerInfo,
-GetTokenizer), mixed into the handlers: what a router asks to register and probe a worker."""
+"""What a router asks to register and probe a worker (HealthCheck, GetModelInfo, GetServerInfo,
+GetTokenizer), answered alike by both faces: each builds its own messages from these answers."""
 
 from __future__ import annotations
 
@@ -8,19 +8,16 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import grpc
 
-from .lifecycle import Phase
+from .engine_handle import EngineHandle
+from .lifecycle import Lifecycle, Phase
 from .messages import ModelInfo
-from .proto import common_pb2, mlx_engine_pb2
-
-if TYPE_CHECKING:
-    from .engine_handle import EngineHandle
-    from .lifecycle import Lifecycle
-    from .tokenizer_bundle import ArchiveBuild
-    from .validation import Limits
+from .proto import common_pb2
+from .streams import Streams
+from .tokenizer_bundle import ArchiveBuild
 
 SERVER_TYPE = "mlx-grpc-worker"
 # A metadata call that waits for the model's files answers this long before its deadline, and
@@ -29,21 +26,60 @@ METADATA_DEADLINE_MARGIN_S = 0.25
 METADATA_WAIT_S = 8.0
 STARTING_HEALTH_WAIT_S = 3.0  # within the smg router's 5 s health-check timeout
 
+# GetModelInfo's fields both faces carry alike: the wire's name, and the ModelInfo attribute
+# that answers it (None is left unset: the wire's 0). All come from the files, so the answer is
+# the same while the model loads: a router registers a worker from its first answer.
+MODEL_INFO_FIELDS = (
+    ("model_path", "model_path"),
+    ("max_context_length", "context_length"),
+    ("vocab_size", "vocab_size"),
+    ("served_model_name", "served_model_name"),
+    ("model_type", "model_type"),
+    ("architectures", "architectures"),
+    ("eos_token_ids", "eos_token_ids"),
+    ("pad_token_id", "pad_token_id"),
+    ("bos_token_id", "bos_token_id"),
+    ("embedding_size", "hidden_size"),
+)
 
-class MetadataRpcs:
-    """The metadata RPCs over the handlers' state (set by `MlxEngineServicer`)."""
 
-    _engine: EngineHandle
-    _lifecycle: Lifecycle
-    _info: ModelInfo | None
-    _limits: Limits | None
-    _archive: ArchiveBuild
-    _started: float
-    active_requests: int  # the handlers' calls in flight
+class Metadata:
+    """The metadata answers of one engine's worker: from the model's files once `set_model`
+    has them, from the lifecycle and the engine's liveness, and from the calls in flight."""
 
-    async def HealthCheck(
-        self, request: mlx_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> mlx_engine_pb2.HealthCheckResponse:
+    def __init__(self, lifecycle: Lifecycle, engine: EngineHandle, streams: Streams) -> None:
+        self._lifecycle = lifecycle
+        self._engine = engine
+        self._streams = streams
+        self._info: ModelInfo | None = None
+        self._prompt_limit = 0  # the longest prompt accepted (GetModelInfo.max_req_input_len)
+        self._archive = ArchiveBuild()
+        self._started = time.monotonic()
+
+    def set_model(self, info: ModelInfo, prompt_limit: int) -> None:
+        """The model's files are read: its metadata can be answered from now on."""
+        self._info = info
+        self._prompt_limit = prompt_limit
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._streams)
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started
+
+    @property
+    def tokenizer_path(self) -> str:
+        """GetModelInfo's tokenizer_path (the vLLM face's): the router's copy of the tokenizer
+        where the family needs one, else what the user asked to serve."""
+        info = self._info
+        if info is None:
+            return ""
+        return info.router_tokenizer_dir or info.model_path
+
+    async def health(self, context: grpc.aio.ServicerContext) -> tuple[bool, str]:
+        """HealthCheck's answer: healthy or not, and why."""
         if self._lifecycle.phase is Phase.STARTING:
             # A router registers a worker from its first GetModelInfo once this call succeeds:
             # give the files a moment, then fail the call so it cannot register the worker
@@ -53,48 +89,31 @@ class MetadataRpcs:
             if self._lifecycle.phase is Phase.STARTING:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
         if not self._lifecycle.serving:
-            message = self._lifecycle.refusal
-        elif not self._engine.alive:
-            message = "the engine is not running"
-        else:
-            return mlx_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
-        return mlx_engine_pb2.HealthCheckResponse(healthy=False, message=message)
+            return False, self._lifecycle.refusal
+        if not self._engine.alive:
+            return False, "the engine is not running"
+        return True, "serving"
 
-    async def GetModelInfo(
-        self, request: mlx_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
-    ) -> mlx_engine_pb2.GetModelInfoResponse:
+    async def model_fields(
+        self, context: grpc.aio.ServicerContext, served_name: str = ""
+    ) -> dict[str, Any]:
+        """GetModelInfo's fields both faces carry, as keyword arguments for either face's
+        message; `served_name`: the name this address answers ("": the model's)."""
         info = await self._model_info(context)
-        limits = self._limits
-        assert limits is not None
-        return mlx_engine_pb2.GetModelInfoResponse(
-            model_path=info.model_path,
-            is_generation=True,
-            max_context_length=info.context_length,
-            vocab_size=info.vocab_size,
-            served_model_name=info.served_model_name,
-            model_type=info.model_type,
-            architectures=info.architectures,
-            eos_token_ids=info.eos_token_ids,
-            pad_token_id=info.pad_token_id or 0,
-            bos_token_id=info.bos_token_id or 0,
-            max_req_input_len=limits.prompt_limit,
-            # From the files, so the answer is the same while loading: a router registers
-            # a worker from its first answer.
-            embedding_size=info.hidden_size,
-        )
+        fields = {
+            wire: value
+            for wire, ours in MODEL_INFO_FIELDS
+            if (value := getattr(info, ours)) is not None
+        }
+        fields.update(is_generation=True, max_req_input_len=self._prompt_limit)
+        if served_name:
+            fields["served_model_name"] = served_name
+        return fields
 
-    async def GetServerInfo(
-        self, request: mlx_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
-    ) -> mlx_engine_pb2.GetServerInfoResponse:
-        return mlx_engine_pb2.GetServerInfoResponse(
-            server_type=SERVER_TYPE,
-            active_requests=self.active_requests,
-            uptime_seconds=time.monotonic() - self._started,
-        )
-
-    async def GetTokenizer(
-        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    async def tokenizer_chunks(
+        self, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        """GetTokenizer's stream: the tokenizer's archive in chunks, its digest on the last."""
         info = await self._model_info(context)
         try:
             archive = await self._archive.get(Path(info.router_tokenizer_dir or info.model_dir))
@@ -105,15 +124,6 @@ class MetadataRpcs:
         for i, data in enumerate(pieces):
             last = i == len(pieces) - 1
             yield common_pb2.GetTokenizerChunk(data=data, sha256=archive.sha256 if last else "")
-
-    @property
-    def tokenizer_path(self) -> str:
-        """GetModelInfo's tokenizer_path (the vLLM face's): the router's copy of the tokenizer
-        where the family needs one, else what the user asked to serve."""
-        info = self._info
-        if info is None:
-            return ""
-        return info.router_tokenizer_dir or info.model_path
 
     async def _model_info(self, context: grpc.aio.ServicerContext) -> ModelInfo:
         """The model's metadata: while the files are still being resolved, the call waits

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from threading import Thread
 from types import MappingProxyType
 from typing import Any
@@ -140,6 +141,16 @@ def _tokens_per_row_step(name: str, counts: dict[int, int]) -> HistogramMetricFa
     return family
 
 
+def _registering(registry: CollectorRegistry) -> tuple[Any, Any, Any]:
+    """Makers of Counters, Gauges and Histograms registering in `registry`: (name, help,
+    labels) for the first two, (name, help, buckets) for a histogram."""
+
+    def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(name, doc, buckets=buckets, registry=registry)
+
+    return partial(Counter, registry=registry), partial(Gauge, registry=registry), histogram
+
+
 class WorkerMetrics:
     def __init__(
         self,
@@ -156,62 +167,52 @@ class WorkerMetrics:
         self._http: Any = None
 
     def _requests(self) -> None:
-        reg = self.registry
-        self.requests = Counter(
+        counter, _, histogram = _registering(self.registry)
+        self.requests = counter(
             "mlx_worker_requests",
             "Generate calls by how they ended: a finish reason, 'cancelled', or a gRPC status",
             ["outcome"],
-            registry=reg,
         )
-        self.ttft = Histogram(
+        self.ttft = histogram(
             "mlx_worker_time_to_first_token_seconds",
             "From accepting a request to its first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
+            _LATENCY_BUCKETS,
         )
-        self.inter_token = Histogram(
+        self.inter_token = histogram(
             "mlx_worker_inter_token_latency_seconds",
             "Time between a request's successive tokens",
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
+            _LATENCY_BUCKETS,
         )
-        self.prompt_tokens = Counter(
-            "mlx_worker_prompt_tokens", "Prompt tokens of accepted requests", registry=reg
+        self.prompt_tokens = counter(
+            "mlx_worker_prompt_tokens", "Prompt tokens of accepted requests"
         )
-        self.bos_added = Counter(
+        self.bos_added = counter(
             "mlx_worker_bos_added",
             "Prompts that lacked the BOS their model's tokenizer puts first, which the worker "
             "put before them",
-            registry=reg,
         )
-        self.generated_tokens = Counter(
-            "mlx_worker_generated_tokens", "Tokens generated", registry=reg
-        )
-        self.adapter_requests = Counter(
+        self.generated_tokens = counter("mlx_worker_generated_tokens", "Tokens generated")
+        self.adapter_requests = counter(
             "mlx_worker_adapter_requests",
             "Generate calls for a served adapter (--adapter), by how they ended",
             ["adapter", "outcome"],
-            registry=reg,
         )
-        self.adapter_tokens = Counter(
+        self.adapter_tokens = counter(
             "mlx_worker_adapter_generated_tokens",
             "Tokens generated for a served adapter",
             ["adapter"],
-            registry=reg,
         )
-        self.image_requests = Counter(
+        self.image_requests = counter(
             "mlx_worker_image_requests",
             "Requests with images, by who processed them: 'router' (mm_inputs) or 'worker' "
             "(media references the worker fetched)",
             ["processed_by"],
-            registry=reg,
         )
-        self.errors = Counter(
+        self.errors = counter(
             "mlx_worker_errors",
             "Errors by kind: invalid_request, duplicate_request, queue_full, kv_memory, "
             "grammar, engine_step, engine_death",
             ["kind"],
-            registry=reg,
         )
 
     def count_request(self, outcome: str, adapter: str = "") -> None:
@@ -221,65 +222,57 @@ class WorkerMetrics:
             self.adapter_requests.labels(adapter, outcome).inc()
 
     def _engine(self, load: Callable[[], EngineLoad], figures: Callable[[], EngineFigures]) -> None:
-        reg = self.registry
-        self.waiting = Gauge(
-            "mlx_worker_waiting_requests", "Requests accepted but not yet decoding", registry=reg
+        counter, gauge, histogram = _registering(self.registry)
+        self.waiting = gauge(
+            "mlx_worker_waiting_requests", "Requests accepted but not yet decoding"
         )
-        self.load_waiting = Gauge(
+        self.load_waiting = gauge(
             "mlx_worker_load_waiting_requests",
             "Requests that arrived while the model loads, waiting for it",
-            registry=reg,
         )
-        self.running = Gauge("mlx_worker_running_requests", "Requests decoding", registry=reg)
+        self.running = gauge("mlx_worker_running_requests", "Requests decoding")
         self.waiting.set_function(lambda: load().waiting)
         self.running.set_function(lambda: load().running)
-        self.step_time = Histogram(
+        self.step_time = histogram(
             "mlx_worker_engine_step_seconds",
             "Duration of one engine step (admission, one batch step, hand-off)",
-            buckets=_STEP_BUCKETS,
-            registry=reg,
+            _STEP_BUCKETS,
         )
-        self.prefill_tokens = Histogram(
+        self.prefill_tokens = histogram(
             "mlx_worker_prefill_tokens_per_step",
             "Prompt tokens one engine step put through the model (steps that prefilled)",
-            buckets=_PREFILL_BUCKETS,
-            registry=reg,
+            _PREFILL_BUCKETS,
         )
-        self.over_budget = Counter(
+        self.over_budget = counter(
             "mlx_worker_prefill_steps_over_budget",
             "Steps whose prefill held decoding rows up longer than the budget in force",
-            registry=reg,
         )
-        budget = Gauge(
+        budget = gauge(
             "mlx_worker_prefill_budget_seconds",
             "The prefill budget in force: --max-prefill-stall-ms, widened while prompts queue",
-            registry=reg,
         )
         budget.set_function(lambda: figures().prefill_budget_s)
-        self.widened = Counter(
+        self.widened = counter(
             "mlx_worker_prefill_steps_widened",
             "Steps whose prefill ran with the budget widened because prompts were queueing",
-            registry=reg,
         )
-        self.fused = Counter(
+        self.fused = counter(
             "mlx_worker_prefill_steps_fused",
             "Steps whose prefill chunk went through the decoding rows' forward (--fuse-prefill)",
-            registry=reg,
         )
-        self.images_encoded = Counter(
+        self.images_encoded = counter(
             "mlx_worker_images_encoded",
             "Images put through the vision encoder (an image whose features or prefix were "
             "cached is not)",
-            registry=reg,
         )
 
     def _prefix_cache(self, stats: Callable[[], PrefixCacheStats | None]) -> None:
         self.registry.register(PrefixCacheCollector(stats))
-        self.disk_load = Histogram(
+        _, _, histogram = _registering(self.registry)
+        self.disk_load = histogram(
             "mlx_worker_prompt_cache_disk_load_seconds",
             "Reading one prompt block back from the disk tier",
-            buckets=_STEP_BUCKETS,
-            registry=self.registry,
+            _STEP_BUCKETS,
         )
 
     def observe_output(self, out: StepOutput) -> None:

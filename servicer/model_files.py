@@ -26,7 +26,7 @@ DEFAULT_DEMO_KIND = "llama"
 # Config keys that name the context length, in order of preference.
 _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "n_ctx")
 _FALLBACK_CONTEXT = 4096
-VLM_DEMO_KIND = "vlm"  # demo:vlm, the tiny vision-language demo (demo_vlm)
+VLM_DEMO_KIND = "vlm"  # demo:vlm, the tiny vision-language demo (demos.vision)
 VLM_DEMO_FAMILY = "gemma3"
 
 
@@ -72,11 +72,11 @@ def resolve_model_dir(spec: ModelSpec) -> Path:
     use), or a hub snapshot (downloaded on first use)."""
     kind = spec.demo_kind
     if kind == VLM_DEMO_KIND:
-        from .demo_vlm import demo_vlm_path
+        from .demos.vision import demo_vlm_path
 
         return demo_vlm_path(family=VLM_DEMO_FAMILY)
     if kind is not None:
-        from .demo_model import available_kinds, demo_model_path
+        from .demos.text import available_kinds, demo_model_path
 
         if kind not in available_kinds():
             known = [*available_kinds(), VLM_DEMO_KIND]

@@ -23,13 +23,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from .adapter_faces import AdapterView, adapter_keys
+from .adapter_faces import MlxEngineFace, adapter_keys
 from .engine_config import EngineConfig
 from .engine_handle import EngineHandle
 from .engine_process import EngineProcess
 from .faults import FaultPlan
 from .grammar import GrammarChecker
-from .handlers import HandlerOptions, MlxEngineServicer
+from .handlers import HandlerOptions, Handlers
 from .lifecycle import Lifecycle, Phase
 from .messages import EngineLoad, EngineStartupError, ModelInfo, PrefixCacheStats
 from .metrics import WorkerMetrics
@@ -105,7 +105,7 @@ class WorkerServer:
         self.outbox = Outbox(self._wake_loop)
         self.engine = make_engine(config, self.outbox, lockstep)
         self.metrics = WorkerMetrics(self.load, lambda: self.servicer.figures())
-        self.servicer = MlxEngineServicer(
+        self.servicer = Handlers(  # the handlers every address and face shares
             self.engine,
             self.lifecycle,
             self._on_fatal,
@@ -176,7 +176,7 @@ class WorkerServer:
         server, self.port = listen(config, self.servicer, self.health, config.port)
         # Every address listens before any starts: one taken is an error, nothing half served.
         adapters = [
-            listen(config, AdapterView(self.servicer, name), self.health, port)
+            listen(config, self.servicer, self.health, port, adapter=name)
             for name, port in config.adapter_ports
         ]
         self.adapter_ports = {
@@ -200,9 +200,8 @@ class WorkerServer:
             self.lifecycle.advance(Phase.FAILED, f"cannot serve the model: {exc}")
             raise EngineStartupError(str(exc)) from exc
         self.files = files
-        self.servicer.set_model(files)
-        adapters = self.config.engine.adapters
-        self.servicer.adapter_keys = await asyncio.to_thread(adapter_keys, adapters)
+        keys = await asyncio.to_thread(adapter_keys, self.config.engine.adapters)
+        self.servicer.set_model(files, keys)
         self.lifecycle.advance(Phase.LOADING)
         log.info(
             "loading %s (metadata answers now; health NOT_SERVING until warm)",
@@ -280,10 +279,11 @@ class WorkerServer:
 
 
 def listen(
-    config: ServerConfig, handlers: Any, health_servicer: Any, port: int
+    config: ServerConfig, handlers: Handlers, health_servicer: Any, port: int, adapter: str = ""
 ) -> tuple[grpc.aio.Server, int]:
-    """A gRPC server answering the router's services through `handlers` (the worker's, or a
-    served adapter's view of them), health and reflection, bound to `port` (not started)."""
+    """A gRPC server answering the router's services through `handlers`, as the address of
+    the base model or of the served `adapter` answers them, with health and reflection, bound
+    to `port` (not started)."""
     limit = config.max_message_bytes
     server = grpc.aio.server(
         options=[
@@ -295,9 +295,11 @@ def listen(
         ]
     )
     if "mlx" in config.protocols:
-        mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(handlers, server)
+        face = MlxEngineFace(handlers, adapter)
+        mlx_engine_pb2_grpc.add_MlxEngineServicer_to_server(face, server)
     if "vllm" in config.protocols:
-        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineFace(handlers), server)
+        vllm_face = VllmEngineFace(handlers, adapter)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(vllm_face, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = tuple(SERVICES[name] for name in config.protocols)
     reflection.enable_server_reflection(

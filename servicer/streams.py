@@ -1,6 +1,6 @@
 """The Generate calls in flight: each one's events from the engine and a way to await them.
 
-Runs on the event loop only. The engine's hand-offs land in `Streams.dispatch`, which routes
+Runs on the event loop only. The engine's hand-offs land in `Streams.route`, which routes
 each row's events to its request's `RequestStream`; a stream wakes its handler when the
 hand-off rule says the events are due.
 """
@@ -48,11 +48,27 @@ class RequestStream:
         self.finish_reason: str | None = None  # set once the terminal message is built
         self.accepted_at = time.perf_counter()
         self.adapter = request.adapter  # the served adapter it is for ("": the base model)
-        self.last_token_at: float | None = None
+        self.last_token_at: float | None = None  # when its client last got tokens
         self.decoding = False  # a token has arrived
         self._waiter: asyncio.Future[None] | None = None
         self._per_handoff = request.tokens_per_handoff
         self.ticket = request.ticket
+
+    def record_tokens(self, now: float) -> tuple[bool, float]:
+        """Its client got tokens at `now`: whether they were its first, and the seconds since
+        the ones before (the first: since the call was accepted)."""
+        first = self.last_token_at is None
+        elapsed = now - (self.accepted_at if self.last_token_at is None else self.last_token_at)
+        self.last_token_at = now
+        return first, elapsed
+
+    def set_finish_reason(self, reason: str | None) -> None:
+        """Its terminal message is built, for `reason` (None: not yet)."""
+        self.finish_reason = reason
+
+    def mark_decoding(self) -> None:
+        """A token has arrived for it."""
+        self.decoding = True
 
     def push(self, event: RowEvent) -> None:
         self.events.append(event)
@@ -163,7 +179,7 @@ class Streams:
                 if event.token is not None:
                     self.generated_total += 1
                     if not stream.decoding:
-                        stream.decoding = True
+                        stream.mark_decoding()
                         self._decoding += 1
                 stream.push(event)
         for failure in out.failures:

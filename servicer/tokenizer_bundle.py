@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .demo_model import build_atomically, default_cache_dir
+from .demos.common import build_atomically, default_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,8 @@ from typing import Any
 import grpc
 
 from .engine.prefix.keys import adapter_keyed, block_keys, image_keyed
+from .faces import MLX_FACE, Face
+from .lifecycle import Lifecycle, Phase
 from .messages import (
     Constraint,
     GenerationRequest,
@@ -45,6 +47,17 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def not_serving(lifecycle: Lifecycle) -> RequestError:
+    """What a request gets while the worker does not serve. While it starts,
+    RESOURCE_EXHAUSTED: the smg router retries it (on another worker when it has one) without
+    counting it against the worker's circuit breaker, which UNAVAILABLE would open for a
+    minute after ten refusals. Shutting down or failed: UNAVAILABLE, so the router takes the
+    worker out."""
+    starting = lifecycle.phase in (Phase.STARTING, Phase.LOADING)
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED if starting else grpc.StatusCode.UNAVAILABLE
+    return RequestError(code, lifecycle.refusal)
 
 
 # A prompt's ids -> the ids with its images' placeholder runs in, and the images placed.
@@ -376,35 +389,49 @@ def _with_images(
     return prompt, images, image_keyed(prompt, [(i.offset, i.length, i.key) for i in images])
 
 
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """What the handler knows of one Generate call beyond its message, carried to
+    `build_request`: the face it came through, the served adapter it is for, and its input
+    as the worker prepared it."""
+
+    face: Face = MLX_FACE
+    adapter: str = ""  # the served adapter it is for ("": the base model)
+    adapter_key: str = ""  # the adapter's name in the prefix store (its weights' digest)
+    ticket: int = 0  # the engine's name for it
+    text_ids: list[int] | None = None  # the worker's encoding of a `text` input
+    # Its images, fetched and processed, to put in its prompt (None: media is refused).
+    images: ExpandImages | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """How the engine hands every request's tokens back, and names its prompt's blocks (the
+    worker's settings). After the first token: `stream_interval` tokens per streamed chunk, and
+    at least `window_s` between two chunks (the finish never waits). `block_size`: tokens per
+    prefix block (0: the worker keeps no prefixes)."""
+
+    stream_interval: int = 1
+    window_s: float = 0.0
+    block_size: int = 0
+
+
 def build_request(
-    request: Any,
-    ticket: int,
-    limits: Limits,
-    text_ids: list[int] | None = None,
-    stream_interval: int = 1,
-    block_size: int = 0,
-    stream_window_s: float = 0.0,
-    expand_images: ExpandImages | None = None,
-    adapter: str = "",
-    adapter_key: str = "",
+    request: Any, context: RequestContext, limits: Limits, handoff: Handoff = Handoff()
 ) -> tuple[GenerationRequest, TextOptions | None]:
     """Validate and normalise; raises RequestError with the status to send.
 
-    `stream_interval` is the tokens per streamed chunk after the first, `stream_window_s` the
-    least time between two chunks (both after the first token; the finish never waits). A unary
-    call needs its handler only for the first token (time-to-first-token metric) and the
-    finish, unless it watches for stop strings. `block_size`: name the prompt's blocks for
-    prefix reuse (0: the worker keeps no prefixes). `expand_images`: the request's images,
-    fetched and processed, put in its prompt (None: a request with media is refused);
-    `adapter`: the served adapter it came for ("": the base model), `adapter_key` its name
-    in the prefix store (its weights' digest): an adapter's blocks are its own."""
+    A unary call needs its handler only for the first token (time-to-first-token metric) and
+    the finish, unless it watches for stop strings. An adapter's blocks are its own: its
+    prompt is named with its `adapter_key`."""
     if not request.request_id:
         raise _invalid("request_id is empty")
-    if expand_images is None:
+    if context.images is None:
         refuse_media(request)
-    prompt, bos_added = prompt_ids(request, limits, text_ids)
-    prompt, images, keyed = _with_images(prompt, expand_images, limits)
-    keyed = adapter_keyed(keyed or prompt, adapter_key or adapter) if adapter else keyed
+    prompt, bos_added = prompt_ids(request, limits, context.text_ids)
+    prompt, images, keyed = _with_images(prompt, context.images, limits)
+    adapter = context.adapter
+    keyed = adapter_keyed(keyed or prompt, context.adapter_key or adapter) if adapter else keyed
     params = request.sampling_params
     max_tokens = _max_tokens(params, limits.context_length - len(prompt))
     sample_count(params)
@@ -415,7 +442,7 @@ def build_request(
         stop.update(limits.eos_token_ids)
     text = text_options(params)
     job = GenerationRequest(
-        ticket=ticket,
+        ticket=context.ticket,
         request_id=request.request_id,
         prompt=prompt,
         max_tokens=max_tokens,
@@ -425,9 +452,11 @@ def build_request(
         top_logprobs=top_logprobs,
         constraint=grammar,
         thinking_budget=_thinking_budget(params, limits),
-        tokens_per_handoff=stream_interval if request.stream or text is not None else sys.maxsize,
-        handoff_window_s=stream_window_s,
-        block_keys=block_keys(keyed or prompt, block_size) if block_size else (),
+        tokens_per_handoff=(
+            handoff.stream_interval if request.stream or text is not None else sys.maxsize
+        ),
+        handoff_window_s=handoff.window_s,
+        block_keys=block_keys(keyed or prompt, handoff.block_size) if handoff.block_size else (),
         bos_added=bos_added,
         min_tokens=params.min_tokens,
         stop_strings=text.stops if text is not None else (),

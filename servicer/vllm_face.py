@@ -1,10 +1,10 @@
 """The VllmEngine face: the same handlers as MlxEngine, with vLLM's messages.
 
-Generate, Abort and GetTokenizer are the handlers' own (Generate built for this face's
-messages); the metadata calls map the handlers' answers field by field; Embed, GetLoads,
-SubscribeKvEvents and FlushCache exist on this face only, because only the router's vLLM path
-calls them. Profiling is not offered: UNIMPLEMENTED, said in words (the generated default
-says "Method not implemented!" and logs a traceback at ERROR for every call).
+Generate, Abort, HealthCheck and GetTokenizer are the handlers' own (`FaceServicer`, in this
+face's messages); GetModelInfo and GetServerInfo answer from the same metadata as MlxEngine's;
+Embed, GetLoads, SubscribeKvEvents and FlushCache exist on this face only, because only the
+router's vLLM path calls them. Profiling is not offered: UNIMPLEMENTED, said in words (the
+generated default says "Method not implemented!" and logs a traceback at ERROR for every call).
 """
 
 from __future__ import annotations
@@ -15,56 +15,29 @@ from datetime import UTC, datetime
 import grpc
 
 from . import __version__
-from .handlers import MlxEngineServicer
+from .faces import VLLM_FACE
+from .handlers import FaceServicer
 from .images import media_info
 from .kv_events import SubscriberLagged
 from .metadata import SERVER_TYPE
-from .proto import common_pb2, mlx_engine_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+from .proto import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 from .validation import RequestError
 
 NO_PROFILING = "profiling is not offered by this worker (StartProfile and StopProfile)"
 
 
-class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
-    """VllmEngine over one `MlxEngineServicer`."""
+class VllmEngineFace(FaceServicer, vllm_engine_pb2_grpc.VllmEngineServicer):
+    """VllmEngine at one address (the model's, or a served adapter's)."""
 
-    def __init__(self, handlers: MlxEngineServicer) -> None:
-        self._handlers = handlers
-        # Bound methods of the handlers: gRPC calls them as this face's own.
-        self.Generate = handlers.generate_vllm
-        self.GetTokenizer = handlers.GetTokenizer
-
-    async def Abort(
-        self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> vllm_engine_pb2.AbortResponse:
-        ours = mlx_engine_pb2.AbortRequest(request_ids=request.request_ids)
-        await self._handlers.Abort(ours, context)
-        return vllm_engine_pb2.AbortResponse()
-
-    async def HealthCheck(
-        self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> vllm_engine_pb2.HealthCheckResponse:
-        answer = await self._handlers.HealthCheck(mlx_engine_pb2.HealthCheckRequest(), context)
-        return vllm_engine_pb2.HealthCheckResponse(healthy=answer.healthy, message=answer.message)
+    face = VLLM_FACE
 
     async def GetModelInfo(
         self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.GetModelInfoResponse:
-        info = await self._handlers.GetModelInfo(mlx_engine_pb2.GetModelInfoRequest(), context)
+        fields = await self._metadata.model_fields(context, self._adapter)
         return vllm_engine_pb2.GetModelInfoResponse(
-            model_path=info.model_path,
-            is_generation=info.is_generation,
-            max_context_length=info.max_context_length,
-            vocab_size=info.vocab_size,
-            served_model_name=info.served_model_name,
-            tokenizer_path=self._handlers.tokenizer_path,
-            model_type=info.model_type,
-            architectures=info.architectures,
-            eos_token_ids=info.eos_token_ids,
-            pad_token_id=info.pad_token_id,
-            bos_token_id=info.bos_token_id,
-            max_req_input_len=info.max_req_input_len,
-            embedding_size=info.embedding_size,
+            **fields,
+            tokenizer_path=self._metadata.tokenizer_path,
             supports_vision=self._handlers.images is not None,
         )
 
@@ -73,8 +46,8 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.GetServerInfoResponse:
         handlers = self._handlers
         return vllm_engine_pb2.GetServerInfoResponse(
-            active_requests=handlers.active_requests,
-            uptime_seconds=handlers.uptime_s,
+            active_requests=self._metadata.active_requests,
+            uptime_seconds=self._metadata.uptime_s,
             server_type=SERVER_TYPE,
             data_parallel_size=1,
             block_size=handlers.kv_events.block_size,
@@ -85,7 +58,7 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetLoads(
         self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.GetLoadsResponse:
-        figures = self._handlers.load_figures()
+        figures = self._handlers.load_figures(self._adapter)
         load = vllm_engine_pb2.SchedulerLoad(
             dp_rank=0,
             num_running_reqs=figures.running,
@@ -112,7 +85,7 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.EmbedResponse:
         ids = list(request.tokenized.input_ids)
         try:
-            vector, prompt_tokens = await self._handlers.embed(request.request_id, ids)
+            vector, prompt_tokens = await self._handlers.calls.embed(request.request_id, ids)
         except RequestError as error:
             await context.abort(error.code, error.message)
         return vllm_engine_pb2.EmbedResponse(
@@ -122,7 +95,7 @@ class VllmEngineFace(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def FlushCache(
         self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.FlushCacheResponse:
-        success, message = await self._handlers.flush_cache()
+        success, message = await self._handlers.calls.flush_cache()
         return common_pb2.FlushCacheResponse(success=success, message=message)
 
     async def StartProfile(

@@ -25,7 +25,7 @@ from conftest import Reference, demo_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import ServerThread, generate
 
-from servicer.demo_model import SPECIAL_TOKENS, VOCAB_SIZE, available_kinds, demo_model_path
+from servicer.demos.text import SPECIAL_TOKENS, VOCAB_SIZE, available_kinds, demo_model_path
 
 NEW_TOKENS = 6
 CONCURRENCY = 4

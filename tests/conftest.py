@@ -10,7 +10,7 @@ import grpc
 import pytest
 from support import ServerThread
 
-from servicer.demo_model import TEST_PROMPTS, demo_model_path
+from servicer.demos.text import TEST_PROMPTS, demo_model_path
 from servicer.engine import EngineConfig
 from servicer.engine_config import SpeculationConfig
 from servicer.model_files import ModelSpec

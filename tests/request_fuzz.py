@@ -593,7 +593,7 @@ def model_dir(kind: str) -> Path | None:
     if "/" in kind:
         return Path(kind)
     if kind == "vlm":
-        from servicer.demo_vlm import demo_vlm_path
+        from servicer.demos.vision import demo_vlm_path
 
         return demo_vlm_path(family="gemma3")
     return None

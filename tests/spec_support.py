@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator
 from servicer.engine.parts import batch_generator_settings, runner_settings
 from servicer.engine_config import EngineConfig
 
-CORPUS = Path(__file__).resolve().parent.parent / "servicer" / "demo_corpus.txt"
+CORPUS = Path(__file__).resolve().parent.parent / "servicer" / "demos" / "corpus.txt"
 
 
 def passages(min_chars: int = 200) -> list[str]:

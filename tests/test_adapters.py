@@ -22,7 +22,7 @@ from mlx_lm.tuner.dora import DoRALinear
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from servicer.demo_model import TEST_PROMPTS, demo_model_path
+from servicer.demos.text import TEST_PROMPTS, demo_model_path
 from servicer.engine.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,

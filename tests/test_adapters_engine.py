@@ -25,7 +25,7 @@ from mlx_lm.generate import generate_step
 from support import BackgroundGenerate, ServerThread, generate
 from test_adapters import RANDOM_ADAPTERS, References, _prompt, bases, write_random_adapter
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine import Engine, EngineConfig
 from servicer.engine.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterSet
 from servicer.engine.cache_kinds import make_row_cache

@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import ServerThread
 from test_adapters import RANDOM_ADAPTERS, References, write_random_adapter
 
-from servicer.demo_model import SPECIAL_TOKENS, VOCAB_SIZE, demo_model_path
+from servicer.demos.text import SPECIAL_TOKENS, VOCAB_SIZE, demo_model_path
 from servicer.proto import vllm_engine_pb2 as vpb
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
 

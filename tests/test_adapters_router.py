@@ -18,7 +18,7 @@ from conftest import demo_config
 from support import SMG, Router, ServerThread
 from test_adapters import RANDOM_ADAPTERS, References, write_random_adapter
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.proto import vllm_engine_pb2 as vpb
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
 

@@ -17,7 +17,7 @@ from support import ServerThread, generate
 
 from servicer.client import RemoteTokenizer
 from servicer.codec import TextCodec
-from servicer.demo_model import BOS_TOKEN, demo_model_path
+from servicer.demos.text import BOS_TOKEN, demo_model_path
 from servicer.model_files import ModelSpec, adds_bos, load_tokenizer, prepare_model_files
 from servicer.tokenizer_bundle import build_archive
 

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import ServerThread, WorkerProcess, generate, wait_until
 from test_prefix_store import text_tokens
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.faults import ENV_VAR, FaultPlan
 
 N = 8

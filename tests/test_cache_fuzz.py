@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from cache_fuzz import fuzz
 
-from servicer.demo_model import available_kinds
+from servicer.demos.text import available_kinds
 
 
 @pytest.mark.parametrize("kind", available_kinds())

@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine import EngineConfig
 from servicer.engine.parts import batch_generator_settings, build_parts, new_runner
 from servicer.model_files import ModelSpec, prepare_model_files

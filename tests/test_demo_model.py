@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from servicer import demo_model
-from servicer.demo_model import (
+from servicer.demos import common
+from servicer.demos import text as demo_model
+from servicer.demos.text import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
     DEMO_MODEL_KIND,
@@ -86,10 +87,10 @@ def test_second_call_reuses_the_build(built: Path, cache_dir: Path) -> None:
 
 
 def test_cache_dir_defaults_to_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(demo_model.CACHE_ENV, str(tmp_path))
-    assert demo_model.default_cache_dir() == tmp_path
-    monkeypatch.delenv(demo_model.CACHE_ENV)
-    assert demo_model.default_cache_dir() == Path.home() / ".cache" / "mlx-grpc-worker"
+    monkeypatch.setenv(common.CACHE_ENV, str(tmp_path))
+    assert common.default_cache_dir() == tmp_path
+    monkeypatch.delenv(common.CACHE_ENV)
+    assert common.default_cache_dir() == Path.home() / ".cache" / "mlx-grpc-worker"
 
 
 def test_config(built: Path) -> None:

@@ -10,31 +10,35 @@ from pathlib import Path
 
 import pytest
 
-from servicer import (
-    demo_model,
-    demo_vlm_gemma3,
-    demo_vlm_llava,
-    demo_vlm_mistral3,
-    demo_vlm_qwen2_5,
-)
-from servicer.demo_vlm import (
+from servicer.demos import gemma3 as demo_vlm_gemma3
+from servicer.demos import llava as demo_vlm_llava
+from servicer.demos import mistral3 as demo_vlm_mistral3
+from servicer.demos import qwen2_5_vl as demo_vlm_qwen2_5
+from servicer.demos import text as demo_model
+from servicer.demos.qwen2_vl import (
     CHAT_TEMPLATE,
-    FAMILIES,
+    FAMILY,
     IMAGE_ANCHOR,
     IMAGE_PAD,
-    MODEL_TYPE,
-    TEST_PROMPTS,
-    TEXT_KIND,
     VISION_END,
     VISION_PAD,
     VISION_START,
     VISION_TOKENS,
-    VLM_RECIPE_VERSION,
+)
+from servicer.demos.vision import (
+    FAMILIES,
+    TEST_PROMPTS,
     build_name,
     build_vlm,
     demo_vlm_path,
     get_family,
     is_finished_build,
+)
+
+MODEL_TYPE, TEXT_KIND, VLM_RECIPE_VERSION = (
+    FAMILY.model_type,
+    FAMILY.text_kind,
+    FAMILY.recipe_version,
 )
 
 NO_MLX_VLM = "mlx-vlm is not importable (pip install 'mlx-grpc-worker[vision]')"
@@ -259,7 +263,7 @@ GEMMA3_TOKENS = 20
 
 @pytest.fixture(scope="session")
 def gemma3_text_model() -> Path:
-    return demo_model.demo_model_path(demo_vlm_gemma3.TEXT_KIND)
+    return demo_model.demo_model_path(demo_vlm_gemma3.FAMILY.text_kind)
 
 
 @pytest.fixture(scope="session")
@@ -333,7 +337,7 @@ def test_building_imports_no_mlx(family: str, tmp_path: Path) -> None:
     text_model = demo_model.demo_model_path(get_family(family).text_kind)
     code = (
         "import sys\n"
-        "from servicer.demo_vlm import build_vlm\n"
+        "from servicer.demos.vision import build_vlm\n"
         f"build_vlm({str(tmp_path / 'g')!r}, text_model={str(text_model)!r},"
         f" family={family!r})\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))\n"
@@ -350,7 +354,7 @@ def test_gemma3_config_and_tokens(gemma3_built: Path, gemma3_text_model: Path) -
     g = demo_vlm_gemma3
     config = json.loads((gemma3_built / "config.json").read_text())
     tokenizer = Tokenizer.from_file(str(gemma3_built / "tokenizer.json"))
-    ids = {tok: tokenizer.token_to_id(tok) for tok in g.VISION_TOKENS}
+    ids = {tok: tokenizer.token_to_id(tok) for tok in g.FAMILY.vision_tokens}
     base = demo_model.VOCAB_SIZE
     assert ids == {g.BOI_TOKEN: base, g.EOI_TOKEN: base + 1, g.IMAGE_TOKEN: base + 2}
     assert config["model_type"] == "gemma3"
@@ -514,7 +518,7 @@ def test_mistral3_cache_layout_and_determinism(
     assert _digests(first) == _digests(second) == _digests(mistral3_built)
     other = build_vlm(tmp_path / "c", seed=1, text_model=text_model, family="mistral3")
     assert _digests(other)["model.safetensors"] != _digests(first)["model.safetensors"]
-    gemma3_text = demo_model.demo_model_path(demo_vlm_gemma3.TEXT_KIND)
+    gemma3_text = demo_model.demo_model_path(demo_vlm_gemma3.FAMILY.text_kind)
     with pytest.raises(ValueError, match="not a llama demo build"):
         build_vlm(tmp_path / "d", text_model=gemma3_text, family="mistral3")
 
@@ -525,9 +529,9 @@ def test_mistral3_config_and_tokens(mistral3_built: Path, text_model: Path) -> N
 
     config = json.loads((mistral3_built / "config.json").read_text())
     tokenizer = Tokenizer.from_file(str(mistral3_built / "tokenizer.json"))
-    ids = {tok: tokenizer.token_to_id(tok) for tok in M3.VISION_TOKENS}
+    ids = {tok: tokenizer.token_to_id(tok) for tok in M3.FAMILY.vision_tokens}
     base = demo_model.VOCAB_SIZE
-    assert [ids[tok] for tok in M3.VISION_TOKENS] == [base, base + 1, base + 2]
+    assert [ids[tok] for tok in M3.FAMILY.vision_tokens] == [base, base + 1, base + 2]
     assert config["model_type"] == "mistral3"
     assert config["text_config"]["model_type"] == "mistral"
     assert config["vocab_size"] == config["text_config"]["vocab_size"] == base + 3
@@ -729,7 +733,7 @@ def test_llava_cache_layout_and_determinism(
     assert _digests(first) == _digests(second) == _digests(llava_built)
     other = build_vlm(tmp_path / "c", seed=1, text_model=text_model, family="llava")
     assert _digests(other)["model.safetensors"] != _digests(first)["model.safetensors"]
-    gemma3_text = demo_model.demo_model_path(demo_vlm_gemma3.TEXT_KIND)
+    gemma3_text = demo_model.demo_model_path(demo_vlm_gemma3.FAMILY.text_kind)
     with pytest.raises(ValueError, match="not a llama demo build"):
         build_vlm(tmp_path / "d", text_model=gemma3_text, family="llava")
 

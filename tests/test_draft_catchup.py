@@ -15,7 +15,7 @@ from conftest import demo_config
 from spec_support import Job, drive, passages, plain_generator, repeat_prompt, runner_kwargs
 from support import ServerThread, generate, wait_until
 
-from servicer.demo_model import TEST_PROMPTS, demo_model_path
+from servicer.demos.text import TEST_PROMPTS, demo_model_path
 from servicer.engine.speculation import SpeculationConfig, SpeculativeRunner
 from servicer.engine.speculation.draft_model import DraftModel
 

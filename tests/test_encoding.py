@@ -26,7 +26,7 @@ def _encoder_and_image(family: str, seed: int = 3):
 
     from transformers import AutoTokenizer
 
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
     from servicer.engine.model import load_model
     from servicer.engine.vision import VisionEncoder
     from servicer.images import ImagePreparer, vision_spec

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine import Engine, EngineConfig
 from servicer.engine.embedding import Embedder, inner_module
 from servicer.engine.prefix.keys import block_keys

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 from spec_support import Job, drive, passages, plain_generator, runner_kwargs
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine import fused_prefill
 from servicer.engine.cache_kinds import make_row_cache
 from servicer.engine.runner import BatchRunner

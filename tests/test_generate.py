@@ -9,7 +9,7 @@ import grpc
 import pytest
 from support import generate
 
-from servicer.demo_model import EOS_TOKEN
+from servicer.demos.text import EOS_TOKEN
 
 N = 32
 

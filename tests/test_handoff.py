@@ -133,7 +133,7 @@ def test_a_stream_wakes_for_the_first_token_then_per_batch_then_the_finish():
             while True:
                 events = await stream.take()
                 batches.append([e.token for e in events])
-                stream.last_token_at = time.perf_counter()
+                stream.record_tokens(time.perf_counter())
                 if events[-1].finish_reason is not None:
                     return
 
@@ -151,7 +151,7 @@ def test_a_stream_wakes_for_the_first_token_then_per_batch_then_the_finish():
 def test_a_failed_stream_hands_over_what_is_left_then_raises():
     async def scenario() -> None:
         stream = RequestStream(_request(per_handoff=10))
-        stream.last_token_at = 1.0  # past its first token: 2 events are not due yet
+        stream.record_tokens(1.0)  # past its first token: 2 events are not due yet
         stream.push(RowEvent(1, 5))
         stream.push(RowEvent(1, 6))
         stream.fail(RequestError(grpc.StatusCode.INTERNAL, "step failed"))

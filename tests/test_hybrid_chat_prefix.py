@@ -9,7 +9,7 @@ import pytest
 from conftest import Reference, demo_config
 from support import SMG, Router, ServerThread, generate
 
-from servicer.demo_model import TEST_PROMPTS, demo_model_path
+from servicer.demos.text import TEST_PROMPTS, demo_model_path
 
 N = 8
 QUESTIONS = ("Tell me about the river.", "What does our cat eat?", "When does the train leave?")

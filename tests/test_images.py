@@ -95,7 +95,7 @@ needs_vlm = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def vlm_dir():
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
 
     return demo_vlm_path(family="gemma3")
 
@@ -159,7 +159,7 @@ def chat_ids(vlm_dir, question: str, images: int = 1) -> list[int]:
 def expanded(vlm_dir, prompt: list[int]) -> list[int]:
     """The prompt with each anchor replaced as Gemma 3's processor does, independently of the
     worker: the processor's own image sequence, tokenized."""
-    from servicer.demo_vlm_gemma3 import IMAGE_ANCHOR, IMAGE_SEQUENCE
+    from servicer.demos.gemma3 import IMAGE_ANCHOR, IMAGE_SEQUENCE
 
     tokenizer = _tokenizer(vlm_dir)
     (anchor,) = tokenizer.encode(IMAGE_ANCHOR, add_special_tokens=False)

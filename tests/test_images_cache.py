@@ -29,7 +29,7 @@ QUESTIONS = (
 
 @pytest.fixture(scope="module")
 def vlm_dir():
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
 
     return demo_vlm_path(family="gemma3")
 

@@ -16,7 +16,7 @@ from support import SMG, Router, ServerThread
 from test_images import complete, data_url, image_request, needs_vlm, png
 from vlm_support import chat_text, loaded, routed_image_chat, router_ids, served
 
-from servicer.demo_vlm_llava import TOKENS_PER_IMAGE
+from servicer.demos.llava import TOKENS_PER_IMAGE
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
 from servicer.server import ModelSpec
 
@@ -27,7 +27,7 @@ pytestmark = needs_vlm
 
 @pytest.fixture(scope="module")
 def vlm_dir():
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
 
     return demo_vlm_path(family="llava")
 

@@ -31,7 +31,7 @@ FAMILY = "qwen2_5_vl"
 
 @pytest.fixture(scope="module")
 def vlm_dir() -> Path:
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
 
     return demo_vlm_path(family=FAMILY)
 
@@ -66,7 +66,7 @@ def test_the_demo_is_qwen2_5_vl_with_qwen2_vls_prompt(vlm_dir, tmp_path):
     Qwen2-VL's under this family's name; mlx-vlm's answers vary with the image."""
     from transformers import AutoTokenizer
 
-    from servicer.demo_vlm import build_vlm
+    from servicer.demos.vision import build_vlm
     from servicer.images import vision_spec
 
     rebuilt = build_vlm(tmp_path / "again", family=FAMILY)

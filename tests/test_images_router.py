@@ -32,7 +32,7 @@ QUESTION = "What do bees make?"
 
 @pytest.fixture(scope="module")
 def vlm_dir():
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
 
     return demo_vlm_path(family="gemma3")
 
@@ -170,7 +170,7 @@ def test_mistral3_through_the_router_answers_as_mlx_vlm_does(tmp_path):
     from test_images_mistral3 import reference
     from transformers import AutoTokenizer
 
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
 
     model_dir = demo_vlm_path(family="mistral3")
     raw = png(46, (64, 48))

@@ -35,7 +35,7 @@ IMAGES = "mlx_worker_image_requests_total"
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def vlm_dir(request):
     """Qwen2.5-VL too, served by its path (it holds "qwen" and "vl": the router's own path)."""
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
 
     return demo_vlm_path(family=request.param)
 

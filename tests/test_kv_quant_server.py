@@ -15,7 +15,7 @@ from mlx_lm.generate import generate_step
 from support import BackgroundGenerate, ServerThread, generate, wait_until
 from test_prefix_store import text_tokens
 
-from servicer.demo_model import available_kinds, demo_model_path
+from servicer.demos.text import available_kinds, demo_model_path
 from servicer.engine.cache_kinds import make_row_cache
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc

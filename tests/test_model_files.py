@@ -11,7 +11,7 @@ from conftest import demo_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import BackgroundGenerate, ServerThread, generate
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.faults import FaultPlan
 from servicer.model_files import ModelLoadError, ModelSpec, prepare_model_files
 from servicer.proto import common_pb2

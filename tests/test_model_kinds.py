@@ -14,7 +14,7 @@ import pytest
 from conftest import Reference, demo_config
 from support import ServerThread, make_request, server_info, wait_until
 
-from servicer.demo_model import TEST_PROMPTS, demo_model_path
+from servicer.demos.text import TEST_PROMPTS, demo_model_path
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
 
 N = 20

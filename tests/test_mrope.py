@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from servicer.demo_vlm import TEST_PROMPTS, demo_vlm_path
+from servicer.demos.vision import TEST_PROMPTS, demo_vlm_path
 from servicer.engine.mrope import MRoPE, RopePositions, enable_mrope, rope_index
 
 NO_MLX_VLM = "mlx-vlm is not importable (pip install 'mlx-grpc-worker[vision]')"

@@ -11,7 +11,7 @@ import pytest
 from conftest import Reference, demo_config
 from support import BackgroundGenerate, ServerThread, generate, wait_until
 
-from servicer.demo_model import TEST_PROMPTS, demo_model_path
+from servicer.demos.text import TEST_PROMPTS, demo_model_path
 
 # A budget so small that every machine splits a long prompt while rows decode.
 TINY_BUDGET_MS = 1.0

@@ -12,7 +12,7 @@ import pytest
 from conftest import demo_config
 from support import ServerThread, generate, server_info, wait_until
 
-from servicer.demo_model import TEST_PROMPTS
+from servicer.demos.text import TEST_PROMPTS
 from servicer.messages import PrefixCacheStats as Stats
 
 N = 24

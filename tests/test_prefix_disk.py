@@ -17,7 +17,7 @@ from conftest import Reference, demo_config
 from support import ServerThread, WorkerProcess, generate, make_request, wait_until
 from test_prefix_store import BLOCK, store_config, text_tokens
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine import EngineStartupError
 from servicer.faults import FaultPlan
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc

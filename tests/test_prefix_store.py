@@ -12,7 +12,7 @@ import pytest
 from conftest import Reference, demo_config
 from support import ServerThread, generate
 
-from servicer.demo_model import TEST_PROMPTS, demo_model_path
+from servicer.demos.text import TEST_PROMPTS, demo_model_path
 from servicer.kv_events import TIERS
 
 BLOCK = 256

@@ -13,7 +13,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 from quant_support import quantize_rows
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine.cache_kinds import make_row_cache
 from servicer.engine.quantized_kv import BatchQuantizedKVCache, QuantizedRowCache
 

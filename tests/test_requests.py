@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from servicer.proto import mlx_engine_pb2 as pb
-from servicer.validation import Limits, RequestError, build_request
+from servicer.validation import Handoff, Limits, RequestContext, RequestError, build_request
 
 LIMITS = Limits(vocab_size=100, context_length=64, eos_token_ids=(1,), max_prompt_tokens=50)
 
@@ -22,7 +22,7 @@ def _build(prompt=(5, 6, 7), stream=True, **params):
         sampling_params=pb.SamplingParams(**params),
         stream=stream,
     )
-    return build_request(request, 7, LIMITS, stream_interval=4)
+    return build_request(request, RequestContext(ticket=7), LIMITS, Handoff(stream_interval=4))
 
 
 def _refused(**kwargs) -> RequestError:
@@ -82,4 +82,4 @@ def test_bad_input_is_invalid_argument_with_a_message(params, message):
 def test_an_empty_request_id_is_refused():
     request = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[5]))
     with pytest.raises(RequestError, match="request_id is empty"):
-        build_request(request, 1, LIMITS)
+        build_request(request, RequestContext(ticket=1), LIMITS)

@@ -20,7 +20,7 @@ from spec_support import (
     runner_kwargs,
 )
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine import fused_prefill
 from servicer.engine.cache_kinds import grouped, make_row_cache
 from servicer.engine.row_groups import MAX_GROUPS, MIN_SPLIT_SLOTS, RowGroups, choose_group

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 from spec_support import Job, drive, plain_generator, runner_kwargs
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine.decode_batch import StepRows
 from servicer.engine.runner import BatchRunner
 

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import ArraysCache
 from prometheus_client.parser import text_string_to_metric_families
 from support import WorkerProcess, generate
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine.cache_kinds import adopt
 from servicer.engine.speculation import speculation_supported
 from servicer.sysinfo import free_port

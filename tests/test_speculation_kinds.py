@@ -21,7 +21,7 @@ from spec_support import (
     runner_kwargs,
 )
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine.cache_kinds import make_row_cache
 from servicer.engine.sampling import SeededSampler
 from servicer.engine.speculation import (

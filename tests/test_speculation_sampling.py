@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.sample_utils import greedy_sampler
 from spec_support import passages, replicated_batch, two_sample_chi_square
 
-from servicer.demo_model import demo_model_path
+from servicer.demos.text import demo_model_path
 from servicer.engine.sampling import RandomKeys, _Sampler
 from servicer.engine.speculation import PromptLookup, SpeculationConfig, Speculator
 from servicer.engine.speculation.batch import SpeculativeDecodeBatch

@@ -330,7 +330,7 @@ def test_the_startup_line_says_the_cap_counts_every_decoding_row(caplog):
 
     from mlx_lm import load
 
-    from servicer.demo_model import demo_model_path
+    from servicer.demos.text import demo_model_path
     from servicer.engine.parts import _speculation
     from servicer.engine_config import EngineConfig
 

@@ -79,7 +79,7 @@ def test_the_rust_stream_decoder_gives_the_same_text_as_the_window_decoder():
 
     from transformers import AutoTokenizer
 
-    from servicer.demo_model import demo_model_path
+    from servicer.demos.text import demo_model_path
     from servicer.text import StreamDecoder
 
     tokenizer = AutoTokenizer.from_pretrained(str(demo_model_path()))

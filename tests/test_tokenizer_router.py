@@ -16,7 +16,7 @@ CHAT = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text":
 
 @pytest.fixture(scope="module")
 def qwen_dir():
-    from servicer.demo_vlm import demo_vlm_path
+    from servicer.demos.vision import demo_vlm_path
 
     return demo_vlm_path(family="qwen2_vl")
 

@@ -9,7 +9,8 @@ import pytest
 from conftest import Reference, demo_config
 from support import make_request
 
-from servicer.demo_model import DEMO_MODEL_KIND, build_model, build_name, default_cache_dir
+from servicer.demos.common import default_cache_dir
+from servicer.demos.text import DEMO_MODEL_KIND, build_model, build_name
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
 from servicer.server import WorkerServer
 

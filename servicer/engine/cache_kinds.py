@@ -126,6 +126,20 @@ def _rows_merged(layer: Any) -> Any:
     return rows[0].merge(rows)
 
 
+def _batch(description: str, ragged: type) -> CacheKind:
+    """mlx-lm's batch of full-attention rows, which a speculating batch adopts as `ragged`."""
+
+    def adopt(layer: Any, extra: int, padding_inert: bool) -> Any:
+        return ragged.adopt(layer)
+
+    return CacheKind(description, groups_rows=True, adopt=adopt)
+
+
+def _ragged(description: str) -> CacheKind:
+    """A speculating batch's full-attention rows (adopted already), released merged."""
+    return CacheKind(description, adopt=_as_is, release=_rows_merged, groups_rows=True)
+
+
 KINDS: Mapping[type, CacheKind] = MappingProxyType(
     {
         # mlx-lm's single-sequence kinds, as models make them
@@ -162,11 +176,7 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
         ),
         ConcatenateKVCache: CacheKind("no model makes it; it has no batched form"),
         # mlx-lm's batched kinds, as its prefill leaves them
-        BatchKVCache: CacheKind(
-            "full attention, a batch",
-            groups_rows=True,
-            adopt=lambda layer, extra, inert: RaggedKVCache.adopt(layer),
-        ),
+        BatchKVCache: _batch("full attention, a batch", RaggedKVCache),
         BatchRotatingKVCache: CacheKind(
             "a sliding window, a batch",
             sliding=True,
@@ -176,11 +186,7 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
         QuantizedRowCache: CacheKind(
             "full attention, quantized (one request)", attention_kv=True, measure=_quantized_bytes
         ),
-        BatchQuantizedKVCache: CacheKind(
-            "full attention, quantized, a batch",
-            groups_rows=True,
-            adopt=lambda layer, extra, inert: RaggedQuantizedKVCache.adopt(layer),
-        ),
+        BatchQuantizedKVCache: _batch("full attention, quantized, a batch", RaggedQuantizedKVCache),
         # ours: --kv-bits where the model's attention takes plain arrays only (quantized_kv):
         # stored quantized, handed back dequantized
         DequantizingRowCache: CacheKind(
@@ -188,27 +194,14 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
             attention_kv=True,
             measure=_quantized_bytes,
         ),
-        BatchDequantizingKVCache: CacheKind(
+        BatchDequantizingKVCache: _batch(
             "full attention, quantized, dequantized for attention, a batch",
-            groups_rows=True,
-            adopt=lambda layer, extra, inert: RaggedDequantizingKVCache.adopt(layer),
+            RaggedDequantizingKVCache,
         ),
         # ours: a speculating batch's caches (speculation.caches), adopted already
-        RaggedKVCache: CacheKind(
-            "full attention, rows rolled back per row",
-            adopt=_as_is,
-            release=_rows_merged,
-            groups_rows=True,
-        ),
-        RaggedQuantizedKVCache: CacheKind(
-            "RaggedKVCache, quantized", adopt=_as_is, release=_rows_merged, groups_rows=True
-        ),
-        RaggedDequantizingKVCache: CacheKind(
-            "RaggedKVCache, quantized, dequantized for attention",
-            adopt=_as_is,
-            release=_rows_merged,
-            groups_rows=True,
-        ),
+        RaggedKVCache: _ragged("full attention, rows rolled back per row"),
+        RaggedQuantizedKVCache: _ragged("RaggedKVCache, quantized"),
+        RaggedDequantizingKVCache: _ragged("RaggedKVCache, quantized, dequantized for attention"),
         RingKVCache: CacheKind(
             "a sliding window, rolled back per row",
             sliding=True,

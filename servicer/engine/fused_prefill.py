@@ -68,35 +68,26 @@ class PackedAttention:
         outputs, start = [], 0
         for (part_cache, rows, width), part_mask in zip(cache.parts, mask.masks, strict=True):
             end = start + rows * width
-            outputs.append(
-                self._attend(
-                    queries[:, start:end],
-                    keys[:, start:end],
-                    values[:, start:end],
-                    rows,
-                    width,
-                    part_mask,
-                    part_cache,
-                )
-            )
+            projected = (queries[:, start:end], keys[:, start:end], values[:, start:end])
+            outputs.append(self._attend(projected, rows, width, part_mask, part_cache))
             start = end
         return self.o_proj(mx.concatenate(outputs, axis=1))  # type: ignore[attr-defined]
 
     def _attend(
         self,
-        queries: mx.array,
-        keys: mx.array,
-        values: mx.array,
+        projected: tuple[mx.array, mx.array, mx.array],
         rows: int,
         width: int,
         mask: Any,
         cache: Any,
     ) -> mx.array:
-        """One segment's attention, its rows in groups where its cache holds them so."""
+        """One segment's attention from its projected queries, keys and values, its rows in
+        groups where its cache holds them so."""
         if not isinstance(cache, RowGroups):
-            return self._segment(queries, keys, values, rows, width, mask, cache)
+            return self._segment(*projected, rows, width, mask, cache)
         if cache.single:
-            return self._segment(queries, keys, values, rows, width, mask.masks[0], cache.groups[0])
+            return self._segment(*projected, rows, width, mask.masks[0], cache.groups[0])
+        queries, keys, values = projected
 
         def shaped(t: mx.array) -> mx.array:
             return t.reshape(rows, width, -1)

@@ -6,55 +6,45 @@ tiny mlx-lm architecture and trains it briefly (deterministically) so that greed
 is varied text rather than one repeated token. Every model kind shares the same tokenizer;
 a kind is just another entry in ``_RECIPES``.
 
-Usage: ``python -m servicer.demo_model [--kind llama] [--seed 0] [--out DIR]``.
+Usage: ``python -m servicer.demos.text [--kind llama] [--seed 0] [--out DIR]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import importlib
-import json
-import logging
-import os
 import re
-import shutil
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-log = logging.getLogger(__name__)
+from .common import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    MODEL_FILES,
+    MODEL_MAX_LENGTH,
+    SPECIAL_TOKENS,
+    build_atomically,
+    cached_build,
+    default_cache_dir,
+    has_files,
+    special_token_ids,
+    write_model_files,
+    write_tokenizer_configs,
+)
 
 DEMO_MODEL_KIND = "llama"
 DEMO_SEED = 0
 # Bump whenever anything that changes the built files changes (corpus, tokenizer,
 # configs, training recipe): cached builds are keyed on it.
 RECIPE_VERSION = "v3"
-CACHE_ENV = "MLX_GRPC_WORKER_CACHE"
-
-BOS_TOKEN = "<|begin|>"
-EOS_TOKEN = "<|end|>"
-PAD_TOKEN = "<|pad|>"
-# Order fixes the ids: bos=0, eos=1, pad=2, ...
-SPECIAL_TOKENS = (
-    BOS_TOKEN,
-    EOS_TOKEN,
-    PAD_TOKEN,
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<think>",
-    "</think>",
-)
 VOCAB_SIZE = 512
-MODEL_MAX_LENGTH = 4096
 
 # Deliberately minimal Jinja (loops, ifs, subscripts) so the Rust minijinja engine used
 # by the router renders it identically to Python's jinja2.
@@ -79,15 +69,7 @@ TEST_PROMPTS: tuple[str, ...] = (
     "Numbers have",
 )
 
-_CORPUS_PATH = Path(__file__).with_name("demo_corpus.txt")
-_REQUIRED_FILES = (
-    "config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
+_CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 _CHAT_RE = re.compile(r"^User: (?P<user>.+)\nAssistant: (?P<assistant>.+)$", re.MULTILINE)
 
 
@@ -120,27 +102,45 @@ class _Recipe:
     dtype: str = "bfloat16"
 
 
+def _config(
+    model_type: str, layers: Mapping[str, Any], heads: Mapping[str, Any], rest: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """A kind's config.json fields: the sizes every kind shares (width 128, 2 layers, 4 query
+    heads of 32, 2 KV heads, MLP 256), with its own layer fields after the layer count, its
+    own attention fields after the heads' and the rest at the end."""
+    return MappingProxyType(
+        {
+            "model_type": model_type,
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            **layers,
+            "intermediate_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            **heads,
+            "max_position_embeddings": MODEL_MAX_LENGTH,
+            "rope_theta": 10000.0,
+            **rest,
+        }
+    )
+
+
 _RECIPES: Mapping[str, _Recipe] = MappingProxyType(
     {
         "llama": _Recipe(
             architecture="LlamaForCausalLM",
-            config=MappingProxyType(
-                {
-                    "model_type": "llama",
-                    "hidden_size": 128,
-                    "num_hidden_layers": 2,
-                    "intermediate_size": 256,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "head_dim": 32,
-                    "max_position_embeddings": MODEL_MAX_LENGTH,
-                    "rope_theta": 10000.0,
+            config=_config(
+                "llama",
+                layers={},
+                heads={},
+                rest={
                     "rms_norm_eps": 1e-5,
                     "tie_word_embeddings": True,
                     "hidden_act": "silu",
                     "attention_bias": False,
                     "mlp_bias": False,
-                }
+                },
             ),
         ),
         # Gated-DeltaNet layer then a full-attention layer: make_cache() mixes
@@ -148,16 +148,10 @@ _RECIPES: Mapping[str, _Recipe] = MappingProxyType(
         "hybrid": _Recipe(
             architecture="Qwen3NextForCausalLM",
             steps=60,  # learns faster per step than llama, and its steps cost more wall time
-            config=MappingProxyType(
-                {
-                    "model_type": "qwen3_next",
-                    "hidden_size": 128,
-                    "num_hidden_layers": 2,
-                    "full_attention_interval": 2,
-                    "intermediate_size": 256,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "head_dim": 32,
+            config=_config(
+                "qwen3_next",
+                layers={"full_attention_interval": 2},
+                heads={
                     "partial_rotary_factor": 0.5,
                     "linear_num_key_heads": 2,
                     "linear_num_value_heads": 4,
@@ -170,37 +164,27 @@ _RECIPES: Mapping[str, _Recipe] = MappingProxyType(
                     "mlp_only_layers": [],
                     "moe_intermediate_size": 0,
                     "shared_expert_intermediate_size": 0,
-                    "max_position_embeddings": MODEL_MAX_LENGTH,
-                    "rope_theta": 10000.0,
-                    "rms_norm_eps": 1e-6,
-                    "tie_word_embeddings": True,
-                    "hidden_act": "silu",
-                }
+                },
+                rest={"rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu"},
             ),
         ),
         # A sliding-window layer (RotatingKVCache, window 16) then a global one (KVCache).
         "gemma3": _Recipe(
             architecture="Gemma3ForCausalLM",
-            config=MappingProxyType(
-                {
-                    "model_type": "gemma3_text",
-                    "hidden_size": 128,
-                    "num_hidden_layers": 2,
+            config=_config(
+                "gemma3_text",
+                layers={
                     "sliding_window": 16,
                     "sliding_window_pattern": 2,
                     "layer_types": ["sliding_attention", "full_attention"],
-                    "intermediate_size": 256,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "head_dim": 32,
-                    "query_pre_attn_scalar": 32,
-                    "max_position_embeddings": MODEL_MAX_LENGTH,
-                    "rope_theta": 10000.0,
+                },
+                heads={"query_pre_attn_scalar": 32},
+                rest={
                     "rope_local_base_freq": 10000.0,
                     "rms_norm_eps": 1e-6,
                     "tie_word_embeddings": True,
                     "hidden_activation": "gelu_pytorch_tanh",
-                }
+                },
             ),
         ),
     }
@@ -224,14 +208,8 @@ def build_name(kind: str = DEMO_MODEL_KIND, seed: int = DEMO_SEED) -> str:
     return f"demo-{kind}-s{seed}-{RECIPE_VERSION}"
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "mlx-grpc-worker"
-
-
 def is_finished_build(path: Path) -> bool:
-    # Builds appear by atomic rename, so a directory holding every file is complete.
-    return path.is_dir() and all((path / name).is_file() for name in _REQUIRED_FILES)
+    return has_files(path, MODEL_FILES)
 
 
 def build_model(path: Path, kind: str = DEMO_MODEL_KIND, seed: int = DEMO_SEED) -> Path:
@@ -247,33 +225,6 @@ def build_model(path: Path, kind: str = DEMO_MODEL_KIND, seed: int = DEMO_SEED) 
     )
 
 
-def build_atomically(
-    path: Path, finished: Callable[[Path], bool], build_into: Callable[[Path], None], what: str
-) -> Path:
-    """`build_into` a temporary sibling of `path`, then rename it into place: `path` never
-    holds a partial build, and a `finished` one there is returned untouched."""
-    path = Path(path)
-    if finished(path):
-        return path
-    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
-        # Fail before spending a build on a rename that cannot succeed.
-        raise FileExistsError(f"{path} exists and is not a finished {what} build")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        build_into(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model cache should be readable
-        try:
-            # rename(2) replaces a missing or empty directory, and fails on a non-empty one.
-            os.rename(tmp, path)
-        except OSError:
-            if not finished(path):  # else another process won the race: fine
-                raise FileExistsError(f"{path} exists and is not a finished {what} build") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
 def demo_model_path(kind: str = DEMO_MODEL_KIND, cache_dir: Path | None = None) -> Path:
     """Path of the cached demo model for `kind`, building it on first use.
 
@@ -286,21 +237,6 @@ def demo_model_path(kind: str = DEMO_MODEL_KIND, cache_dir: Path | None = None) 
         lambda target: build_model(target, kind, DEMO_SEED),
         f"the {kind} demo model",
     )
-
-
-def cached_build(
-    target: Path, finished: Callable[[Path], bool], build: Callable[[Path], Path], what: str
-) -> Path:
-    """`target` in the model cache, built on first use by `build`; builders in several
-    processes serialise on a lock file beside it."""
-    if finished(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-        if not finished(target):  # else another process built it while we waited
-            log.info("building %s into %s (first use)", what, target)
-        return build(target)
 
 
 # --------------------------------------------------------------------------- building
@@ -354,38 +290,10 @@ def _train_tokenizer(corpus_text: str):
     return tokenizer
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def _write_tokenizer_files(out: Path, tokenizer) -> dict[str, int]:
     tokenizer.save(str(out / "tokenizer.json"))
-    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "pad_token": PAD_TOKEN,
-            "additional_special_tokens": list(SPECIAL_TOKENS[3:]),
-            "add_bos_token": False,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": MODEL_MAX_LENGTH,
-            "chat_template": CHAT_TEMPLATE,
-        },
-    )
-    _write_json(
-        out / "special_tokens_map.json",
-        {
-            "bos_token": BOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "pad_token": PAD_TOKEN,
-            "additional_special_tokens": list(SPECIAL_TOKENS[3:]),
-        },
-    )
-    return ids
+    write_tokenizer_configs(out, (), CHAT_TEMPLATE, {})
+    return {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
 
 
 def _training_stream(tokenizer, rng, chat_repeats: int):
@@ -410,9 +318,7 @@ def _model_config(kind: str, recipe: _Recipe, seed: int, ids: Mapping[str, int])
         "architectures": [recipe.architecture],
         **recipe.config,
         "vocab_size": VOCAB_SIZE,
-        "bos_token_id": ids[BOS_TOKEN],
-        "eos_token_id": ids[EOS_TOKEN],
-        "pad_token_id": ids[PAD_TOKEN],
+        **special_token_ids(ids),
         "torch_dtype": "float32",
         # Ignored by loaders; records which recipe produced the weights.
         "demo_build": {"kind": kind, "seed": seed, "version": RECIPE_VERSION},
@@ -529,15 +435,7 @@ def _build_into(out: Path, kind: str, recipe: _Recipe, seed: int) -> None:
     model.set_dtype(mx.float32)
     weights = dict(sorted(tree_flatten(model.parameters())))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": ids[BOS_TOKEN],
-            "eos_token_id": ids[EOS_TOKEN],
-            "pad_token_id": ids[PAD_TOKEN],
-        },
-    )
+    write_model_files(out, config, ids)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
