@@ -37,16 +37,14 @@ def run_case(
     from servicer.engine.cache_kinds import grouped as grouping
     from servicer.engine.runner import BatchRunner
 
-    generator = BatchRunner(model)
-    if grouped:
-        generator.group_rows(grouping)
+    runner = BatchRunner(model, grouping=grouping if grouped else None)
     prompts = [[(7 * i + j) % 5000 + 100 for j in range(SHORT_PROMPT)] for i in range(rows)]
-    streams = generator.insert(prompts, max_tokens=[STREAM_TOKENS] * rows)
+    streams = runner.insert(prompts, max_tokens=[STREAM_TOKENS] * rows)
     tokens: dict[int, list[int]] = {uid: [] for uid in streams}
 
     def step() -> tuple[float, set[int]]:
         start = time.perf_counter()
-        _, responses = generator.next()
+        _, responses = runner.next()
         elapsed = time.perf_counter() - start
         for r in responses:
             tokens.setdefault(r.uid, []).append(r.token)
@@ -55,7 +53,7 @@ def run_case(
     while not all(tokens[uid] for uid in streams):
         step()
     before = [step()[0] for _ in range(4)]
-    (long_uid,) = generator.insert(
+    (long_uid,) = runner.insert(
         [[(11 * j) % 7000 + 50 for j in range(long_tokens)]], max_tokens=[new_tokens]
     )
     prefill = []
@@ -66,7 +64,7 @@ def run_case(
             break
         prefill.append(elapsed)
     after = [step()[0] for _ in range(AFTER_STEPS)]
-    generator.close()
+    runner.close()
     mx.clear_cache()
     return {
         "before_ms": statistics.median(before) * 1000,

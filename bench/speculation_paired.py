@@ -1,5 +1,5 @@
 """Speculation on (the default: prompt lookup, the clocks deciding) against off, in process,
-to a few percent: the engine's own generator both ways on the demo models, each holding the
+to a few percent: the engine's own runner both ways on the demo models, each holding the
 same `c` rows that decode without end, stepped in alternating chunks in which every row gains
 `--tokens` tokens, each chunk timed to its last token's evaluation. Chunks of tokens, not of
 steps, keep both at the same context lengths, where a step costs the same. A chunk of one and
@@ -45,14 +45,14 @@ def interval(pairs: list[float], draws: int = 2000) -> tuple[float, float]:
 
 
 class Rows:
-    """One generator holding the rows, and every token each row got so far."""
+    """One runner holding the rows, and every token each row got so far."""
 
-    def __init__(self, generator: Any, prompts: list[list[int]]) -> None:
+    def __init__(self, runner: Any, prompts: list[list[int]]) -> None:
         from servicer.engine.parts import warm_up
 
-        self.generator = generator
-        warm_up(generator, 1)
-        self.uids = generator.insert(prompts, max_tokens=[ENDLESS] * len(prompts))
+        self.runner = runner
+        warm_up(runner, 1)
+        self.uids = runner.insert(prompts, max_tokens=[ENDLESS] * len(prompts))
         self.tokens: dict[int, list[int]] = {uid: [] for uid in self.uids}
 
     def gain(self, n: int) -> int:
@@ -60,7 +60,7 @@ class Rows:
         goal = {uid: len(self.tokens[uid]) + n for uid in self.uids}
         got = 0
         while any(len(self.tokens[uid]) < want for uid, want in goal.items()):
-            responses = self.generator.next()[1]
+            responses = self.runner.next()[1]
             for r in responses:
                 self.tokens[r.uid].append(r.token)
             got += len(responses)
@@ -70,7 +70,7 @@ class Rows:
 def measure(parts: Any, config: Any, prompts: list[list[int]], chunks: int, gain: int) -> dict:
     import mlx.core as mx
 
-    from servicer.engine.parts import new_generator
+    from servicer.engine.parts import new_runner
     from servicer.engine.speculation import SpeculationCounters
 
     stream = mx.new_stream(mx.default_device())
@@ -78,7 +78,7 @@ def measure(parts: Any, config: Any, prompts: list[list[int]], chunks: int, gain
     with mx.stream(stream):
         rows = {
             name: Rows(
-                new_generator(
+                new_runner(
                     parts.loaded.model,
                     config,
                     stream,
@@ -93,19 +93,19 @@ def measure(parts: Any, config: Any, prompts: list[list[int]], chunks: int, gain
         }
         for each in rows.values():
             each.gain(3 * gain)  # the prompts' prefill, and the clocks' first windows
-        before = rows["on"].generator.speculation
+        before = rows["on"].runner.speculation
         for k in range(chunks):
             for name in ("off", "on") if k % 2 == 0 else ("on", "off"):
                 if name == "on":
-                    rows[name].generator.after_pause()
+                    rows[name].runner.after_pause()
                 mx.synchronize()
                 start = time.perf_counter()
                 got = rows[name].gain(gain)
                 mx.synchronize()
                 seconds[name].append((time.perf_counter() - start) / got)
-        after = rows["on"].generator.speculation
+        after = rows["on"].runner.speculation
         for each in rows.values():
-            each.generator.close()
+            each.runner.close()
     pairs = [off / on for off, on in zip(seconds["off"], seconds["on"], strict=True)]
     pairs_of_rows = zip(rows["off"].uids, rows["on"].uids, strict=True)
     same = all(

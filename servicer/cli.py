@@ -617,7 +617,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run_distributed(config: ServerConfig, args: argparse.Namespace) -> int:
-    from .engine.constraints import GrammarFactory
     from .engine.lockstep import Lockstep, connect
 
     # Joining the group and loading the shards block in native code when a peer never shows
@@ -633,7 +632,6 @@ def _run_distributed(config: ServerConfig, args: argparse.Namespace) -> int:
     if lockstep.leads:
         code = _run_loop(run_worker(config, on_ready=startup.cancel, lockstep=lockstep))
     else:
-        GrammarFactory.build_at_load = True  # its requests come in rank 0's plans, uncompiled
         code = run_follower(config, lockstep, on_ready=startup.cancel)
     # A peer may still hold a collective open: leave without waiting on native teardown.
     logging.shutdown()

@@ -22,7 +22,7 @@ class Wire(msgspec.Struct, array_like=True, gc=False):
 
 
 class EngineStartupError(RuntimeError):
-    """The engine could not load its model or build its generator."""
+    """The engine could not load its model or build its batch runner."""
 
 
 FINISH_STOP = "stop"

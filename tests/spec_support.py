@@ -1,5 +1,5 @@
 """Shared helpers for the speculation tests: the demo model, prompts, and a driver that runs
-a BatchGenerator through a schedule of joins and removals."""
+a batch runner (ours, or mlx-lm's BatchGenerator) through a schedule of joins and removals."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def repeat_prompt(tokenizer: Any, text: str, limit: int = 120) -> list[int]:
     return ids + ids[: len(ids) // 2]
 
 
-def generator_kwargs(config: EngineConfig | None = None) -> dict[str, Any]:
+def runner_kwargs(config: EngineConfig | None = None) -> dict[str, Any]:
     """The arguments the engine builds its batch runner with."""
     return runner_settings(config or EngineConfig(), mx.new_stream(mx.default_device()))
 
@@ -65,7 +65,7 @@ class Job:
     name: str
     prompt: list[int]
     max_tokens: int
-    join_at: int = 0  # generator step at which it is inserted
+    join_at: int = 0  # runner step at which it is inserted
     remove_after: int | None = None  # removed once it has this many tokens
     sampler: Any = None
     processors: list[Any] | None = None
@@ -83,7 +83,7 @@ class Result:
     removed: bool = False
 
 
-def _insert(generator: BatchGenerator, job: Job) -> int:
+def _insert(runner: Any, job: Job) -> int:
     kwargs: dict[str, Any] = {"max_tokens": [job.max_tokens]}
     if job.sampler is not None:
         kwargs["samplers"] = [job.sampler]
@@ -93,17 +93,18 @@ def _insert(generator: BatchGenerator, job: Job) -> int:
         kwargs["stop_sequences"] = [job.stop]
     if job.caches is not None:
         kwargs["caches"] = [job.caches()]
-    return generator.insert([job.prompt], **kwargs)[0]
+    return runner.insert([job.prompt], **kwargs)[0]
 
 
 def drive(
-    generator: BatchGenerator,
+    runner: Any,
     jobs: Sequence[Job],
     on_step: Callable[[int], None] | None = None,
     results: dict[str, Result] | None = None,
 ) -> dict[str, Result]:
-    """Run the schedule to the end; each job's tokens, logprobs and finish (in `results`
-    as they come, where given: for `on_step` to look at)."""
+    """Run the schedule to the end on `runner` (ours, or mlx-lm's BatchGenerator); each job's
+    tokens, logprobs and finish (in `results` as they come, where given: for `on_step` to
+    look at)."""
     results = {} if results is None else results
     results.update({job.name: Result() for job in jobs})
     active: dict[int, Job] = {}
@@ -112,8 +113,8 @@ def drive(
     while waiting or active:
         while waiting and waiting[0].join_at <= step:
             job = waiting.pop(0)
-            active[_insert(generator, job)] = job
-        _, responses = generator.next()
+            active[_insert(runner, job)] = job
+        _, responses = runner.next()
         step += 1
         for response in responses:
             job = active[response.uid]
@@ -127,7 +128,7 @@ def drive(
                 del active[response.uid]
         for uid, job in list(active.items()):
             if job.remove_after is not None and len(results[job.name].tokens) >= job.remove_after:
-                generator.remove([uid])
+                runner.remove([uid])
                 results[job.name].removed = True
                 del active[uid]
         if on_step is not None:

@@ -235,23 +235,6 @@ def test_each_row_equals_mlx_lm_layer_bit_for_bit(kind: str, dtype: mx.Dtype) ->
         assert mx.array_equal(multi(x), layers[1](x))
 
 
-def test_packed_rows_take_their_segments_adapters() -> None:
-    """A packed forward (one row, requests along the sequence) gives each segment's tokens
-    its adapter's output."""
-    base = _base_layer("plain", mx.float32)
-    layers = [_mlx_lm_layer(base, dora=False, rank=4, seed=1), _mlx_lm_layer(base, True, 8, 2)]
-    multi, adapters = _multi(base, layers)
-    x = mx.random.normal((1, 12, 64), key=mx.random.key(4))
-    segments = [(2, 3), (0, 4), (1, 5)]
-    with adapters.packed(segments):
-        got = multi(x)
-    expected = [base(x), *(layer(x) for layer in layers)]
-    start = 0
-    for index, n in segments:
-        assert mx.array_equal(got[:, start : start + n], expected[index][:, start : start + n])
-        start += n
-
-
 def test_rows_must_fit_the_forward() -> None:
     base = _base_layer("plain", mx.float32)
     multi, adapters = _multi(base, [_mlx_lm_layer(base, dora=False, rank=4, seed=1)])
@@ -260,8 +243,6 @@ def test_rows_must_fit_the_forward() -> None:
     x = mx.zeros((3, 2, 64))
     with adapters.forward([1, 0]), pytest.raises(ValueError, match="set for 2 rows"):
         multi(x)
-    with adapters.packed([(1, 5)]), pytest.raises(ValueError, match="one row of 5 tokens"):
-        multi(x[:1])
     assert adapters.index(None) == 0 and adapters.index("a1") == 1
     with pytest.raises(KeyError, match="no adapter 'nope'"):
         adapters.index("nope")

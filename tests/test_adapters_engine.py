@@ -365,8 +365,8 @@ def test_rows_in_attention_groups_take_their_adapters(adapter_dirs) -> None:
     projections still run over the whole batch, the attention per group): rows of the base
     and of every adapter, in both groups, get the tokens they get in one padded batch."""
     from mlx_lm import load
-    from spec_support import drive, generator_kwargs, plain_generator
-    from test_row_groups import grouping_generator, mixed_jobs, most_groups
+    from spec_support import drive, plain_generator, runner_kwargs
+    from test_row_groups import grouping_runner, mixed_jobs, most_groups
 
     from servicer.engine import fused_prefill
     from servicer.engine.adapters import load_adapters
@@ -379,19 +379,19 @@ def test_rows_in_attention_groups_take_their_adapters(adapter_dirs) -> None:
     indices = {job.name: i % (1 + len(NAMES)) for i, job in enumerate(jobs)}
     assert len(set(indices.values())) == 1 + len(NAMES)
 
-    def run(generator: Any, probe: Any = None) -> dict[str, Any]:
-        insert = generator.insert
+    def run(runner: Any, probe: Any = None) -> dict[str, Any]:
+        insert = runner.insert
         by_prompt = {tuple(job.prompt): indices[job.name] for job in jobs}
 
         def with_adapters(prompts: list[list[int]], **kwargs: Any) -> list[int]:
             rows = [by_prompt[tuple(p)] for p in prompts]
             return insert(prompts, adapters=rows, **kwargs)
 
-        generator.insert = with_adapters
-        return drive(generator, mixed_jobs(tokenizer, 0), probe)
+        runner.insert = with_adapters
+        return drive(runner, mixed_jobs(tokenizer, 0), probe)
 
-    want = run(BatchRunner(model, adapters=adapters, **generator_kwargs()))  # one padded batch
-    grouping = grouping_generator(model, adapters=adapters)
+    want = run(BatchRunner(model, adapters=adapters, **runner_kwargs()))  # one padded batch
+    grouping = grouping_runner(model, adapters=adapters)
     probe = most_groups(grouping)
     got = run(grouping, probe)
     assert max(probe.seen) >= 2, "no step ran with its rows in two groups"

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from servicer.demos.text import demo_model_path
 from servicer.engine import EngineConfig
-from servicer.engine.parts import batch_generator_settings, build_parts, new_generator
+from servicer.engine.parts import batch_generator_settings, build_parts, new_runner
 from servicer.model_files import ModelSpec, prepare_model_files
 
 # What splitting a (rows, vocab) array into rows adds to a graph.
@@ -43,9 +43,10 @@ class StepGraphs:
 
 
 def _step_graphs(
-    generator: Any, rows: int, new_row: Any, monkeypatch: Any, module: str
+    runner: Any, rows: int, new_row: Any, monkeypatch: Any, module: str
 ) -> list[Counter]:
-    """The graphs of three decode steps, seen at the `mx` of `module` (the step's)."""
+    """The graphs of three decode steps of `runner` (ours, or mlx-lm's BatchGenerator), seen
+    at the `mx` of `module` (the step's)."""
     from mlx_lm.sample_utils import greedy_sampler
 
     # The module, not a package's function of the same name (mlx_lm.generate).
@@ -53,18 +54,16 @@ def _step_graphs(
 
     prompts = [[(7 * row + i) % 200 + 3 for i in range(40)] for row in range(rows)]
     caches = [new_row() for _ in range(rows)] if new_row is not None else None
-    generator.insert(
-        prompts, max_tokens=[40] * rows, caches=caches, samplers=[greedy_sampler] * rows
-    )
+    runner.insert(prompts, max_tokens=[40] * rows, caches=caches, samplers=[greedy_sampler] * rows)
     for _ in range(8):  # the prompts through, every row decoding
-        generator.next()
+        runner.next()
     with tempfile.TemporaryDirectory() as workdir:
         spy = StepGraphs(Path(workdir))
         with monkeypatch.context() as patch:
             patch.setattr(step_module, "mx", spy)
             for _ in range(3):
-                generator.next()
-    generator.close()
+                runner.next()
+    runner.close()
     return spy.graphs
 
 
@@ -94,7 +93,7 @@ def test_a_plain_decode_step_launches_the_raw_engines_operations(
 
     parts = build_parts(config, prepare_model_files(ModelSpec(str(path))).info)
     assert parts.speculation is not None  # speculation is on by default
-    ours = new_generator(
+    ours = new_runner(
         parts.loaded.model,
         config,
         stream,

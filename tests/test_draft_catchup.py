@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from conftest import demo_config
-from spec_support import Job, drive, generator_kwargs, passages, plain_generator, repeat_prompt
+from spec_support import Job, drive, passages, plain_generator, repeat_prompt, runner_kwargs
 from support import ServerThread, generate, wait_until
 
 from servicer.demos.text import TEST_PROMPTS, demo_model_path
@@ -101,19 +101,19 @@ def test_a_lagging_row_catches_up_a_chunk_a_step_then_drafts():
     ]
     plain = drive(plain_generator(model), jobs)
     source = DraftModel(model)
-    generator = SpeculativeRunner(
+    runner = SpeculativeRunner(
         model,
         source=source,
         speculation=SpeculationConfig(costed=False),
-        **generator_kwargs(),
+        **runner_kwargs(),
     )
     per_step: list[int] = []
     # A plan whose share for the catch-up is one token a step: the minimum chunk runs.
-    generator.next = functools.partial(generator.next, catch_up=1)  # type: ignore[method-assign]
-    spec = drive(generator, jobs, on_step=lambda _: per_step.append(source.catch_up_tokens))
+    runner.next = functools.partial(runner.next, catch_up=1)  # type: ignore[method-assign]
+    spec = drive(runner, jobs, on_step=lambda _: per_step.append(source.catch_up_tokens))
     for name, want in plain.items():
         assert spec[name].tokens == want.tokens, name
     assert max(per_step) == 16  # never more than the minimum chunk in a step
     assert sum(per_step) >= 600 + 2 * 60  # every row caught up...
-    stats = generator.speculation
+    stats = runner.speculation
     assert stats.accepted > 0 and max(stats.per_row_step) > 1  # ...and then drafted

@@ -87,12 +87,12 @@ def test_a_distributed_engine_refuses_embeds_and_flushes():
         _lockstep=object(),
         _embedder=Embedder.of(object(), distributed=True),  # type: ignore[arg-type]
         _store=SimpleNamespace(flush=lambda: flushed.append(True)),
-        embeds=[],
+        _embeds=[],
     )
     take = InboxTake([], set(), False, [EmbedRequest(1, [1, 2])], [2])
     out = StepOutput()
     Planner._commands(planner, take, out)  # type: ignore[arg-type]
-    assert not flushed and not planner.embeds and not out.flushed
+    assert not flushed and not planner._embeds and not out.flushed
     (embedded,) = out.embeddings
     assert embedded.ticket == 1 and "--distributed" in embedded.error
     (failure,) = out.failures

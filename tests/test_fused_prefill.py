@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from spec_support import Job, drive, generator_kwargs, passages, plain_generator
+from spec_support import Job, drive, passages, plain_generator, runner_kwargs
 
 from servicer.demos.text import demo_model_path
 from servicer.engine import fused_prefill
@@ -49,10 +49,8 @@ def arrival_jobs(tokenizer: Any, seed: int, seeded: bool = False) -> list[Job]:
     return jobs
 
 
-def fused_generator(model: Any, step: int) -> BatchRunner:
-    generator = BatchRunner(model, **{**generator_kwargs(), "prefill_step_size": step})
-    generator.fuse_prefill = True
-    return generator
+def fused_runner(model: Any, step: int) -> BatchRunner:
+    return BatchRunner(model, fuse_prefill=True, **{**runner_kwargs(), "prefill_step_size": step})
 
 
 def assert_same(want: dict, got: dict) -> None:
@@ -72,9 +70,9 @@ def test_fused_steps_give_the_same_output(kind_model, seed, seeded):
     plain = drive(
         plain_generator(model, prefill_step_size=step), arrival_jobs(tokenizer, seed, seeded)
     )
-    generator = fused_generator(model, step)
-    fused = drive(generator, arrival_jobs(tokenizer, seed, seeded))
-    assert generator.fused_steps > 0
+    runner = fused_runner(model, step)
+    fused = drive(runner, arrival_jobs(tokenizer, seed, seeded))
+    assert runner.fused_steps > 0
     assert_same(plain, fused)
 
 
@@ -89,15 +87,15 @@ def test_fused_steps_beside_speculation(kind_model):
         return out
 
     plain = drive(plain_generator(model, prefill_step_size=32), jobs())
-    generator = SpeculativeRunner(
+    runner = SpeculativeRunner(
         model,
         source=PromptLookup(),
         speculation=SpeculationConfig(costed=False, max_rows=16),
-        **{**generator_kwargs(), "prefill_step_size": 32},
+        fuse_prefill=True,
+        **{**runner_kwargs(), "prefill_step_size": 32},
     )
-    generator.fuse_prefill = True
-    speculated = drive(generator, jobs())
-    assert generator.fused_steps > 0 and generator.speculation.drafted > 0
+    speculated = drive(runner, jobs())
+    assert runner.fused_steps > 0 and runner.speculation.drafted > 0
     for name, want in plain.items():
         assert speculated[name].tokens == want.tokens, name
 
@@ -123,7 +121,7 @@ def test_fused_steps_with_a_quantized_kv_cache(kind_model, dequantize):
         return out
 
     plain = drive(plain_generator(model, prefill_step_size=32), jobs())
-    generator = fused_generator(model, 32)
-    fused = drive(generator, jobs())
-    assert generator.fused_steps > 0
+    runner = fused_runner(model, 32)
+    fused = drive(runner, jobs())
+    assert runner.fused_steps > 0
     assert_same(plain, fused)

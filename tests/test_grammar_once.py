@@ -116,7 +116,6 @@ def test_a_tokenizer_llguidance_cannot_read_leaves_the_engine_serving(monkeypatc
         raise RuntimeError("no byte tokens")
 
     monkeypatch.setattr(servicer.grammar, "llg_tokenizer", unreadable)
-    monkeypatch.setattr(GrammarFactory, "build_at_load", True)
-    factory = GrammarFactory(object(), 64, 0)  # the engine starts
+    factory = GrammarFactory(object(), 64, 0, build_at_load=True)  # the engine starts
     with pytest.raises(ValueError, match="structured output is unavailable"):
         factory.processor(Constraint("regex", "a+"))

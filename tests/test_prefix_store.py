@@ -13,6 +13,7 @@ from conftest import Reference, demo_config
 from support import ServerThread, generate
 
 from servicer.demos.text import TEST_PROMPTS, demo_model_path
+from servicer.kv_events import TIERS
 
 BLOCK = 256
 N = 12
@@ -88,14 +89,25 @@ def test_the_next_chat_turn_reuses_the_previous_prompt_and_output(kind):
 def test_a_shared_prefix_is_stored_once(kind):
     name, reference, running = kind
     prefix = text_tokens(reference, 1024, salt=8)
-    store = running.server.engine.prefix_cache
     prompts = [prefix + text_tokens(reference, 40, salt=20 + i) for i in range(8)]
     outputs = [_run(running, prompt) for prompt in prompts]
     assert [o.tokens for o in outputs] == [reference.greedy(p, N) for p in prompts]
     assert all(o.complete.cached_tokens >= 1024 for o in outputs[1:]), name
-    blocks = [
-        node
-        for node in store.index.ram_nodes()
-        if len(node.tokens) == BLOCK and node.tokens == tuple(prefix[node.start : node.end])
+    # The full blocks the store holds, as its block events tell a router (read on the
+    # server's loop, which applies them).
+    live = running.run(_live_blocks(running))
+    pieces = [tuple(prefix[start : start + BLOCK]) for start in range(0, 1024, BLOCK)]
+    blocks = [tokens for tokens in live if tokens in pieces]
+    assert sorted(blocks) == sorted(pieces), name  # the prefix's 4, once, not once per request
+
+
+async def _live_blocks(running: ServerThread) -> list[tuple[int, ...]]:
+    """The tokens of every block in RAM now (the worker's live blocks, as a router's first
+    subscription gets them)."""
+    snapshot = running.server.servicer.kv_events.snapshot()  # type: ignore[union-attr]
+    return [
+        tuple(block.token_ids)
+        for event in snapshot.events
+        if event.HasField("stored") and event.stored.tier == TIERS["ram"]
+        for block in event.stored.blocks
     ]
-    assert len(blocks) == 4, name  # the prefix's 4 blocks, once, not once per request

@@ -15,9 +15,9 @@ from spec_support import (
     Job,
     draft_three_steps_then_stop_three,
     drive,
-    generator_kwargs,
     passages,
     plain_generator,
+    runner_kwargs,
 )
 
 from servicer.demos.text import demo_model_path
@@ -60,18 +60,16 @@ def mixed_jobs(tokenizer: Any, seed: int, seeded: bool = False) -> list[Job]:
     return jobs
 
 
-def grouping_generator(model: Any, **overrides: Any) -> BatchRunner:
-    generator = BatchRunner(model, **{**generator_kwargs(), **overrides})
-    generator.group_rows(grouped)
-    return generator
+def grouping_runner(model: Any, **overrides: Any) -> BatchRunner:
+    return BatchRunner(model, grouping=grouped, **{**runner_kwargs(), **overrides})
 
 
-def most_groups(generator: BatchRunner) -> list[int]:
+def most_groups(runner: BatchRunner) -> list[int]:
     """A probe for `drive`'s on_step: records the groups of the batch's grouped layers."""
     seen: list[int] = []
 
     def probe(_: int) -> None:
-        layers = [c for c in generator.decoding.prompt_cache if isinstance(c, RowGroups)]
+        layers = [c for c in runner.decoding.prompt_cache if isinstance(c, RowGroups)]
         seen.append(max((len(c.groups) for c in layers), default=0))
 
     probe.seen = seen  # type: ignore[attr-defined]
@@ -83,9 +81,9 @@ def most_groups(generator: BatchRunner) -> list[int]:
 def test_groups_give_the_same_tokens(kind_model, seed, seeded):
     _, model, tokenizer = kind_model
     plain = drive(plain_generator(model), mixed_jobs(tokenizer, seed, seeded))
-    generator = grouping_generator(model)
-    probe = most_groups(generator)
-    got = drive(generator, mixed_jobs(tokenizer, seed, seeded), probe)
+    runner = grouping_runner(model)
+    probe = most_groups(runner)
+    got = drive(runner, mixed_jobs(tokenizer, seed, seeded), probe)
     assert max(probe.seen) >= 2, "no step ran with its rows in two groups"
     for name, want in plain.items():
         assert got[name].tokens == want.tokens, name
@@ -102,24 +100,23 @@ def repeating_jobs(tokenizer: Any, seed: int) -> list[Job]:
 
 
 def speculating_in_groups(model: Any, costed: bool) -> SpeculativeRunner:
-    generator = SpeculativeRunner(
+    return SpeculativeRunner(
         model,
         source=PromptLookup(),
         speculation=SpeculationConfig(costed=costed, max_rows=16),
-        **generator_kwargs(),
+        grouping=grouped,
+        **runner_kwargs(),
     )
-    generator.group_rows(grouped)
-    return generator
 
 
 def test_groups_beside_speculation(kind_model):
     """Rows drafting in both groups: verify forwards of several tokens, per-row rollback."""
     _, model, tokenizer = kind_model
     plain = drive(plain_generator(model), repeating_jobs(tokenizer, 7))
-    generator = speculating_in_groups(model, costed=False)
-    probe = most_groups(generator)
-    speculated = drive(generator, repeating_jobs(tokenizer, 7), probe)
-    assert max(probe.seen) >= 2 and generator.speculation.drafted > 0
+    runner = speculating_in_groups(model, costed=False)
+    probe = most_groups(runner)
+    speculated = drive(runner, repeating_jobs(tokenizer, 7), probe)
+    assert max(probe.seen) >= 2 and runner.speculation.drafted > 0
     for name, want in plain.items():
         assert speculated[name].tokens == want.tokens, name
 
@@ -133,16 +130,16 @@ def test_groups_beside_speculation_that_stops_and_starts(kind_model, monkeypatch
     _, model, tokenizer = kind_model
     draft_three_steps_then_stop_three(monkeypatch)
     plain = drive(plain_generator(model), repeating_jobs(tokenizer, 9))
-    generator = speculating_in_groups(model, costed=True)
+    runner = speculating_in_groups(model, costed=True)
     released_in_groups = []
 
     def probe(_: int) -> None:
-        layers = [c for c in generator.decoding.prompt_cache if isinstance(c, RowGroups)]
+        layers = [c for c in runner.decoding.prompt_cache if isinstance(c, RowGroups)]
         if layers and len(layers[0].groups) >= 2:
             released_in_groups.append(all(type(g) is BatchKVCache for g in layers[0].groups))
 
-    speculated = drive(generator, repeating_jobs(tokenizer, 9), probe)
-    assert generator.speculation.drafted > 0
+    speculated = drive(runner, repeating_jobs(tokenizer, 9), probe)
+    assert runner.speculation.drafted > 0
     pairs = itertools.pairwise(released_in_groups)
     assert any(not before and after for before, after in pairs)  # released, in two groups
     for name, want in plain.items():
@@ -166,17 +163,16 @@ def test_groups_beside_fused_prefill(kind_model):
         return out
 
     plain = drive(plain_generator(model, prefill_step_size=256), jobs())
-    generator = grouping_generator(model, prefill_step_size=256)
-    generator.fuse_prefill = True
+    runner = grouping_runner(model, prefill_step_size=256, fuse_prefill=True)
     fused_in_groups = []
-    groups = most_groups(generator)
+    groups = most_groups(runner)
 
     def probe(step: int) -> None:
-        before = generator.fused_steps
+        before = runner.fused_steps
         groups(step)
         fused_in_groups.append((before, groups.seen[-1]))  # type: ignore[attr-defined]
 
-    got = drive(generator, jobs(), probe)
+    got = drive(runner, jobs(), probe)
     counts = [f for f, _ in fused_in_groups]
     grouped_fused = [
         g for (f, g), prev in zip(fused_in_groups[1:], counts, strict=False) if f > prev
@@ -198,9 +194,9 @@ def test_groups_with_a_quantized_cache():
         return jobs
 
     plain = drive(plain_generator(model), rows(mixed_jobs(tokenizer, 3)))
-    generator = grouping_generator(model)
-    probe = most_groups(generator)
-    got = drive(generator, rows(mixed_jobs(tokenizer, 3)), probe)
+    runner = grouping_runner(model)
+    probe = most_groups(runner)
+    got = drive(runner, rows(mixed_jobs(tokenizer, 3)), probe)
     assert max(probe.seen) >= 2
     for name, want in plain.items():
         assert got[name].tokens == want.tokens, name
@@ -209,15 +205,15 @@ def test_groups_with_a_quantized_cache():
 def test_a_long_row_joins_without_padding_the_others(kind_model):
     """The short rows' attention keys stay their own length while a long row decodes."""
     _, model, tokenizer = kind_model
-    generator = grouping_generator(model)
+    runner = grouping_runner(model)
     widths: list[list[int]] = []
 
     def probe(_: int) -> None:
-        layers = [c for c in generator.decoding.prompt_cache if isinstance(c, RowGroups)]
+        layers = [c for c in runner.decoding.prompt_cache if isinstance(c, RowGroups)]
         if layers:
             widths.append(sorted(g.size() for g in layers[0].groups))
 
-    drive(generator, mixed_jobs(tokenizer, 1), probe)
+    drive(runner, mixed_jobs(tokenizer, 1), probe)
     two = [w for w in widths if len(w) == 2]
     assert two and all(w[0] < 200 for w in two), widths
 
@@ -240,9 +236,9 @@ def test_the_choice_of_group():
 def test_filter_and_extract_follow_the_rows(kind_model):
     """Rows leaving from either group keep every other row's cache as it was."""
     _, model, tokenizer = kind_model
-    generator = grouping_generator(model)
+    runner = grouping_runner(model)
     jobs = mixed_jobs(tokenizer, 2)
-    results = drive(generator, jobs)
+    results = drive(runner, jobs)
     plain = drive(plain_generator(model), mixed_jobs(tokenizer, 2))
     for name, want in plain.items():
         got = results[name].cache
@@ -272,7 +268,7 @@ def test_the_engine_groups_rows_unless_told_not_to(demo_dir, on):
         engine.wait_ready(120)
         loop = engine._loop
         assert loop is not None and loop.parts.group_rows is on
-        batch = loop.batch._generator.decoding
+        batch = loop.batch.runner.decoding
         assert (getattr(batch, "grouping", None) is not None) is on
     finally:
         engine.shutdown(30)

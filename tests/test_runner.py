@@ -10,7 +10,7 @@ import random
 import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_sampler
-from spec_support import Job, drive, generator_kwargs, plain_generator
+from spec_support import Job, drive, plain_generator, runner_kwargs
 
 from servicer.demos.text import demo_model_path
 from servicer.engine.decode_batch import StepRows
@@ -44,14 +44,14 @@ def _schedule(seed: int) -> list[Job]:
 
 def _run(model, ours: bool, seed: int, **settings):
     if ours:
-        generator = BatchRunner(model, **{**generator_kwargs(), **settings})
+        runner = BatchRunner(model, **{**runner_kwargs(), **settings})
     else:
-        generator = plain_generator(model, **settings)
+        runner = plain_generator(model, **settings)
     mx.random.seed(seed)  # the seeded rows' draws
     try:
-        return drive(generator, _schedule(seed))
+        return drive(runner, _schedule(seed))
     finally:
-        generator.close()
+        runner.close()
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3", "hybrid"])
@@ -75,17 +75,17 @@ def test_a_step_evaluates_its_logprobs_as_one_array(monkeypatch):
     from mlx_lm import load
 
     model, _ = load(str(demo_model_path("llama")))
-    generator = BatchRunner(model, **generator_kwargs())
-    generator.insert([[5, 6, 7, 8]] * 3, max_tokens=[10] * 3)
+    runner = BatchRunner(model, **runner_kwargs())
+    runner.insert([[5, 6, 7, 8]] * 3, max_tokens=[10] * 3)
     for _ in range(3):
-        generator.next()
-    rows = generator.decoding._next_logprobs
+        runner.next()
+    rows = runner.decoding._next_logprobs
     assert isinstance(rows, StepRows)
     assert rows.whole.shape[0] == len(rows) == 3
     # The rows are the array's rows, read as mlx-lm hands them out.
     for i, row in enumerate(rows):
         assert mx.array_equal(row, rows.whole[i])
-    generator.close()
+    runner.close()
 
 
 def test_segments_stop_the_prefill_at_their_ends():
@@ -94,13 +94,13 @@ def test_segments_stop_the_prefill_at_their_ends():
     from mlx_lm import load
 
     model, _ = load(str(demo_model_path("llama")))
-    generator = BatchRunner(model, **{**generator_kwargs(), "prefill_step_size": 4})
-    generator.insert_segments([[[3] * 6, [4] * 3, [5] * 2]], max_tokens=[2])
+    runner = BatchRunner(model, **{**runner_kwargs(), "prefill_step_size": 4})
+    runner.insert_segments([[[3] * 6, [4] * 3, [5] * 2]], max_tokens=[2])
     seen = []
     for _ in range(8):
-        progress, _ = generator.next()
+        progress, _ = runner.next()
         seen.extend((p.progress, p.end_of_segment, p.end_of_prompt) for p in progress)
-    generator.close()
+    runner.close()
     assert seen == [
         ((4, 11), False, False),
         ((6, 11), True, False),

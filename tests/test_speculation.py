@@ -14,11 +14,11 @@ from mlx_lm.sample_utils import make_logits_processors
 from spec_support import (
     Job,
     drive,
-    generator_kwargs,
     passages,
     perturbed_copy,
     plain_generator,
     repeat_prompt,
+    runner_kwargs,
 )
 
 from servicer.demos.text import demo_model_path
@@ -58,7 +58,7 @@ def speculating(model: Any, source: str | Any, **config: Any) -> SpeculativeRunn
         source = DraftModel(model)
     config.setdefault("costed", False)  # draft whenever a row can: these test exactness
     return SpeculativeRunner(
-        model, source=source, speculation=SpeculationConfig(**config), **generator_kwargs()
+        model, source=source, speculation=SpeculationConfig(**config), **runner_kwargs()
     )
 
 
@@ -91,10 +91,10 @@ def test_greedy_equals_no_speculation(demo, prompts, other_draft, source, batch)
     jobs = schedule(prompts, batch)
     plain = drive(plain_generator(model), jobs)
     draft = DraftModel(other_draft) if source == "other" else source
-    generator = speculating(model, draft)
-    spec = drive(generator, schedule(prompts, batch))
+    runner = speculating(model, draft)
+    spec = drive(runner, schedule(prompts, batch))
     assert_same(plain, spec)
-    stats = generator.speculation
+    stats = runner.speculation
     assert stats.drafted > 0 and stats.accepted > 0
     assert stats.emitted == sum(len(r.tokens) for r in spec.values())
     if source == "self":  # a model agrees with itself
@@ -157,12 +157,12 @@ def test_seeded_rows_reproduce_and_match_no_speculation(demo, prompts, source):
     reproduces run to run and emits what it emits without speculation."""
     model, _ = demo
     plain = drive(plain_generator(model), seeded_jobs(prompts))
-    generator = speculating(model, source, max_rows=8)
-    first = drive(generator, seeded_jobs(prompts))
+    runner = speculating(model, source, max_rows=8)
+    first = drive(runner, seeded_jobs(prompts))
     again = drive(speculating(model, source, max_rows=8), seeded_jobs(prompts))
     assert {n: r.tokens for n, r in first.items()} == {n: r.tokens for n, r in again.items()}
     assert_same(plain, first)
-    stats = generator.speculation  # drafts were verified, and sampling rejected some
+    stats = runner.speculation  # drafts were verified, and sampling rejected some
     assert stats.drafted > 0 and 0 < stats.accepted < stats.drafted
 
 
@@ -173,10 +173,10 @@ def test_rows_with_logits_processors_do_not_draft(demo, prompts):
     plain = drive(plain_generator(model), jobs)
     penalty = make_logits_processors(repetition_penalty=1.3)  # processors keep state
     jobs = [Job("p", prompts[0], 30, processors=penalty), Job("q", prompts[1], 30)]
-    generator = speculating(model, "self")
-    spec = drive(generator, jobs)
+    runner = speculating(model, "self")
+    spec = drive(runner, jobs)
     assert_same(plain, spec)
-    stats = generator.speculation
+    stats = runner.speculation
     assert 0 < stats.accepted == stats.drafted  # the other row still speculated
 
 
@@ -184,10 +184,10 @@ def test_batch_cutoff_runs_steps_without_drafts(demo, prompts):
     model, _ = demo
     jobs = schedule(prompts, 4)
     plain = drive(plain_generator(model), jobs)
-    generator = speculating(model, "self", max_rows=2)
-    spec = drive(generator, schedule(prompts, 4))
+    runner = speculating(model, "self", max_rows=2)
+    spec = drive(runner, schedule(prompts, 4))
     assert_same(plain, spec)
-    stats = generator.speculation
+    stats = runner.speculation
     assert stats.cutoff_steps > 0 and stats.speculative_steps > 0
     # The draft caught up on the steps it skipped: a model still agrees with itself.
     assert stats.accepted == stats.drafted

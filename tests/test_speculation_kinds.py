@@ -16,9 +16,9 @@ from spec_support import (
     Oracle,
     draft_three_steps_then_stop_three,
     drive,
-    generator_kwargs,
     passages,
     plain_generator,
+    runner_kwargs,
 )
 
 from servicer.demos.text import demo_model_path
@@ -66,7 +66,7 @@ def speculating(model: Any, source: Any, **config: Any) -> SpeculativeRunner:
     config.setdefault("costed", False)  # draft whenever a row can: these test exactness
     config.setdefault("max_rows", 16)
     return SpeculativeRunner(
-        model, source=source, speculation=SpeculationConfig(**config), **generator_kwargs()
+        model, source=source, speculation=SpeculationConfig(**config), **runner_kwargs()
     )
 
 
@@ -155,9 +155,9 @@ def test_quantized_kv_identical(kind_model, dequantize):
         return random_jobs(tokenizer, 7, 2, caches=rows)
 
     plain = drive(plain_generator(model), jobs())
-    generator = speculating(model, Oracle(references(jobs(), plain)))
-    assert_same(plain, drive(generator, jobs()))
-    assert 0 < generator.speculation.accepted < generator.speculation.drafted
+    runner = speculating(model, Oracle(references(jobs(), plain)))
+    assert_same(plain, drive(runner, jobs()))
+    assert 0 < runner.speculation.accepted < runner.speculation.drafted
 
 
 def test_a_batch_too_large_to_draft_steps_on_mlx_lm_caches(kind_model):
@@ -176,16 +176,16 @@ def test_a_batch_too_large_to_draft_steps_on_mlx_lm_caches(kind_model):
         return out
 
     plain = drive(plain_generator(model), jobs())
-    generator = speculating(model, Oracle(references(jobs(), plain)), max_rows=4)
+    runner = speculating(model, Oracle(references(jobs(), plain)), max_rows=4)
     own = (RaggedKVCache, RingKVCache, RecurrentCache)
     kinds: list[tuple[int, bool]] = []
 
     def look(step: int) -> None:
-        batch = generator.decoding
+        batch = runner.decoding
         kinds.append((len(batch.uids), any(isinstance(c, own) for c in batch.prompt_cache)))
 
-    assert_same(plain, drive(generator, jobs(), on_step=look))
-    assert generator.speculation.drafted > 0
+    assert_same(plain, drive(runner, jobs(), on_step=look))
+    assert runner.speculation.drafted > 0
     assert all(not rolls_back for rows, rolls_back in kinds if rows > 4)
     assert any(rolls_back for rows, rolls_back in kinds if rows <= 4)
 
@@ -196,21 +196,21 @@ def test_a_rows_first_token_waits_for_no_verify(kind_model):
     that drafts at every step, the oracle drafting the right tokens. The tokens of off."""
     _, model, tokenizer = kind_model
     plain = drive(plain_generator(model), random_jobs(tokenizer, 17, 2))
-    generator = speculating(model, Oracle(references(random_jobs(tokenizer, 17, 2), plain)))
+    runner = speculating(model, Oracle(references(random_jobs(tokenizer, 17, 2), plain)))
     got: dict[str, Any] = {}
     sent: dict[str, int] = {}
     verified = [0]
     first_steps: list[tuple[int, int]] = []  # (tokens the row got, verifies run) that step
 
     def look(step: int) -> None:
-        ran = generator.speculation.speculative_steps - verified[0]
+        ran = runner.speculation.speculative_steps - verified[0]
         verified[0] += ran
         for name, result in got.items():
             if not sent.get(name) and result.tokens:
                 first_steps.append((len(result.tokens), ran))
             sent[name] = len(result.tokens)
 
-    assert_same(plain, drive(generator, random_jobs(tokenizer, 17, 2), look, results=got))
+    assert_same(plain, drive(runner, random_jobs(tokenizer, 17, 2), look, results=got))
     assert verified[0] > 0 and len(first_steps) == len(plain)
     assert all(step == (1, 0) for step in first_steps), first_steps
 
@@ -268,15 +268,15 @@ def test_a_batch_that_stops_drafting_goes_back_to_mlx_lm_caches_exactly(
 
     def check(seeded: bool) -> None:
         plain = drive(plain_generator(model), jobs(seeded))
-        generator = speculating(model, Oracle(references(jobs(seeded), plain)), costed=True)
+        runner = speculating(model, Oracle(references(jobs(seeded), plain)), costed=True)
         held: list[bool] = []
 
         def look(step: int) -> None:
-            caches = generator.decoding.prompt_cache
+            caches = runner.decoding.prompt_cache
             held.append(any(isinstance(c, own) for c in caches))
 
-        assert_same(plain, drive(generator, jobs(seeded), on_step=look))
-        assert generator.speculation.speculative_steps > 0
+        assert_same(plain, drive(runner, jobs(seeded), on_step=look))
+        assert runner.speculation.speculative_steps > 0
         released = [a and not b for a, b in itertools.pairwise(held)]
         assert sum(released) >= 2, held  # back to mlx-lm's caches, more than once
 

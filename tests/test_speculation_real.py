@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import real_model_env
-from spec_support import Job, drive, generator_kwargs, passages, plain_generator
+from spec_support import Job, drive, passages, plain_generator, runner_kwargs
 from test_speculation_kinds import (
     check_greedy_identical,
     check_oracle_identical,
@@ -98,18 +98,18 @@ def test_real_gemma_greedy_identical_across_the_window(gemma: tuple[Any, Any]) -
         ]
 
     plain = drive(plain_generator(model), jobs())
-    generator = SpeculativeRunner(
+    runner = SpeculativeRunner(
         model,
         source=PromptLookup(),
         speculation=SpeculationConfig(costed=False, max_rows=8),
-        **generator_kwargs(),
+        **runner_kwargs(),
     )
-    spec = drive(generator, jobs())
+    spec = drive(runner, jobs())
     for name, want in plain.items():
         assert spec[name].tokens == want.tokens, name
         assert spec[name].all_tokens == want.all_tokens, name
     assert len(long) + 6 > 600
-    stats = generator.speculation
+    stats = runner.speculation
     assert stats.drafted > 0 and stats.accepted > 0
 
 
@@ -193,10 +193,9 @@ def test_real_gemma_fused_prefill_identical(gemma: tuple[Any, Any]) -> None:
     plain = drive(plain_generator(model, prefill_step_size=96), jobs())
     two_rows = drive(plain_generator(model, prefill_step_size=96), jobs(joining=False))
     batch_noise = max(farthest(two_rows[n].logprobs, plain[n].logprobs) for n in two_rows)
-    generator = BatchRunner(model, **{**generator_kwargs(), "prefill_step_size": 96})
-    generator.fuse_prefill = True
-    fused = drive(generator, jobs())
-    assert generator.fused_steps >= 5
+    runner = BatchRunner(model, fuse_prefill=True, **{**runner_kwargs(), "prefill_step_size": 96})
+    fused = drive(runner, jobs())
+    assert runner.fused_steps >= 5
     for name, want in plain.items():
         assert fused[name].tokens == want.tokens, name
         moved = farthest(want.logprobs, fused[name].logprobs)

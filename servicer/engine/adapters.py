@@ -16,9 +16,6 @@ operations, and `mx.where` picks each row's value (a gather of the adapter's row
 the matmuls' shapes, and on some shapes their last bits). Rows of the base get the base
 layer's output itself. With nothing set, or only base rows, a layer is its base layer (one
 check of the set more, no array operation).
-
-A one-row forward that packs several requests into one sequence (fused_prefill) sets its
-token spans instead: `with adapters.packed([(index, tokens), ...]): model(...)`.
 """
 
 from __future__ import annotations
@@ -101,7 +98,7 @@ class AdapterSet:
     """The adapters loaded on one model, by name (indices from 1; 0 is the base), and which one
     each row of the next forward takes, read by every `MultiLoRALinear` of the model.
 
-    Set before a forward and cleared after it (`forward` / `packed` do both). The per-row
+    Set before a forward and cleared after it (`forward` does both). The per-row
     indices are taken afresh each forward: a caller whose batch filters or extends its rows
     filters or extends its own list of indices the same way."""
 
@@ -109,7 +106,7 @@ class AdapterSet:
         self.names: dict[str, int] = {}
         self.specs: dict[int, AdapterSpec] = {}
         self.layers: dict[str, MultiLoRALinear] = {}  # module path -> the swapped layer
-        self._shape: tuple[int, int] = (0, 0)  # (rows, tokens; 1: per row) the masks fit
+        self._rows = 0  # the rows the masks fit
         self._masks: tuple[tuple[int, mx.array | None], ...] = ()
 
     def __len__(self) -> int:
@@ -132,29 +129,13 @@ class AdapterSet:
         """The next forward's adapter per row (batch axis), 0 for the base."""
         self._install(np.asarray(list(rows), dtype=np.int64).reshape(-1, 1))
 
-    def set_packed(self, segments: Sequence[tuple[int, int]]) -> None:
-        """The next forward is one row of packed requests: (adapter index, tokens) each, in
-        order along the sequence."""
-        indices = [int(index) for index, _ in segments]
-        counts = [int(n) for _, n in segments]
-        self._install(np.repeat(np.asarray(indices, dtype=np.int64), counts).reshape(1, -1))
-
     def clear(self) -> None:
-        self._shape, self._masks = (0, 0), ()
+        self._rows, self._masks = 0, ()
 
     @contextmanager
     def forward(self, rows: Sequence[int]) -> Iterator[None]:
         """`set(rows)` for the forwards run inside, cleared on leaving."""
         self.set(rows)
-        try:
-            yield
-        finally:
-            self.clear()
-
-    @contextmanager
-    def packed(self, segments: Sequence[tuple[int, int]]) -> Iterator[None]:
-        """`set_packed(segments)` for the forwards run inside, cleared on leaving."""
-        self.set_packed(segments)
         try:
             yield
         finally:
@@ -172,7 +153,7 @@ class AdapterSet:
         for index in present:
             hit = ids == index
             masks.append((index, None if hit.all() else mx.array(hit)[..., None]))
-        self._shape = (int(ids.shape[0]), int(ids.shape[1]))
+        self._rows = int(ids.shape[0])
         self._masks = tuple(masks)
 
     def masks(self, x: mx.array) -> tuple[tuple[int, mx.array | None], ...]:
@@ -180,12 +161,12 @@ class AdapterSet:
         (None: all of them); nothing when no row takes an adapter."""
         if not self._masks:
             return ()
-        rows, tokens = self._shape
-        if x.ndim < 3 or x.shape[0] != rows or tokens not in (1, x.shape[1]):
-            what = f"{rows} rows" if tokens == 1 else f"one row of {tokens} tokens"
+        rows = self._rows
+        if x.ndim < 3 or x.shape[0] != rows:
             raise ValueError(
-                f"adapters were set for {what} but a linear gets {list(x.shape)} (a forward "
-                "that runs the batch's rows apart, in segments or groups, is not covered)"
+                f"adapters were set for {rows} rows but a linear gets {list(x.shape)} (a "
+                "forward that runs the batch's rows apart, in segments or groups, is not "
+                "covered)"
             )
         return self._masks
 

@@ -49,12 +49,12 @@ log = logging.getLogger(__name__)
 
 
 class Batch:
-    """Rows by uid, and the generator that steps them. Each row holds its admission (the
+    """Rows by uid, and the runner that steps them. Each row holds its admission (the
     memory it reserved, which `view` sums) and its prefix pins until it leaves."""
 
     def __init__(
         self,
-        new_generator: Callable[[], BatchRunner],
+        new_runner: Callable[[], BatchRunner],
         sampling: SamplingFactory,
         prefix: AnyPrefixStore,
         faults: FaultPlan | None = None,
@@ -65,19 +65,19 @@ class Batch:
         adapters: AdapterSet | None = None,
     ) -> None:
         """`new_row`: a request's empty caches (quantized ones with --kv-bits); None: the
-        generator makes mlx-lm's. `adapters`: the LoRA adapters requests name (by name)."""
+        runner makes mlx-lm's. `adapters`: the LoRA adapters requests name (by name)."""
         self._new_row = new_row
         self._adapters = adapters
         self._images = ImageWork(vision)  # a vision model's images, encoded as rows join
-        self._new_generator = new_generator
-        self._generator = new_generator()
+        self._new_runner = new_runner
+        self._runner = new_runner()
         self._sampling = sampling
         self._prefix = prefix
         self._faults = faults
         self._wants_logprobs = wants_logprobs  # only rank 0 sends them anywhere
         self._errors = RateLimitedLog(log, 10.0)
-        self.book = RowBook()
-        self.rows = self.book.rows  # the same dict, by uid
+        self._book = RowBook()
+        self.rows = self._book.rows  # the same dict, by uid
         self._chunk: int | None = None  # prompt tokens a row the next step prefills
         self._catch_up: int | None = None  # a draft model's catch-up tokens the next step
         self.cost = cost or StepCost()  # the decode steps' part is learned here
@@ -85,16 +85,41 @@ class Batch:
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
 
     @property
-    def generator(self) -> BatchRunner:
-        return self._generator
+    def runner(self) -> BatchRunner:
+        return self._runner
 
     @property
     def decode_step_s(self) -> float:
         """How long the next step takes without prefill, for the rows decoding now."""
-        return self.cost.decode.seconds(max(self.book.decoding, 1))
+        return self.cost.decode.seconds(max(self._book.decoding, 1))
 
     def view(self) -> BatchView:
-        return self.book.view(self.decode_step_s)
+        return self._book.view(self.decode_step_s)
+
+    # ----- what the rows' bookkeeping says (the figures, the planner, the hand-off) -----
+
+    @property
+    def starting(self) -> int:
+        """Rows whose first token is not out yet."""
+        return self._book.starting
+
+    @property
+    def generated(self) -> int:
+        """Tokens produced since the batch began."""
+        return self._book.generated
+
+    @property
+    def admitted_prompt(self) -> int:
+        """Prompt tokens of every row admitted so far."""
+        return self._book.admitted_prompt
+
+    def tickets(self) -> set[int]:
+        """The tickets of the requests in the batch."""
+        return self._book.tickets()
+
+    def handed_over(self) -> None:
+        """Every row's events so far went to the handlers."""
+        self._book.handed_over()
 
     def set_plan(self, plan: Plan) -> None:
         """The next step's work: prompt tokens a row, a draft model's catch-up."""
@@ -105,13 +130,13 @@ class Batch:
     def remove(self, tickets: list[int], out: StepOutput) -> None:
         aborted = set(tickets)
         removed = [row for row in self.rows.values() if row.ticket in aborted]
-        self._generator.remove([row.uid for row in removed])
+        self._runner.remove([row.uid for row in removed])
         for row in removed:
-            self.book.drop(row)
+            self._book.drop(row)
             out.events.append(RowEvent(row.ticket, None, FINISH_ABORT))
 
     def insert(self, admits: list[Admit], hits: list[Hit | None], out: StepOutput) -> None:
-        """Admitted requests into the generator, with their reused prefixes (whose pins their
+        """Admitted requests into the runner, with their reused prefixes (whose pins their
         rows take over). A request whose own parts cannot be built fails alone."""
         parts = []
         for admit, hit in zip(admits, hits, strict=True):
@@ -126,7 +151,7 @@ class Batch:
         sampling = self._sampling
         requests = [part.admit.request for part in parts]
         try:
-            uids = self._generator.insert_segments(
+            uids = self._runner.insert_segments(
                 [part.segments for part in parts],
                 max_tokens=[r.max_tokens for r in requests],
                 caches=[_cache_for(part.hit, self._new_row) for part in parts],
@@ -150,7 +175,7 @@ class Batch:
             pins = part.hit.pins if part.hit is not None else None
             row = Row(admit, uid, left, admit.cached_tokens, grammar=grammar, pins=pins)
             row.text = sampling.stop_text(admit.request)
-            self.book.add(row)
+            self._book.add(row)
 
     def _prepare(self, admit: Admit, hit: Hit | None) -> _Prepared:
         request, cached = admit.request, admit.cached_tokens
@@ -170,42 +195,42 @@ class Batch:
     # ----- stepping -----
 
     def step(self, out: StepOutput) -> StepReport:
-        """One generator step; its events go to `out`. A step with prefill work (a chunk, or
+        """One runner step; its events go to `out`. A step with prefill work (a chunk, or
         the first tokens of prompts that are through) reports what that work added to it."""
         self.steps += 1
         if self._faults is not None:
             self._faults.before_step(self.steps)
-        decoding = self.book.decoding
+        decoding = self._book.decoding
         started = time.perf_counter()
-        generator = self._generator
-        if not self.book.prefilling:
-            prompt_progress, responses = generator.next(self._chunk, self._catch_up)
-            catch_up = generator.caught_up
+        runner = self._runner
+        if not self._book.prefilling:
+            prompt_progress, responses = runner.next(self._chunk, self._catch_up)
+            catch_up = runner.caught_up
             self.cost.observe_decode(decoding, time.perf_counter() - started - catch_up[1])
             self._track_prefill(prompt_progress)
             events = self._collect(responses, out)
             return StepReport(events, None, catch_up=catch_up)
-        fused_before, prompt_before = generator.fused_steps, generator.prompt_tokens
-        prompt_progress, responses = generator.next(self._chunk, self._catch_up)
-        fused = generator.fused_steps > fused_before
-        prompt_tokens = generator.prompt_tokens - prompt_before
+        fused_before, prompt_before = runner.fused_steps, runner.prompt_tokens
+        prompt_progress, responses = runner.next(self._chunk, self._catch_up)
+        fused = runner.fused_steps > fused_before
+        prompt_tokens = runner.prompt_tokens - prompt_before
         # What the prefill added: the step less a decode step, or all of it with none.
         decode_s = self.cost.decode.seconds(decoding) if decoding else 0.0
         added = time.perf_counter() - started - decode_s
         self._track_prefill(prompt_progress)
-        work = generator.prefilled
+        work = runner.prefilled
         sample = work.took(max(added, 0.0)) if work.any else None
         events = self._collect(responses, out)
         return StepReport(events, sample, prompt_tokens, fused)
 
     def _track_prefill(self, prompt_progress: list[Any]) -> None:
-        self.book.track_prefill(prompt_progress)
+        self._book.track_prefill(prompt_progress)
         self._snapshot_prefills(prompt_progress)
 
     def _collect(self, responses: list[Any], out: StepOutput) -> bool:
         """The step's tokens as events in `out`; True when some handler needs them now."""
         due, broken, wanted = False, [], []
-        rows, events, first_due = self.rows, out.events, self.book.first_due
+        rows, events, first_due = self.rows, out.events, self._book.first_due
         logprobs_wanted = self._wants_logprobs
         now = time.perf_counter()
         horizon = now + self.decode_step_s  # the end of the next step
@@ -227,7 +252,7 @@ class Batch:
             if row.text is not None and _stop_string(row.text, token):
                 if finish is None:  # it leaves here, its cache not kept (as an abort's)
                     broken.append(row.uid)
-                    self.book.drop(row)
+                    self._book.drop(row)
                 finish, stop_token = FINISH_STOP, None
             event = RowEvent(row.ticket, token, finish, stop_token, None, row.admit.cached_tokens)
             events.append(event)
@@ -241,21 +266,21 @@ class Batch:
             if finish is not None and row.uid in rows:
                 self._finish(row, response)
         if broken:
-            self._generator.remove(broken)
+            self._runner.remove(broken)
         if wanted:
             _attach_logprobs(wanted)
         self.check = check % (1 << 31)
-        self.book.generated += produced
+        self._book.count_generated(produced)
         return due
 
     def _fail_grammar(self, row: Row, out: StepOutput) -> None:
         assert row.grammar is not None
         message = f"the request's grammar failed while generating: {row.grammar.error}"
         out.failures.append(RowFailure(row.ticket, FailureKind.INVALID_ARGUMENT, message))
-        self.book.drop(row)
+        self._book.drop(row)
 
     def _finish(self, row: Row, response: Any) -> None:
-        self.book.drop(row)
+        self._book.drop(row)
         if response.prompt_cache is not None:
             tokens = store_tokens(row, response.all_tokens)
             self._prefix.keep_later(tokens, response.prompt_cache, snapshot=True)
@@ -265,16 +290,16 @@ class Batch:
         token."""
         done = [p.uid for p in progress if p.end_of_segment and not p.end_of_prompt]
         if done:
-            for uid, (cache, tokens) in self._generator.extract_cache(done).items():
+            for uid, (cache, tokens) in self._runner.extract_cache(done).items():
                 tokens = store_tokens(self.rows[uid], tokens)
                 self._prefix.keep_later(tokens, cache, snapshot=True)
 
     # ----- failures and the end -----
 
     def recover(self, exc: Exception, plan: Plan, out: StepOutput) -> None:
-        """A failed step fails the requests in the batch; a fresh generator serves the rest."""
+        """A failed step fails the requests in the batch; a fresh runner serves the rest."""
         already = {failure.ticket for failure in out.failures}
-        failed = (self.book.tickets() | {admit.request.ticket for admit in plan.admits}) - already
+        failed = (self._book.tickets() | {admit.request.ticket for admit in plan.admits}) - already
         self._errors.error(
             "step", "engine step failed (%d requests failed)", len(failed), exc_info=exc
         )
@@ -283,18 +308,18 @@ class Batch:
         out.events[:] = [e for e in out.events if e.ticket not in failed]
         out.failures.extend(RowFailure(t, FailureKind.INTERNAL, message) for t in sorted(failed))
         for row in list(self.rows.values()):
-            self.book.drop(row)
-        self._generator.close()
-        self._generator = self._new_generator()
+            self._book.drop(row)
+        self._runner.close()
+        self._runner = self._new_runner()
 
     def end_all(self, out: StepOutput) -> None:
         """Every row ends with `abort` (shutdown)."""
         for row in list(self.rows.values()):
-            self.book.drop(row)
+            self._book.drop(row)
             out.events.append(RowEvent(row.ticket, None, FINISH_ABORT))
 
     def close(self) -> None:
-        self._generator.close()
+        self._runner.close()
 
 
 def _attach_logprobs(wanted: list[tuple[RowEvent, Any, int]]) -> None:
@@ -321,7 +346,7 @@ def check_same_prefix(cached: int, expected: int) -> None:
 
 @dataclass(slots=True)
 class _Prepared:
-    """An admitted request's parts, built before it joins the generator."""
+    """An admitted request's parts, built before it joins the runner."""
 
     admit: Admit
     hit: Hit | None
@@ -333,7 +358,7 @@ class _Prepared:
 
 
 def _cache_for(hit: Hit | None, new_row: Callable[[], list[Any]] | None) -> list[Any] | None:
-    """A joining request's caches: its reused prefix's, or empty ones (None: the generator
+    """A joining request's caches: its reused prefix's, or empty ones (None: the runner
     makes mlx-lm's)."""
     if hit is not None:
         return hit.cache

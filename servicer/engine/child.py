@@ -37,7 +37,6 @@ from ..engine_process import (
 )
 from ..messages import EngineStartupError
 from ..outbox import Outbox
-from .constraints import GrammarFactory
 from .engine import Engine
 
 log = logging.getLogger(__name__)
@@ -83,8 +82,8 @@ def main(argv: list[str]) -> int:
         level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
         format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
     )
-    GrammarFactory.build_at_load = True  # every request comes uncompiled, over the socket
-    engine = Engine(config, pipe_outbox(channel), exit_on_stall=True)
+    # Every request comes over the socket, its grammar uncompiled.
+    engine = Engine(config, pipe_outbox(channel), exit_on_stall=True, crossed=True)
     engine.start(info)
     threading.Thread(target=_report_ready, args=(engine, channel), daemon=True).start()
     _serve(engine, channel)

@@ -8,7 +8,6 @@ and Metal alike.
 from __future__ import annotations
 
 import logging
-from typing import ClassVar
 
 import llguidance
 import llguidance.numpy
@@ -83,20 +82,19 @@ class GrammarFactory:
     check compiled it, on their llguidance tokenizer (`Constraint.compiled`): each row starts
     from a copy, and nothing is compiled or built here. One that crossed a process boundary
     (the engine process, the ranks of --distributed) comes as text and is compiled here, on a
-    tokenizer of this factory's own: built as the engine loads in the processes that set
-    `build_at_load`, else when the first such constraint comes."""
+    tokenizer of this factory's own: built as the engine loads with `build_at_load` (where
+    every request crosses a boundary, so that the first structured one does not wait for it),
+    else when the first such constraint comes."""
 
-    # Set by the processes whose requests all cross a boundary (the engine process,
-    # --distributed), so that the first structured request there does not wait for it.
-    build_at_load: ClassVar[bool] = False
-
-    def __init__(self, hf_tokenizer: object, vocab_size: int, eos: int) -> None:
+    def __init__(
+        self, hf_tokenizer: object, vocab_size: int, eos: int, build_at_load: bool = False
+    ) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.hf_tokenizer = hf_tokenizer  # the model's (stop strings decode with it too)
         self._vocab_size = vocab_size
         self._eos = eos
         self._checker: GrammarChecker | None = None
-        if self.build_at_load:
+        if build_at_load:
             # A tokenizer llguidance cannot read leaves structured output unavailable (the
             # requests that ask for it fail alone); the model serves on.
             self._checker = GrammarChecker(hf_tokenizer, vocab_size, eos)

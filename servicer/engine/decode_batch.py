@@ -14,7 +14,7 @@ joining batch's layers `extend` the running ones, leaving rows `filter` them, a 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +89,6 @@ class DecodeBatch:
     (`adapter_rows`, 0: the base), set for every forward the same way."""
 
     Response = DecodeResponse
-    # Makes a joining batch's layers into row groups (row_groups), once set.
-    grouping: Callable[[list[Any]], list[Any]] | None = None
 
     def __init__(
         self,
@@ -108,8 +106,11 @@ class DecodeBatch:
         deltas: list[int | None] | None = None,
         adapters: Any = None,
         adapter_rows: list[int] | None = None,
+        grouping: Callable[[list[Any]], list[Any]] | None = None,
     ) -> None:
+        """`grouping`: makes a joining batch's layers into row groups (row_groups), if set."""
         self.model = model
+        self.grouping = grouping
         self.rope = rope  # the model's RopePositions, where it has multimodal RoPE
         self.deltas: list[int | None] = deltas if deltas is not None else [None] * len(uids)
         self.adapters = adapters  # the model's AdapterSet, where adapters are loaded
@@ -153,10 +154,8 @@ class DecodeBatch:
 
     def extend(self, batch: DecodeBatch) -> None:
         """`batch`'s rows join at the end, with their pending tokens."""
-        if self.grouping is not None:
-            batch.prompt_cache = self.grouping(batch.prompt_cache)
         self.uids.extend(batch.uids)
-        self.prompt_cache = extend_caches(self.prompt_cache, batch.prompt_cache)
+        self.prompt_cache = extend_caches(self.prompt_cache, self._joining(batch.prompt_cache))
         self.tokens.extend(batch.tokens)
         self.samplers.extend(batch.samplers)
         self.logits_processors.extend(batch.logits_processors)
@@ -173,6 +172,10 @@ class DecodeBatch:
         self._token_context.extend(batch._token_context)
         self._num_tokens.extend(batch._num_tokens)
         self._matchers.extend(batch._matchers)
+
+    def _joining(self, caches: list[Any]) -> list[Any]:
+        """A joining batch's layers as this batch holds them: in row groups, with `grouping`."""
+        return caches if self.grouping is None else self.grouping(caches)
 
     def filter(self, keep: list[int]) -> None:
         """Only the rows at positions `keep` stay, in that order."""
@@ -209,6 +212,16 @@ class DecodeBatch:
     def adapted(self) -> bool:
         """Whether some row takes a LoRA adapter (its forwards set the rows' adapters)."""
         return self.adapters is not None and any(self.adapter_rows)
+
+    @contextlib.contextmanager
+    def forwards_through(self, model: Any) -> Iterator[None]:
+        """Every forward within goes through `model` in place of the batch's own (a prompt's
+        chunk riding in the decoding rows' forward: fused_prefill's `FusingModel`)."""
+        own, self.model = self.model, model
+        try:
+            yield
+        finally:
+            self.model = own
 
     def forward(self, inputs: mx.array, cache: Any = None) -> mx.array:
         """The model on `inputs` (a row each) over `cache` (the batch's by default), each row

@@ -40,11 +40,10 @@ from .encoding import ImageEncodes
 from .figures import FiguresPublisher
 from .inbox import Inbox
 from .lockstep import Lockstep
-from .parts import EngineParts, build_parts, new_generator, warm_up
+from .parts import EngineParts, build_parts, new_runner, warm_up
 from .planner import Planner, reusable
 from .prefill import PrefillPolicy, StepCost
-from .prefix.store import AnyPrefixStore, Hit
-from .runner import BatchRunner
+from .prefix.store import Hit
 from .scheduler import Plan, Scheduler
 from .speculation import SpeculationCounters
 from .watchdog import StepWatch
@@ -72,12 +71,15 @@ class Engine:
         sink: Sink,
         exit_on_stall: bool = False,
         lockstep: Lockstep | None = None,
+        crossed: bool = False,
     ) -> None:
         """`exit_on_stall`: a stalled step ends the process once the stall is reported (the
         engine process: its server learns of it from the report and the exit); otherwise
         the server's fatal path ends it. `lockstep`: one model over several processes
-        (--distributed), rank 0 planning every step and sharing the plan."""
+        (--distributed), rank 0 planning every step and sharing the plan. `crossed`: every
+        request comes over a process boundary (the engine process), its grammar uncompiled."""
         self.config = config
+        self._crossed = crossed
         self._sink = sink
         self._lockstep = lockstep
         self._exit_on_stall = exit_on_stall
@@ -116,11 +118,6 @@ class Engine:
         assert self._capabilities is not None
         return self._capabilities
 
-    @property
-    def prefix_cache(self) -> AnyPrefixStore | None:
-        """The engine thread's prefix store, for tests that look inside an idle engine."""
-        return self._loop.store if self._loop is not None else None
-
     def submit(self, request: GenerationRequest) -> None:
         self._inbox.put(request)
 
@@ -158,6 +155,7 @@ class Engine:
                     stream,
                     self._watch,
                     self._lockstep,
+                    self._crossed,
                 )
             except BaseException as exc:
                 log.error("engine startup failed: %s", exc, exc_info=exc)
@@ -217,6 +215,7 @@ class EngineLoop:
         stream: mx.Stream,
         watch: StepWatch | None = None,
         lockstep: Lockstep | None = None,
+        crossed: bool = False,
     ) -> None:
         self.config = config
         self._watch = watch or StepWatch(0.0)  # marks each step for the watchdog
@@ -224,14 +223,14 @@ class EngineLoop:
         self._inbox = inbox
         self._lockstep = lockstep
         self._leads = self._lockstep is None or self._lockstep.leads
-        parts = build_parts(config, info, lockstep)
+        parts = build_parts(config, info, lockstep, crossed)
         self.parts = parts
         self.store = parts.prefix
-        self.speculation = SpeculationCounters()  # across generators, should one be replaced
+        self.speculation = SpeculationCounters()  # across runners, should one be replaced
         self.cost = StepCost()  # every part of a step, learned: the scheduler plans with it
         self.batch = _new_batch(parts, config, stream, self.speculation, self._leads, self.cost)
         if config.warmup:
-            warm_up(self.batch.generator, info.bos_token_id or 0, parts.new_row)
+            warm_up(self.batch.runner, info.bos_token_id or 0, parts.new_row)
         self.store.on_disk_done(inbox.nudge)
         self.encodes = (
             ImageEncodes(parts.vision, functools.partial(reusable, self.store, config))
@@ -282,7 +281,7 @@ class EngineLoop:
             self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
             due = self._apply_and_step(plan, hits, out)
             self._inbox.fan_out(out)
-            if self.planner.embeds or self.embedder.busy:
+            if self.planner.embeds_waiting or self.embedder.busy:
                 self._embed(out, plan.embed_tokens)
             if self.encodes is not None and self.scheduler.waiting:
                 self._encode_ahead(plan.encode_s)
@@ -297,7 +296,7 @@ class EngineLoop:
 
     def _apply_and_step(self, plan: Plan, hits: list[Hit | None], out: StepOutput) -> bool:
         """The plan applied and one step run (a failure fails the batch's requests, and a fresh
-        generator serves on); True when some handler needs the output now."""
+        runner serves on); True when some handler needs the output now."""
         batch = self.batch
         started = time.perf_counter()
         due = False
@@ -367,8 +366,7 @@ class EngineLoop:
     def _embed(self, out: StepOutput, tokens: int | None) -> None:
         """Embeds run in forwards of their own after the step (no cache of the batch's is
         touched): while rows decode, one chunk of the plan's `tokens` a step."""
-        embeds, self.planner.embeds = self.planner.embeds, []
-        out.embeddings.extend(self.embedder.take(embeds, tokens))
+        out.embeddings.extend(self.embedder.take(self.planner.take_embeds(), tokens))
 
     def _encode_ahead(self, budget_s: float | None) -> None:
         """Waiting requests' images, a few vision layers within what the step left."""
@@ -395,7 +393,7 @@ class EngineLoop:
         if out:
             due = output_due(out, due, bool(self.batch.rows))
             if due:
-                self.batch.book.handed_over()
+                self.batch.handed_over()
             self._sink.put(out, due)
         if self.store.keep_pending() and not self.batch.rows:
             self._sink.put(StepOutput(kv_events=self.store.take_events()), due=True)
@@ -416,23 +414,20 @@ def _new_batch(
 ) -> Batch:
     """The engine's batch (its runner built anew should a step fail; speculation's `counters`
     go on across runners). Only rank 0 (`leads`) sends logprobs anywhere."""
-    model = parts.loaded.model
-
-    def new_runner() -> BatchRunner:
-        return new_generator(
-            model,
-            config,
-            stream,
-            parts.speculation,
-            counters,
-            parts.fused_prefill,
-            parts.group_rows,
-            parts.vision,
-            parts.adapters,
-        )
-
-    return Batch(
+    runner = functools.partial(
         new_runner,
+        parts.loaded.model,
+        config,
+        stream,
+        parts.speculation,
+        counters,
+        parts.fused_prefill,
+        parts.group_rows,
+        parts.vision,
+        parts.adapters,
+    )
+    return Batch(
+        runner,
         parts.sampling,
         parts.prefix,
         config.faults,

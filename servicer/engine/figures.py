@@ -50,7 +50,7 @@ class FiguresPublisher:
         waiting requests changed, or the output answers a flush (its caller reads them),
         otherwise at most every `FIGURES_INTERVAL_S`."""
         now, published, batch = time.monotonic(), self._published, self._batch
-        counts = len(batch.rows), batch.book.starting, self._scheduler.waiting
+        counts = len(batch.rows), batch.starting, self._scheduler.waiting
         recent = now - published.at < FIGURES_INTERVAL_S and counts == published.counts
         if batch.rows and not out.flushed and recent:
             return
@@ -65,7 +65,7 @@ class FiguresPublisher:
 def load_counts(batch: Batch, scheduler: Scheduler, inbox: Inbox) -> LoadCounts:
     """The load a router reads (GetLoads), as a step left it: the batch's rows, the requests
     in the scheduler's line and the samples the inbox holds."""
-    starting, held = batch.book.starting, inbox.held_samples()
+    starting, held = batch.starting, inbox.held_samples()
     return LoadCounts(
         running=len(batch.rows) - starting,
         waiting=starting + scheduler.waiting + len(held),
@@ -73,6 +73,6 @@ def load_counts(batch: Batch, scheduler: Scheduler, inbox: Inbox) -> LoadCounts:
         used_tokens=sum(
             len(row.admit.request.prompt) + row.generated for row in batch.rows.values()
         ),
-        generated=batch.book.generated,
-        prompt_tokens=batch.book.admitted_prompt,
+        generated=batch.generated,
+        prompt_tokens=batch.admitted_prompt,
     )

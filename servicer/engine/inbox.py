@@ -76,14 +76,6 @@ class Inbox:
 
     # ----- the samples of n > 1, from the engine thread -----
 
-    @property
-    def holding(self) -> bool:
-        return bool(self._held)
-
-    def holds(self, ticket: int) -> bool:
-        """Whether `ticket` is sample 0 of a request whose other samples are held."""
-        return ticket in self._held
-
     def release(self, first: int) -> None:
         """Sample 0's prompt is through: its other samples join the line at the next take."""
         with self._cond:

@@ -57,7 +57,7 @@ class Speculation:
     config: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def source(self) -> DraftSource:
-        """A fresh draft source (it keeps per-row state: one per generator)."""
+        """A fresh draft source (it keeps per-row state: one per runner)."""
         if self.kind == "draft":
             assert self.draft is not None
             return DraftModel(self.draft)
@@ -83,10 +83,15 @@ class EngineParts:
 
 
 def build_parts(
-    config: EngineConfig, info: ModelInfo, lockstep: Lockstep | None = None
+    config: EngineConfig,
+    info: ModelInfo,
+    lockstep: Lockstep | None = None,
+    crossed: bool = False,
 ) -> EngineParts:
     """Load the model `info` describes and build everything around it (with a `lockstep`:
-    this rank's shard, and what every rank must hold alike)."""
+    this rank's shard, and what every rank must hold alike). `crossed`: every request comes
+    over a process boundary (the engine process), its grammar uncompiled, as a follower
+    rank's come in rank 0's plans."""
     log_blas_hint()
     if config.faults is not None:
         config.faults.before_load()
@@ -102,7 +107,12 @@ def build_parts(
     eos = info.eos_token_ids[0] if info.eos_token_ids else 0
     sampling = SamplingFactory(
         info.vocab_size,
-        GrammarFactory(tokenizer._tokenizer, info.vocab_size, eos),
+        GrammarFactory(
+            tokenizer._tokenizer,
+            info.vocab_size,
+            eos,
+            build_at_load=crossed or (lockstep is not None and not lockstep.leads),
+        ),
         seed,
         think_start=tokenizer.think_start_tokens,
         think_end=tokenizer.think_end_tokens,
@@ -409,7 +419,7 @@ def batch_generator_settings(config: EngineConfig, stream: mx.Stream) -> dict[st
     }
 
 
-def new_generator(
+def new_runner(
     model: nn.Module,
     config: EngineConfig,
     stream: mx.Stream,
@@ -427,30 +437,28 @@ def new_generator(
     loaded on `model`, if any."""
     kwargs = runner_settings(config, stream)
     kwargs["vision"], kwargs["adapters"] = vision, adapters
+    kwargs["fuse_prefill"], kwargs["grouping"] = fuse_prefill, grouped if group_rows else None
     if speculation is None:
-        generator = BatchRunner(model, **kwargs)
+        runner = BatchRunner(model, **kwargs)
     else:
-        generator = SpeculativeRunner(
+        runner = SpeculativeRunner(
             model,
             source=speculation.source(),
             speculation=speculation.config,
             counters=counters,
             **kwargs,
         )
-    generator.fuse_prefill = fuse_prefill
-    if group_rows:
-        generator.group_rows(grouped)
-    return generator
+    return runner
 
 
 def warm_up(
-    generator: BatchRunner, token: int, new_row: Callable[[], list[Any]] | None = None
+    runner: BatchRunner, token: int, new_row: Callable[[], list[Any]] | None = None
 ) -> None:
     """One short request through the whole path, so the first real one pays no JIT."""
     caches = [new_row()] if new_row is not None else None
-    (uid,) = generator.insert([[token] * 4], max_tokens=[2], caches=caches)
+    (uid,) = runner.insert([[token] * 4], max_tokens=[2], caches=caches)
     for _ in range(16):
-        _, responses = generator.next()
+        _, responses = runner.next()
         if any(r.uid == uid and r.finish_reason for r in responses):
             return
-    generator.remove([uid])
+    runner.remove([uid])

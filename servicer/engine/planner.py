@@ -47,7 +47,17 @@ class Planner:
         self._store, self._inbox, self._embedder = store, inbox, embedder
         self._watch, self._lockstep = watch, lockstep
         self._leads = lockstep is None or lockstep.leads
-        self.embeds: list[EmbedRequest] = []  # taken while planning, run after the step
+        self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
+
+    @property
+    def embeds_waiting(self) -> bool:
+        """Whether embeds taken while planning wait to run."""
+        return bool(self._embeds)
+
+    def take_embeds(self) -> list[EmbedRequest]:
+        """The embeds taken while planning, to run after the step (the planner keeps none)."""
+        embeds, self._embeds = self._embeds, []
+        return embeds
 
     def plan(self, out: StepOutput) -> tuple[Plan, list[Hit | None]]:
         """Rank 0's plan, the same on every rank, and this rank's cached prefix for each of
@@ -87,14 +97,14 @@ class Planner:
             for ticket in scheduler.withdraw(take.aborts):
                 out.events.append(RowEvent(ticket, None, FINISH_ABORT))
                 self._store.forget(ticket)
-            plan.aborts = sorted(take.aborts & batch.book.tickets())
+            plan.aborts = sorted(take.aborts & batch.tickets())
         if plan.stop:
             return plan, hits
         view = batch.view()
         choice = scheduler.schedule(view, now)
         plan.chunk, plan.widened = choice.chunk, choice.widened
         plan.budget_s, plan.bulk = choice.budget_s, choice.bulk
-        embeds = bool(self.embeds or self._embedder.busy)
+        embeds = bool(self._embeds or self._embedder.busy)
         running = bool(view.rows or choice.admits)
         plan.embed_tokens, plan.catch_up_tokens = scheduler.share(choice, running, embeds)
         plan.encode_s = scheduler.encode_budget(choice, running)
@@ -110,7 +120,7 @@ class Planner:
 
     def _commands(self, take: InboxTake, out: StepOutput) -> None:
         """Flushes now, before this step's lookups; embeds after the step (the loop runs
-        `embeds`). Neither happens where every rank must do the same (lockstep): they are
+        `take_embeds`). Neither happens where every rank must do the same (lockstep): they are
         refused there."""
         if self._lockstep is not None:
             why = "not supported with --distributed"
@@ -126,7 +136,7 @@ class Planner:
         if take.stopping:
             out.embeddings.extend(self._embedder.refuse(take.embeds, "the engine is stopping"))
         else:
-            self.embeds.extend(take.embeds)
+            self._embeds.extend(take.embeds)
 
     def _follower_hit(self, admit: Admit) -> Hit | None:
         """A follower's own copy of the prefix rank 0 found for `admit`."""

@@ -123,6 +123,10 @@ class RowBook:
             if row.prefill_left == 0:
                 self.prefilling.pop(row.uid, None)
 
+    def count_generated(self, tokens: int) -> None:
+        """A step produced `tokens` more tokens."""
+        self.generated += tokens
+
     def tickets(self) -> set[int]:
         return {row.ticket for row in self.rows.values()}
 

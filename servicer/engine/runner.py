@@ -46,7 +46,12 @@ class BatchRunner:
         sampler: Any = None,
         vision: VisionEncoder | None = None,
         adapters: AdapterSet | None = None,
+        fuse_prefill: bool = False,
+        grouping: Callable[[list[Any]], list[Any]] | None = None,
     ) -> None:
+        """`fuse_prefill`: one prompt's chunk may ride in the decoding rows' forward (a model
+        `enable_fused_prefill` covers); `grouping`: decoding rows of very different lengths
+        attend in groups, `grouping` making the groups of each joining batch (row_groups)."""
         self.model = model
         self.vision = vision
         self.adapters = adapters  # the LoRA adapters loaded on the model, if any
@@ -56,8 +61,8 @@ class BatchRunner:
         self._stream = stream or mx.new_stream(mx.default_device())
         self._next_uid = 0
         self.prefill = PromptBatch(model, vision, adapters)
-        self.decoding: DecodeBatch = self._new_decode_batch()
-        self.fuse_prefill = False
+        self.decoding: DecodeBatch = self._new_decode_batch(grouping)
+        self.fuse_prefill = fuse_prefill
         self.fused_steps = 0
         self.prompt_tokens = 0  # prompt tokens put through the model so far
         self.decode_steps = 0
@@ -65,8 +70,8 @@ class BatchRunner:
         self.catch_up: int | None = None  # the step's draft catch-up allowance (speculation)
         self._wired_limit = maybe_set_recommended_wired_limit()
 
-    def _new_decode_batch(self) -> DecodeBatch:
-        return DecodeBatch.empty(self.model, self.sampler)
+    def _new_decode_batch(self, grouping: Callable[[list[Any]], list[Any]] | None) -> DecodeBatch:
+        return DecodeBatch.empty(self.model, self.sampler, grouping=grouping)
 
     @property
     def stream(self) -> mx.Stream:
@@ -76,11 +81,6 @@ class BatchRunner:
     def prefilling(self) -> bool:
         """Whether prompts are in prefill."""
         return len(self.prefill) > 0
-
-    def group_rows(self, grouping: Callable[[list[Any]], list[Any]]) -> None:
-        """Decoding rows of very different lengths attend in groups from now on, `grouping`
-        making the groups of each joining batch (row_groups)."""
-        self.decoding.grouping = grouping
 
     def close(self) -> None:
         if self._wired_limit is not None:
@@ -207,11 +207,15 @@ class BatchRunner:
     def _decode(self) -> list[DecodeResponse]:
         if not len(self.decoding):
             return []
-        responses = self.decoding.next()
+        responses = self._step_decoding()
         self.decode_steps += 1
         if self.decode_steps % CLEAR_EVERY == 0:
             mx.clear_cache()
         return responses
+
+    def _step_decoding(self) -> list[DecodeResponse]:
+        """The decoding rows' step."""
+        return self.decoding.next()
 
     # ----- a prompt's chunk in the decoding rows' forward -----
 
@@ -231,11 +235,8 @@ class BatchRunner:
         self.prefilled = PrefillWork(1, len(tokens), context)
         caches = self.prefill.prompt_cache
         fusing = FusingModel(self.model, mx.array([tokens]), caches)
-        self.decoding.model = fusing
-        try:
+        with self.decoding.forwards_through(fusing):
             responses = self._decode()
-        finally:
-            self.decoding.model = self.model
         if fusing.used:
             self.fused_steps += 1
             row.tokens += tokens

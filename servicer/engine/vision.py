@@ -79,8 +79,6 @@ class VisionEncoder:
         self._held = 0
         self.encoded = 0  # images put through the encoder
         self._encoded_taken = 0  # of them, reported by `take_encoded`
-        self.encoded_tokens = 0  # their placeholder tokens
-        self.reused = 0  # images whose features came from the cache
 
     @classmethod
     def load(cls, model_dir: Path, text_model: Any, cache_bytes: int) -> VisionEncoder:
@@ -149,7 +147,6 @@ class VisionEncoder:
         entry = self._cache.get(image.key)
         if entry is not None:
             self._cache.move_to_end(image.key)
-            self.reused += 1
             return entry.features
         features = self.lazy_features(image, run)
         mx.eval(features)
@@ -174,7 +171,6 @@ class VisionEncoder:
         """Computed features, in the bounded cache; encoded `ahead` of their request's
         admission, also held for it until `features` hands them over."""
         self.encoded += 1
-        self.encoded_tokens += image.length
         if ahead:
             self._ahead[image.key] = features
         self._keep(image.key, features)

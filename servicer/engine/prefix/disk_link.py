@@ -205,7 +205,7 @@ class DiskLink:
 
     def on_done(self, wake: Callable[[], None]) -> None:
         """`wake` is called (from a disk thread) whenever a write or a load finishes."""
-        self.disk.on_done = wake
+        self.disk.on_done(wake)
 
 
 def _flatten(value: Any, arrays: list[Any]) -> Any:

@@ -203,7 +203,11 @@ class DiskTier:
         self._threads: list[threading.Thread] = []
         self.usable = False
         self.reason = ""
-        self.on_done: Callable[[], None] = lambda: None  # wakes the engine
+        self._wake: Callable[[], None] = lambda: None  # wakes the engine (on_done)
+
+    def on_done(self, wake: Callable[[], None]) -> None:
+        """`wake` is called (from a disk thread) whenever a write or a load finishes."""
+        self._wake = wake
 
     # ----- startup -----
 
@@ -319,7 +323,7 @@ class DiskTier:
         """A write or load finished: the engine may be idle, waiting for just this (a load),
         or with figures to publish (a write)."""
         self._done.append(done)
-        self.on_done()
+        self._wake()
 
     def completed(self) -> list[Completion]:
         """What the threads finished since the last call; their faults are counted here."""

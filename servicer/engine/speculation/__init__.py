@@ -4,8 +4,8 @@ from .batch import SpeculativeDecodeBatch, Speculator
 from .config import SpeculationConfig, SpeculationCounters
 from .draft_model import DraftModel, check_draft_compatible, draft_supported
 from .drafts import DraftSource
-from .generator import SpeculativeRunner
 from .ngram import PromptLookup
+from .runner import SpeculativeRunner
 from .support import speculation_supported
 
 __all__ = [

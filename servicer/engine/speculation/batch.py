@@ -67,7 +67,6 @@ class SpeculativeDecodeBatch(DecodeBatch):
         self._timer = StepTimer(speculator.clock, speculator.modes)
         self._rolls_back = False  # whether the caches are this package's (see extend)
         self._shadow_wait = 0  # steps without drafts until the next shadow lookup
-        self.shares_step_with_prefill = False  # set by the generator before each step
         super().__init__(*args, **kwargs)
         if self.uids:
             speculator.source.extend(self.tokens)
@@ -75,10 +74,14 @@ class SpeculativeDecodeBatch(DecodeBatch):
 
     @classmethod
     def start(
-        cls, model: Any, fallback_sampler: Any, speculator: Speculator
+        cls,
+        model: Any,
+        fallback_sampler: Any,
+        speculator: Speculator,
+        grouping: Callable[[list[Any]], list[Any]] | None = None,
     ) -> SpeculativeDecodeBatch:
         """An empty batch, as the runner starts with."""
-        batch = cls.empty(model, fallback_sampler, speculator=speculator)
+        batch = cls.empty(model, fallback_sampler, speculator=speculator, grouping=grouping)
         assert isinstance(batch, SpeculativeDecodeBatch)
         return batch
 
@@ -87,11 +90,15 @@ class SpeculativeDecodeBatch(DecodeBatch):
         if not self.uids:
             self.prompt_cache, self._rolls_back = [], False  # mlx-lm's caches again
             self._timer.restart()
-        elif self._rolls_back:
-            batch.prompt_cache = self._adopted(batch.prompt_cache)
         speculator.source.extend(batch.tokens)
         self._paces.extend(RowPace() for _ in batch.uids)
         super().extend(batch)
+
+    def _joining(self, caches: list[Any]) -> list[Any]:
+        """A joining batch's layers roll back per row as the running rows' do, once they do."""
+        if self._rolls_back:
+            caches = self._adopted(caches)
+        return super()._joining(caches)
 
     def after_pause(self) -> None:
         self._timer.restart()
@@ -124,9 +131,11 @@ class SpeculativeDecodeBatch(DecodeBatch):
 
     # ----- one step -----
 
-    def next(self) -> list[DecodeResponse]:
+    def next(self, shares_step_with_prefill: bool = False) -> list[DecodeResponse]:
+        """One step (`shares_step_with_prefill`: prompts prefill in it too, so the mode clock
+        does not take its time for a decoding step's)."""
         rows = len(self.uids)
-        self._timer.step_begins(rows, self.shares_step_with_prefill)
+        self._timer.step_begins(rows, shares_step_with_prefill)
         if not rows:
             self._timer.forward_begins(waited=False)
             return []
@@ -144,7 +153,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
         config = self.speculator.config
         if rows <= config.max_rows and (not config.costed or self.speculator.modes.drafting(rows)):
             return True
-        self.speculator.counters.cutoff_steps += 1
+        self.speculator.counters.record_cutoff()
         if self._rolls_back:
             self._release()
         return False
@@ -216,7 +225,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
             rows, 1 + max(ks), expected_tokens(self._paces, ks)
         )
         if width == 1:
-            self.speculator.counters.cutoff_steps += 1
+            self.speculator.counters.record_cutoff()
         return [min(k, width - 1) for k in ks], probing
 
     def _speculate(self, pending: list[int], drafts: list[list[int]]) -> list[Any]:
@@ -318,7 +327,7 @@ def worth_verifying(
     lengths = [len(d) for d in drafts]
     width = speculator.clock.best(len(drafts), 1 + max(lengths), expected_tokens(paces, lengths))
     if width == 1:
-        speculator.counters.cutoff_steps += 1
+        speculator.counters.record_cutoff()
     return [d[: width - 1] for d in drafts]
 
 

@@ -291,6 +291,10 @@ class SpeculationCounters:
         self.emitted += rows
         self.per_row_step[1] += rows
 
+    def record_cutoff(self) -> None:
+        """A step that drafts nothing by decision: past the cap, or drafting does not pay."""
+        self.cutoff_steps += 1
+
     def snapshot(self) -> SpeculationFigures:
         return SpeculationFigures(
             steps=self.steps,

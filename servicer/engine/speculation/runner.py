@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ...messages import SpeculationFigures
-from ..decode_batch import DecodeBatch
+from ..decode_batch import DecodeBatch, DecodeResponse
 from ..runner import BatchRunner
 from .batch import SpeculativeDecodeBatch, Speculator
 from .config import ModeClock, SpeculationConfig, SpeculationCounters
@@ -31,7 +32,7 @@ class SpeculativeRunner(BatchRunner):
         counters: SpeculationCounters | None = None,
         **kwargs: Any,
     ) -> None:
-        """`counters`: where to count (a generator built to replace another goes on with its
+        """`counters`: where to count (a runner built to replace another goes on with its
         counts); fresh ones by default."""
         self._source, self._config = source, speculation or SpeculationConfig()
         self._counters = counters or SpeculationCounters()
@@ -41,7 +42,7 @@ class SpeculativeRunner(BatchRunner):
             self.close()
             raise ValueError(f"speculative decoding is not supported: {reason}")
 
-    def _new_decode_batch(self) -> DecodeBatch:
+    def _new_decode_batch(self, grouping: Callable[[list[Any]], list[Any]] | None) -> DecodeBatch:
         config = self._config
         self._speculator = Speculator(
             self._source,
@@ -50,7 +51,9 @@ class SpeculativeRunner(BatchRunner):
             modes=ModeClock(window=config.mode_window, first_gap=config.mode_gap),
             padding_inert=padding_inert(self.model),
         )
-        self._speculating = SpeculativeDecodeBatch.start(self.model, self.sampler, self._speculator)
+        self._speculating = SpeculativeDecodeBatch.start(
+            self.model, self.sampler, self._speculator, grouping
+        )
         return self._speculating
 
     def _next(self, chunk: int) -> Any:
@@ -58,8 +61,10 @@ class SpeculativeRunner(BatchRunner):
         begin = getattr(self._speculator.source, "begin_step", None)
         if begin is not None:
             begin(self.catch_up)
-        self._speculating.shares_step_with_prefill = self.prefilling
         return super()._next(chunk)
+
+    def _step_decoding(self) -> list[DecodeResponse]:
+        return self._speculating.next(shares_step_with_prefill=self.prefilling)
 
     @property
     def caught_up(self) -> tuple[int, float]:
@@ -68,7 +73,7 @@ class SpeculativeRunner(BatchRunner):
 
     def after_pause(self) -> None:
         """The caller did other work since the last step (a benchmark alternating
-        generators): neither clock counts that gap as the last step's time."""
+        runners): neither clock counts that gap as the last step's time."""
         self._speculating.after_pause()
 
     @property
