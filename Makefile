@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 EXTRAS := $(if $(filter Darwin,$(shell uname -s)),dev,cpu,dev)
 ARGS ?=
 
-.PHONY: install serve test lint format proto demo bench bench-images nightly fuzz-cache fuzz-requests families vision-families clean
+.PHONY: install serve test test-slow test-all lint format proto demo bench bench-images nightly fuzz-cache fuzz-requests families vision-families clean
 
 install: $(STAMP)
 
@@ -22,10 +22,20 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/mlx-grpc-worker $(ARGS)
 
-# Test files in TEST_JOBS processes (most tests wait on servers, routers and subprocesses).
-TEST_JOBS ?= 2
+# Test files in TEST_JOBS processes (most tests wait on servers, routers and subprocesses, so
+# more processes than cores pay). `make test` leaves out the tests marked slow (the full runs of
+# the long differential suites, each of which keeps a fast slice here); `make test-slow` runs
+# only those, `make test-all` everything. An -m in ARGS replaces the target's.
+TEST_JOBS ?= 4
+PYTEST := $(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile $(ARGS)
+	$(PYTEST) -m "not slow" $(ARGS)
+
+test-slow: $(STAMP)
+	$(PYTEST) -m slow $(ARGS)
+
+test-all: $(STAMP)
+	$(PYTEST) $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
-from support import ServerThread
+from support import ServerThread, slow
 
 from servicer.demos.text import TEST_PROMPTS, demo_model_path
 from servicer.engine import EngineConfig
@@ -25,7 +25,16 @@ def demo_dir() -> Path:
     return demo_model_path()
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+KIND_MODEL_KINDS = ("llama", "gemma3")
+
+
+def kind_model_kinds(*slow_kinds: str) -> pytest.MarkDecorator:
+    """One test's `kind_model` kinds, those in `slow_kinds` only in make test-slow."""
+    params = [slow(k, id=k) if k in slow_kinds else k for k in KIND_MODEL_KINDS]
+    return pytest.mark.parametrize("kind_model", params, indirect=True)
+
+
+@pytest.fixture(scope="module", params=KIND_MODEL_KINDS)
 def kind_model(request) -> tuple[str, Any, Any]:
     """A demo kind whose attention fused prefill and row groups cover, loaded with its
     attention classes swapped: (kind, model, tokenizer)."""

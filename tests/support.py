@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import httpx
+import pytest
 
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
@@ -28,6 +29,15 @@ from servicer.sysinfo import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SMG = shutil.which("smg", path=str(Path(sys.executable).parent)) or shutil.which("smg")
+
+# The long cases: `make test-slow` (and `make test-all`) runs them, `make test` the rest, which
+# keeps a fast slice of each long suite (one kind, one seed, ...).
+SLOW = pytest.mark.slow
+
+
+def slow(*values: Any, id: str | None = None) -> Any:
+    """A parametrization only `make test-slow` runs (`pytest.param` marked slow)."""
+    return pytest.param(*values, marks=SLOW, id=id)
 
 
 class ServerThread:
@@ -342,10 +352,8 @@ class Router:
 
     def close(self) -> None:
         self.client.close()
-        self.proc.terminate()  # its graceful shutdown keeps the listener open ~5 s: no need
-        try:
-            self.proc.wait(2)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        # Killed at once: its graceful shutdown keeps the listener open ~5 s, and it is one
+        # process (no children to leave behind).
+        self.proc.kill()
+        self.proc.wait(10)
         self._log.close()

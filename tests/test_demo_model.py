@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support import SLOW
 
 from servicer.demos import common
 from servicer.demos import text as demo_model
@@ -175,6 +176,18 @@ def test_chat_template(built: Path) -> None:
     assert config["chat_template"] == CHAT_TEMPLATE
 
 
+def test_a_fresh_build_equals_the_shared_caches_byte_for_byte(built: Path) -> None:
+    """Two full builds, byte for byte: this session's, in its own cache directory, and the one
+    the other tests use from the shared cache (built there once, maybe by an earlier run of this
+    recipe version: a difference means the recipe changed without a new RECIPE_VERSION, or the
+    build is not deterministic)."""
+    shared = demo_model_path(DEMO_MODEL_KIND)
+    assert shared != built and shared.name == built.name
+    for name in MODEL_FILES:
+        assert (shared / name).read_bytes() == (built / name).read_bytes(), name
+
+
+@SLOW  # a second full build in this process (~30 s); the test above compares two builds too
 def test_full_rebuild_is_byte_identical(built: Path, tmp_path: Path) -> None:
     again = build_model(tmp_path / "again", DEMO_MODEL_KIND, seed=0)
     for name in MODEL_FILES:

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from conftest import demo_config
-from support import ServerThread
+from support import ServerThread, slow
 from test_images import chat_ids, complete, data_url, expanded, image_request, needs_vlm, png
 
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
@@ -79,7 +79,7 @@ def _run(stub, job) -> list[int] | None:
     return list(complete(stub, message).output_ids)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, slow(1)])
 def test_image_and_text_requests_answer_as_without_any_cache(vlm_dir, seed):
     jobs = _fuzz_jobs(vlm_dir, seed, 24)
     answers = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import Reference, demo_config
-from support import ServerThread, WorkerProcess, generate, make_request, wait_until
+from support import ServerThread, WorkerProcess, generate, make_request, slow, wait_until
 from test_prefix_store import BLOCK, store_config, text_tokens
 
 from servicer.demos.text import demo_model_path
@@ -92,7 +92,8 @@ def _damage(files: list[Path], how: str) -> None:
             path.write_bytes(bytes(flipped))
 
 
-@pytest.mark.parametrize("how", ["truncated", "corrupted", "foreign"])
+# make test: a truncated file; a flipped byte (checksum) and another model's files are slow.
+@pytest.mark.parametrize("how", ["truncated", slow("corrupted"), slow("foreign")])
 def test_a_damaged_or_foreign_file_is_a_miss_never_wrong_output(
     how, demo_dir, reference, tmp_path, caplog
 ):
@@ -121,7 +122,7 @@ def test_a_damaged_or_foreign_file_is_a_miss_never_wrong_output(
     assert any("prompt cache" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("fault", ["diskfull", "diskro"])
+@pytest.mark.parametrize("fault", ["diskfull", slow("diskro")])
 def test_a_full_or_read_only_disk_is_a_miss_and_serving_goes_on(
     fault, demo_dir, reference, tmp_path, caplog
 ):

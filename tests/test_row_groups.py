@@ -11,6 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from conftest import KIND_MODEL_KINDS, kind_model_kinds
 from spec_support import (
     Job,
     draft_three_steps_then_stop_three,
@@ -19,6 +20,7 @@ from spec_support import (
     plain_generator,
     runner_kwargs,
 )
+from support import SLOW
 
 from servicer.demos.text import demo_model_path
 from servicer.engine import fused_prefill
@@ -76,9 +78,27 @@ def most_groups(runner: BatchRunner) -> list[int]:
     return probe  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_groups_give_the_same_tokens(kind_model, seed, seeded):
+# make test's slice of test_groups_give_the_same_tokens: (kind, seeded, seed).
+SAME_TOKENS_FAST = {("llama", False, 0), ("gemma3", True, 0)}
+
+
+@pytest.mark.parametrize(
+    ("kind_model", "seeded", "seed"),
+    [
+        pytest.param(
+            kind,
+            seeded,
+            seed,
+            id=f"{kind}-{'seeded' if seeded else 'greedy'}-{seed}",
+            marks=() if (kind, seeded, seed) in SAME_TOKENS_FAST else SLOW,
+        )
+        for kind in KIND_MODEL_KINDS
+        for seeded in (False, True)
+        for seed in range(2)
+    ],
+    indirect=["kind_model"],
+)
+def test_groups_give_the_same_tokens(kind_model, seeded, seed):
     _, model, tokenizer = kind_model
     plain = drive(plain_generator(model), mixed_jobs(tokenizer, seed, seeded))
     runner = grouping_runner(model)
@@ -109,6 +129,7 @@ def speculating_in_groups(model: Any, costed: bool) -> SpeculativeRunner:
     )
 
 
+@kind_model_kinds("gemma3")
 def test_groups_beside_speculation(kind_model):
     """Rows drafting in both groups: verify forwards of several tokens, per-row rollback."""
     _, model, tokenizer = kind_model
@@ -121,6 +142,7 @@ def test_groups_beside_speculation(kind_model):
         assert speculated[name].tokens == want.tokens, name
 
 
+@kind_model_kinds("gemma3")
 def test_groups_beside_speculation_that_stops_and_starts(kind_model, monkeypatch):
     """The mode clock switching drafting off and on (three steps each): each time it stops,
     every group's caches that roll back become mlx-lm's again, group by group, and the
@@ -146,6 +168,7 @@ def test_groups_beside_speculation_that_stops_and_starts(kind_model, monkeypatch
         assert speculated[name].tokens == want.tokens, name
 
 
+@kind_model_kinds("llama")
 def test_groups_beside_fused_prefill(kind_model):
     """A prompt's chunk packed into the forward of decoding rows that are in groups."""
     _, model, tokenizer = kind_model
@@ -182,6 +205,7 @@ def test_groups_beside_fused_prefill(kind_model):
         assert got[name].tokens == want.tokens, name
 
 
+@SLOW  # ~12 s; quantized caches in groups: also test_speculation_kinds, test_kv_quant_server
 def test_groups_with_a_quantized_cache():
     from mlx_lm import load
 
@@ -233,6 +257,7 @@ def test_the_choice_of_group():
     assert choose_group(groups, 1, 30_000) == MAX_GROUPS - 1
 
 
+@kind_model_kinds("gemma3")
 def test_filter_and_extract_follow_the_rows(kind_model):
     """Rows leaving from either group keep every other row's cache as it was."""
     _, model, tokenizer = kind_model

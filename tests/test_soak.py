@@ -1,9 +1,10 @@
 """The invariant under churn: every accepted request ends with exactly one terminal message.
 
 64 concurrent clients mix streams, unary calls, client cancels, Abort calls, deadlines, bad
-input and duplicate ids against one worker process (bench/soak.py is the driver; run it
-longer there for nightly use). Afterwards the worker is healthy and empty, its own request
-count agrees with the clients', and its resident memory grew by less than RSS_BOUND_MIB.
+input and duplicate ids against one worker process, 3 rounds in make test and 12 in make
+test-slow (bench/soak.py is the driver; run it longer there for nightly use). Afterwards the
+worker is healthy and empty, its own request count agrees with the clients', and its resident
+memory grew by less than RSS_BOUND_MIB.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import asyncio
 import grpc
 import httpx
 import psutil
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from soak import soak
-from support import WorkerProcess, free_port, server_info, wait_until
+from support import WorkerProcess, free_port, server_info, slow, wait_until
 
 from servicer.proto import mlx_engine_pb2 as pb
 from servicer.proto import mlx_engine_pb2_grpc as pb_grpc
 
 CLIENTS = 64
-ROUNDS = 12
 RSS_BOUND_MIB = 64  # growth allowed after the warm-up round (seen: about 10 MiB)
 
 
@@ -35,7 +36,8 @@ def _metrics(port: int) -> dict[str, float]:
     return values
 
 
-def test_soak_accounts_for_every_request(demo_dir):
+@pytest.mark.parametrize("rounds", [3, slow(12)])
+def test_soak_accounts_for_every_request(demo_dir, rounds):
     metrics_port = free_port()
     with WorkerProcess("--model", str(demo_dir), "--metrics-port", str(metrics_port)) as worker:
         worker.wait_ready()
@@ -43,12 +45,12 @@ def test_soak_accounts_for_every_request(demo_dir):
         warmup = asyncio.run(soak(worker.address, CLIENTS, 1, seed=100))
         assert warmup.violations == []
         rss_before = process.memory_info().rss / 2**20
-        report = asyncio.run(soak(worker.address, CLIENTS, ROUNDS, seed=1))
+        report = asyncio.run(soak(worker.address, CLIENTS, rounds, seed=1))
         rss_after = process.memory_info().rss / 2**20
         print(report.table(), f"\nRSS MiB {rss_before:.0f} -> {rss_after:.0f}")
 
         assert report.violations == []
-        assert report.requests == CLIENTS * ROUNDS
+        assert report.requests == CLIENTS * rounds
         assert rss_after - rss_before < RSS_BOUND_MIB
 
         with grpc.insecure_channel(worker.address) as channel:

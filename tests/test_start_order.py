@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from support import SMG, Router, WorkerProcess, free_port, wait_until
+from support import SLOW, SMG, Router, WorkerProcess, free_port, wait_until
 
 from servicer.faults import ENV_VAR
 
@@ -77,6 +77,7 @@ def test_router_and_worker_started_together(launch):
     assert "unknown" not in _listed(router)
 
 
+@SLOW  # like the test above, ~30 s waiting for the router's next connection attempt
 def test_router_first_and_the_worker_seconds_later(launch):
     start_worker, start_router = launch
     port = free_port()

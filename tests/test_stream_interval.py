@@ -148,6 +148,7 @@ def test_a_fast_model_streams_several_tokens_a_message(demo_dir, reference, prom
         sizes[window] = [len(chunk.token_ids) for chunk in outcome.chunks]
     # The first token is handed over alone, but a handler that has not taken it yet when the
     # next steps end gets them in one message too (the outbox merges what waits for its
-    # reader): held for the window, the first message would carry all 24 tokens.
-    assert len(sizes[0.0]) >= 12, sizes
-    assert sizes[200.0][0] < 8 and len(sizes[200.0]) < len(sizes[0.0]), sizes
+    # reader): held for the window, the first message would carry all 24 tokens. How many
+    # messages each run sends depends on how fast its steps and its handler ran; what holds
+    # is the order: a window only merges, so it never sends more messages than none.
+    assert sizes[200.0][0] < 8 and len(sizes[200.0]) <= len(sizes[0.0]), sizes
