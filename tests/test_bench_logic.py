@@ -226,6 +226,20 @@ def test_the_family_matrix_names_each_cell_a_strict_run_fails_on():
     assert families.failing({"llama": results["llama"]}) == []
 
 
+def test_a_partial_family_run_keeps_the_other_cells_and_the_summary_reads_them():
+    """A run of a few cells (the scheduling settings, say) merges into the last full run's
+    results; a real model without the newer cells is summarised by the cells it has."""
+    import families
+
+    earlier = {"cells": {"defaults": {"status": "exact"}, "stall0": {"status": "wrong"}}}
+    new = {"cells": {"stall0": {"status": "exact"}}}
+    merged = families.merge_result(earlier, new)
+    assert merged["cells"] == {"defaults": {"status": "exact"}, "stall0": {"status": "exact"}}
+    assert families.merge_result(None, new) == new
+    real = {"cells": {"defaults": {"status": "refused"}}}
+    assert families._not_exact(real, ["defaults", "stall0"]) == "refused defaults"
+
+
 def test_a_bench_run_from_another_checkout_measures_that_checkouts_code(tmp_path: Path) -> None:
     """The venv installs this checkout's package in editable mode; a bench module run from a
     copy of the code (a worktree of the code before a change) must import the copy's."""
