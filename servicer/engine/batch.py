@@ -83,6 +83,7 @@ class Batch:
         self.cost = cost or StepCost()  # the decode steps' part is learned here
         self.steps = 0
         self.check = 0  # a running sum of the tokens produced, for lockstep comparison
+        self.generated = 0  # tokens produced since the batch began (the load figures)
 
     @property
     def runner(self) -> BatchRunner:
@@ -102,11 +103,6 @@ class Batch:
     def starting(self) -> int:
         """Rows whose first token is not out yet."""
         return self._book.starting
-
-    @property
-    def generated(self) -> int:
-        """Tokens produced since the batch began."""
-        return self._book.generated
 
     @property
     def admitted_prompt(self) -> int:
@@ -270,7 +266,7 @@ class Batch:
         if wanted:
             _attach_logprobs(wanted)
         self.check = check % (1 << 31)
-        self._book.count_generated(produced)
+        self.generated += produced
         return due
 
     def _fail_grammar(self, row: Row, out: StepOutput) -> None:

@@ -281,8 +281,7 @@ class EngineLoop:
             self._watch.begin()  # rank 0 began at its plan; a follower's share just ended
             due = self._apply_and_step(plan, hits, out)
             self._inbox.fan_out(out)
-            if self.planner.embeds_waiting or self.embedder.busy:
-                self._embed(out, plan.embed_tokens)
+            self._embed(out, plan.embed_tokens)
             if self.encodes is not None and self.scheduler.waiting:
                 self._encode_ahead(plan.encode_s)
             if self.parts.vision is not None:
@@ -366,7 +365,9 @@ class EngineLoop:
     def _embed(self, out: StepOutput, tokens: int | None) -> None:
         """Embeds run in forwards of their own after the step (no cache of the batch's is
         touched): while rows decode, one chunk of the plan's `tokens` a step."""
-        out.embeddings.extend(self.embedder.take(self.planner.take_embeds(), tokens))
+        embeds = self.planner.take_embeds()
+        if embeds or self.embedder.busy:
+            out.embeddings.extend(self.embedder.take(embeds, tokens))
 
     def _encode_ahead(self, budget_s: float | None) -> None:
         """Waiting requests' images, a few vision layers within what the step left."""

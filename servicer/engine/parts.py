@@ -439,16 +439,14 @@ def new_runner(
     kwargs["vision"], kwargs["adapters"] = vision, adapters
     kwargs["fuse_prefill"], kwargs["grouping"] = fuse_prefill, grouped if group_rows else None
     if speculation is None:
-        runner = BatchRunner(model, **kwargs)
-    else:
-        runner = SpeculativeRunner(
-            model,
-            source=speculation.source(),
-            speculation=speculation.config,
-            counters=counters,
-            **kwargs,
-        )
-    return runner
+        return BatchRunner(model, **kwargs)
+    return SpeculativeRunner(
+        model,
+        source=speculation.source(),
+        speculation=speculation.config,
+        counters=counters,
+        **kwargs,
+    )
 
 
 def warm_up(

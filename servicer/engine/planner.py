@@ -49,11 +49,6 @@ class Planner:
         self._leads = lockstep is None or lockstep.leads
         self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
 
-    @property
-    def embeds_waiting(self) -> bool:
-        """Whether embeds taken while planning wait to run."""
-        return bool(self._embeds)
-
     def take_embeds(self) -> list[EmbedRequest]:
         """The embeds taken while planning, to run after the step (the planner keeps none)."""
         embeds, self._embeds = self._embeds, []

@@ -67,7 +67,6 @@ class RowBook:
         self.prefilling: dict[int, Row] = {}
         self.first_due: set[int] = set()
         self.reserved = 0
-        self.generated = 0  # tokens produced since the batch began (the load figures)
         self.admitted_prompt = 0  # prompt tokens of every row admitted so far
 
     @property
@@ -122,10 +121,6 @@ class RowBook:
                 row.context = row.admit.cached_tokens + done
             if row.prefill_left == 0:
                 self.prefilling.pop(row.uid, None)
-
-    def count_generated(self, tokens: int) -> None:
-        """A step produced `tokens` more tokens."""
-        self.generated += tokens
 
     def tickets(self) -> set[int]:
         return {row.ticket for row in self.rows.values()}
