@@ -15,6 +15,7 @@ from support import ServerThread, WorkerProcess, generate, wait_until
 from test_prefix_store import text_tokens
 
 from servicer.demos.text import demo_model_path
+from servicer.engine.prefix import disk_link
 from servicer.faults import ENV_VAR, FaultPlan
 
 N = 8
@@ -110,7 +111,10 @@ def test_a_planning_fault_serves_one_request_cold_or_fails_it_alone(
     assert after.tokens == reference.greedy(prompts[2], N)
 
 
-def test_a_fault_taking_in_a_block_from_disk_is_a_miss(demo_dir, reference, tmp_path):
+def test_a_fault_taking_in_a_block_from_disk_is_a_miss(demo_dir, reference, tmp_path, monkeypatch):
+    """A block that cannot be taken in drops the blocks under it from the index: the request
+    waiting for them goes on at once (cold past the fault), not after the load timeout."""
+    monkeypatch.setattr(disk_link, "LOAD_TIMEOUT_S", 3600.0)  # the engine thread is ours
     prompts = [_text(reference, 600, salt=50 + i) for i in range(4)]
     config = demo_config(
         demo_dir,
@@ -118,12 +122,14 @@ def test_a_fault_taking_in_a_block_from_disk_is_a_miss(demo_dir, reference, tmp_
         prompt_cache_dir=str(tmp_path),
         prompt_cache_bytes=700_000,  # about one prompt: the others go to disk
     )
-    with ServerThread(_with_faults(config, "collect:1")) as running, running.channel() as chan:
+    config = replace(_with_faults(config, "collect:1"), engine_mode="thread")
+    with ServerThread(config) as running, running.channel() as chan:
         for prompt in prompts[1:]:
             generate(chan, prompt, temperature=0, max_tokens=2, ignore_eos=True)
         assert wait_until(lambda: running.server.prefix_stats().disk_blocks > 0, 30)
         again = [
-            generate(chan, p, temperature=0, max_tokens=N, ignore_eos=True) for p in prompts[1:3]
+            generate(chan, p, temperature=0, max_tokens=N, ignore_eos=True, timeout=60)
+            for p in prompts[1:3]
         ]
         assert _serving(chan)
         stats = running.server.prefix_stats()

@@ -185,7 +185,9 @@ class DiskLink:
             return False
         nodes, started = loading
         waited = time.monotonic() - started
-        settled = all(node.ram is not None or node.disk is None for node in nodes)
+        # Settled: in RAM, no file, or out of the index (a block above it was not taken in).
+        get = self.index.get
+        settled = all(n.ram is not None or n.disk is None or get(n.key) is not n for n in nodes)
         return settled or waited > LOAD_TIMEOUT_S  # loaded, given up, or too slow
 
     @property
