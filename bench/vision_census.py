@@ -3,9 +3,10 @@ start: serve its images (the families bench/vision_families.py checks cell by ce
 text only (the reason logged, `supports_vision` false, an image request INVALID_ARGUMENT), or
 refuse to start (mlx-lm has no text model for it).
 
-The decision is the worker's own (`servicer.images.vision_refusal`, and mlx-lm's model lookup
-as `servicer.engine.model` makes it), asked of the config each family's checkpoints carry: its
-`model_type`, a `vision_config`, and the text model type mlx-vlm's TextConfig defaults to.
+The decision is the worker's own (`servicer.vision_families.vision_refusal`, and mlx-lm's
+model lookup as `servicer.engine.model` makes it), asked of the config each family's
+checkpoints carry: its `model_type`, a `vision_config`, and the text model type mlx-vlm's
+TextConfig defaults to.
 A family is one of mlx-vlm's model packages with a vision tower (VisionModel or VisionConfig).
 
 Usage: python bench/vision_census.py   (prints the table)
@@ -44,7 +45,7 @@ def _text_model_type(module) -> str | None:
 def decide(family: str, text_model_type: str | None) -> Decision:
     """What the worker does at start with a checkpoint of `family`."""
     from servicer.engine.model import _mlx_lm_knows
-    from servicer.images import vision_refusal
+    from servicer.vision_families import vision_refusal
 
     config = {"model_type": family, "vision_config": {}}
     refusal = vision_refusal(config)

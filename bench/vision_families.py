@@ -53,7 +53,9 @@ from families import Cell, Worker, compare, supervise
 from vision_census import census
 from vision_census import markdown as census_markdown
 
-FAMILIES = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl")
+from servicer.vision_families import FAMILIES as VISION_FAMILIES
+
+FAMILIES = tuple(VISION_FAMILIES)
 CELLS = ("alone", "batched", "prefix", "kv8", "ngram")
 BLOCK = "4"
 NEW_TOKENS = 16

@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .images import VisionSpec, vision_refusal, vision_spec
 from .messages import ModelInfo
 from .tokenizer_bundle import router_tokenizer
+from .vision_families import FAMILIES, VisionSpec, vision_refusal, vision_spec
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ DEFAULT_DEMO_KIND = "llama"
 _CONTEXT_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length", "n_ctx")
 _FALLBACK_CONTEXT = 4096
 VLM_DEMO_KIND = "vlm"  # demo:vlm, the tiny vision-language demo (demos.vision)
-VLM_DEMO_FAMILY = "gemma3"
+VLM_DEMO_FAMILY = "gemma3"  # demo:vlm's; demo:vlm:FAMILY names any served family
 
 
 class ModelLoadError(RuntimeError):
@@ -71,10 +71,13 @@ def resolve_model_dir(spec: ModelSpec) -> Path:
     """A local directory holding the model: the path itself, the demo model (built on first
     use), or a hub snapshot (downloaded on first use)."""
     kind = spec.demo_kind
-    if kind == VLM_DEMO_KIND:
+    if kind is not None and kind.partition(":")[0] == VLM_DEMO_KIND:
         from .demos.vision import demo_vlm_path
 
-        return demo_vlm_path(family=VLM_DEMO_FAMILY)
+        family = kind.partition(":")[2] or VLM_DEMO_FAMILY
+        if family not in FAMILIES:
+            raise ModelLoadError(f"unknown demo VLM family {family!r}; known: {list(FAMILIES)}")
+        return demo_vlm_path(family=family)
     if kind is not None:
         from .demos.text import available_kinds, demo_model_path
 
@@ -164,7 +167,8 @@ def read_model_files(spec: ModelSpec, model_dir: Path) -> ModelFiles:
     served = spec.served_model_name
     if served is None:
         kind = spec.demo_kind
-        served = f"mlx-grpc-worker-demo-{kind}" if kind is not None else model_path
+        # demo:vlm:FAMILY's name holds the family's, as smg routes some families by name.
+        served = f"mlx-grpc-worker-demo-{kind.replace(':', '-')}" if kind else model_path
     info = ModelInfo(
         model_path=model_path,
         model_dir=str(model_dir),

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .demos.common import build_atomically, default_cache_dir
+from .vision_families import FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +93,6 @@ class ArchiveBuild:
         return await asyncio.shield(task)
 
 
-# The router's copy of the tokenizer (GetModelInfo.tokenizer_path and GetTokenizer), by
-# model_type: the spelling smg's own image preprocessor looks up for the image token. Why:
-# smg 1.13's Qwen-VL spec anchors on the literal "<image>" (token_to_id, then one per image in
-# the prompt it renders), which Qwen2-VL tokenizers spell "<|image_pad|>": without the renamed
-# copy the router answers 400 to every image. Same ids, so the prompt the router sends is the
-# one the checkpoint's own tokenizer makes; the worker keeps the checkpoint's tokenizer.
-ROUTER_IMAGE_TOKEN = {"qwen2_vl": "<image>", "qwen2_5_vl": "<image>"}
 # The files that spell added tokens: added tokens, special-token lists, chat templates.
 _SPELLING_FILES = (
     "tokenizer.json",
@@ -132,10 +126,12 @@ def router_tokenizer(
     model_dir: Path, model_type: str, image_token: str, cache_dir: Path | None = None
 ) -> Path | None:
     """The router's copy of `model_dir`'s tokenizer files with `image_token` respelled, where
-    its family needs one (`ROUTER_IMAGE_TOKEN`; None elsewhere, or when it cannot be made).
+    its family needs one (`VisionFamily.router_image_token`; None elsewhere, or when it cannot
+    be made).
     Written once into the worker's cache, named by its contents, by an atomic rename; the
     checkpoint itself is never touched."""
-    new = ROUTER_IMAGE_TOKEN.get(model_type)
+    family = FAMILIES.get(model_type)
+    new = family.router_image_token if family is not None else None
     if new is None or new == image_token:
         return None
     try:

@@ -12,12 +12,13 @@ from PIL import Image
 
 from servicer.media import MediaPolicy
 from servicer.messages import GenerationRequest, ImageInput
+from servicer.vision_families import FAMILIES as VISION_FAMILIES
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("mlx_vlm") is None, reason="mlx-vlm (the vision extra) is absent"
 )
 
-FAMILIES = ("gemma3", "qwen2_vl", "qwen2_5_vl", "mistral3", "llava")
+FAMILIES = tuple(VISION_FAMILIES)
 
 
 def _encoder_and_image(family: str, seed: int = 3):
@@ -29,7 +30,8 @@ def _encoder_and_image(family: str, seed: int = 3):
     from servicer.demos.vision import demo_vlm_path
     from servicer.engine.model import load_model
     from servicer.engine.vision import VisionEncoder
-    from servicer.images import ImagePreparer, vision_spec
+    from servicer.images import ImagePreparer
+    from servicer.vision_families import vision_spec
 
     model_dir = demo_vlm_path(family=family)
     config = json.loads((model_dir / "config.json").read_text())

@@ -18,10 +18,11 @@ from conftest import demo_config
 from support import ServerThread
 
 from servicer.engine.prefix.keys import IMAGE_ID_BASE, block_keys, image_keyed
-from servicer.images import ProcessedImage, VisionSpec, expand, image_key, tensor
+from servicer.images import ProcessedImage, expand, image_key, tensor
 from servicer.proto import vllm_engine_pb2 as vpb
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
 from servicer.validation import RequestError
+from servicer.vision_families import VisionSpec
 
 SPEC = VisionSpec("gemma3", 9, anchor=(7,), before=(5, 7), after=(8, 5), tokens_per_image=3)
 

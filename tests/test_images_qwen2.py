@@ -20,11 +20,12 @@ from conftest import DRAFT_EVERY_STEP, demo_config
 from support import ServerThread
 from test_images import chat_ids, complete, data_url, image_request, png
 
-from servicer.images import ImagePreparer, vision_spec
+from servicer.images import ImagePreparer
 from servicer.media import MediaPolicy
 from servicer.proto import vllm_engine_pb2 as vpb
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
 from servicer.validation import RequestError
+from servicer.vision_families import vision_spec
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("mlx_vlm") is None,

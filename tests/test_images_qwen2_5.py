@@ -67,7 +67,7 @@ def test_the_demo_is_qwen2_5_vl_with_qwen2_vls_prompt(vlm_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from servicer.demos.vision import build_vlm
-    from servicer.images import vision_spec
+    from servicer.vision_families import vision_spec
 
     rebuilt = build_vlm(tmp_path / "again", family=FAMILY)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):

@@ -36,18 +36,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from .. import vision_families
 from . import common, text
 
 DEMO_VLM_SEED = 0
 DEFAULT_FAMILY = "qwen2_vl"
-# The families and the modules that describe them (each module's FAMILY).
-_FAMILY_MODULES = {
-    "qwen2_vl": "servicer.demos.qwen2_vl",
-    "gemma3": "servicer.demos.gemma3",
-    "mistral3": "servicer.demos.mistral3",
-    "llava": "servicer.demos.llava",
-    "qwen2_5_vl": "servicer.demos.qwen2_5_vl",
-}
+# The families and the modules that describe them (each module's FAMILY), from the registry.
+_FAMILY_MODULES = {name: f"servicer.demos.{f.demo}" for name, f in vision_families.FAMILIES.items()}
 FAMILIES = tuple(_FAMILY_MODULES)
 
 # Questions from the demo corpus's chats, asked about an image in the tests.

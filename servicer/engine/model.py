@@ -70,8 +70,8 @@ def load_model(
 # is built from text_config and takes the checkpoint's language_model.* weights, its vision
 # tower and projector left out. Meant for the LLaVA-style families mlx-lm lacks, as mlx-vlm
 # writes them (llava_next, llava_onevision: text only, their images are refused at start,
-# images.vision_refusal). llava itself mlx-lm loads (its remapping to mistral3 wraps the same
-# llama model), images included; tests/test_demo_vlm.py checks this loader on it too.
+# vision_families.vision_refusal). llava itself mlx-lm loads (its remapping to mistral3 wraps
+# the same llama model), images included; tests/test_demo_vlm.py checks this loader on it too.
 def _mlx_lm_knows(model_type: Any) -> bool:
     if not isinstance(model_type, str) or not model_type:
         return False

@@ -21,15 +21,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..messages import GenerationRequest, ImageInput, Tensor
+from ..vision_families import family_of
 from .mrope import RopePositions, enable_mrope, rope_index
 
 log = logging.getLogger(__name__)
 
-# Families whose merge is "the image's features replace its placeholder tokens' embeddings",
-# with a language model mlx-lm loads and standard positions. Others are refused at start.
-MERGE_ONLY_FAMILIES = frozenset({"gemma3", "llava", "mistral3", "pixtral"})
-# Families whose images also take multimodal RoPE positions in the text model (mrope.py).
-MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
 
 
@@ -92,14 +88,15 @@ class VisionEncoder:
                 "serving images needs mlx-vlm: pip install 'mlx-grpc-worker[vision]'"
             ) from exc
         config = load_config(model_dir)
-        family = config.get("model_type", "")
-        if family not in MERGE_ONLY_FAMILIES | MROPE_FAMILIES:
-            raise VisionUnavailable(f"images are not supported for model type {family!r} yet")
+        family = family_of(config)
+        if family is None:
+            model_type = config.get("model_type", "")
+            raise VisionUnavailable(f"images are not supported for model type {model_type!r} yet")
         image_token_id = config.get("image_token_index", config.get("image_token_id"))
         if not isinstance(image_token_id, int):
             raise VisionUnavailable("the model's config names no image token")
         rope, merge = None, 1
-        if family in MROPE_FAMILIES:
+        if family.positions == "mrope":
             merge = int((config.get("vision_config") or {}).get("spatial_merge_size", 2))
             try:
                 rope = enable_mrope(text_model)

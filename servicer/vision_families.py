@@ -1,0 +1,213 @@
+"""The vision-language families served with images: one entry each (`VisionFamily`), read by
+the handlers (how a prompt holds an image, which path the router takes) and by the engine (how
+the text model places an image's tokens). A family is its entry here and its tiny offline demo
+build under `servicer.demos`; nothing else names it.
+
+Handler side: no MLX here (the engine imports this table, not the other way round).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """How one image sits in a prompt of this model: the chat template renders `anchor` for
+    it; the model's processor replaces that with `before` + `image_token_id` x n + `after`
+    (n: `tokens_per_image`, fixed by the model; None: from each image's patch grid, t * h * w
+    / `merge`**2, as Qwen2-VL's). `router_processed`: the router processes this family's
+    images itself and sends them as mm_inputs, their runs already in the prompt, filled with
+    `image_token_id` or one of `placeholder_ids`."""
+
+    family: str
+    image_token_id: int
+    anchor: tuple[int, ...]
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+    tokens_per_image: int | None
+    merge: int = 1
+    router_processed: bool = False
+    placeholder_ids: tuple[int, ...] = ()
+    # Pixtral's layout: the image in rows of `cell`-pixel tokens, each row ending in
+    # `row_break`, the last in `row_end` (both part of the image's run); 0: no rows.
+    cell: int = 0
+    row_break: int = 0
+    row_end: int = 0
+
+    def run(self, n: int) -> list[int]:
+        return [*self.before, *([self.image_token_id] * n), *self.after]
+
+    def rows_run(self, height: int, width: int) -> tuple[int, ...]:
+        """The run of an image `height` x `width` pixels as the processor sized it."""
+        rows, cols = height // self.cell, width // self.cell
+        if rows < 1 or cols < 1:
+            raise ValueError(f"an image of {height}x{width} pixels makes no {self.cell}-pixel cell")
+        run = [*([self.image_token_id] * cols), self.row_break] * rows
+        run[-1] = self.row_end
+        return tuple(run)
+
+    def tokens(self, grid: Sequence[int] | None) -> int:
+        """The placeholder tokens of an image with this patch grid (t, h, w)."""
+        if self.tokens_per_image is not None:
+            return self.tokens_per_image
+        if grid is None or len(grid) != 3:
+            raise ValueError("the model's processor gave no image_grid_thw (t, h, w)")
+        t, h, w = (int(v) for v in grid)
+        if min(t, h, w) < 1 or h % self.merge or w % self.merge:
+            raise ValueError(f"the patch grid {(t, h, w)} does not fit a {self.merge}x merge")
+        return t * h * w // self.merge**2
+
+
+def _gemma3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
+    boi = _token_id(tokenizer, "<start_of_image>", config.get("boi_token_index"))
+    eoi = _token_id(tokenizer, "<end_of_image>", config.get("eoi_token_index"))
+    image = config.get("image_token_index")
+    count = config.get("mm_tokens_per_image") or (config.get("text_config") or {}).get(
+        "mm_tokens_per_image"
+    )
+    if not all(isinstance(v, int) for v in (boi, eoi, image, count)):
+        return None
+    gap = tuple(tokenizer.encode("\n\n", add_special_tokens=False))
+    return VisionSpec("gemma3", image, (boi,), (*gap, boi), (eoi, *gap), count)
+
+
+def _qwen2_vl_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
+    """`<|vision_start|><|image_pad|><|vision_end|>` per image, its pad repeated once per
+    merged patch; the router may fill the runs with the config's vision_token_id instead."""
+    start = _token_id(tokenizer, "<|vision_start|>", config.get("vision_start_token_id"))
+    end = _token_id(tokenizer, "<|vision_end|>", config.get("vision_end_token_id"))
+    image = config.get("image_token_id")
+    if not isinstance(image, int):
+        image = _token_id(tokenizer, "<|image_pad|>", None)
+    merge = (config.get("vision_config") or {}).get("spatial_merge_size", 2)
+    if not all(isinstance(v, int) for v in (start, end, image, merge)):
+        return None
+    pad = config.get("vision_token_id")
+    others = (pad,) if isinstance(pad, int) and pad != image else ()
+    family = config.get("model_type", "qwen2_vl")  # qwen2_5_vl: the same prompt and processor
+    return VisionSpec(
+        family, image, (start, image, end), (start,), (end,), None, merge, placeholder_ids=others
+    )
+
+
+def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
+    """`[IMG]` per image, replaced by the image's rows of `[IMG]`, each ending `[IMG_BREAK]`,
+    the last `[IMG_END]`; a cell is a patch merged `spatial_merge_size` times a side."""
+    image = config.get("image_token_index")
+    row_break = _token_id(tokenizer, "[IMG_BREAK]", None)
+    row_end = _token_id(tokenizer, "[IMG_END]", None)
+    patch = (config.get("vision_config") or {}).get("patch_size")
+    merge = config.get("spatial_merge_size", 1)
+    if not all(isinstance(v, int) for v in (image, row_break, row_end, patch, merge)):
+        return None
+    return VisionSpec(
+        "mistral3",
+        image,
+        (image,),
+        (),
+        (),
+        None,
+        cell=patch * merge,
+        row_break=row_break,
+        row_end=row_end,
+    )
+
+
+def _llava_spec(config: dict[str, Any], _tokenizer: Any) -> VisionSpec | None:
+    """`<image>` per image, repeated once per feature mlx-vlm's LLaVA makes of the vision
+    tower's square input: a patch each, (image_size / patch_size)^2, plus CLIP's CLS token,
+    less one for the "default" strategy (which drops the first); sizes default as mlx-vlm's."""
+    image = config.get("image_token_index")
+    vision = config.get("vision_config") or {}
+    size, patch = vision.get("image_size", 336), vision.get("patch_size", 14)
+    if not all(isinstance(v, int) and v > 0 for v in (image, size, patch)):
+        return None
+    cls = vision.get("model_type") != "siglip_vision_model"
+    dropped = config.get("vision_feature_select_strategy", "default") == "default"
+    count = (size // patch) ** 2 + cls - dropped
+    return VisionSpec("llava", image, (image,), (), (), count)
+
+
+def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:
+    found = tokenizer.convert_tokens_to_ids(token)
+    if isinstance(found, int) and found != tokenizer.unk_token_id:
+        return found
+    return fallback if isinstance(fallback, int) else None
+
+
+Positions = Literal["plain", "mrope"]
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """One family served with images.
+
+    `spec`: its `VisionSpec` from config.json and the tokenizer (None: a checkpoint of the
+    family this worker cannot place images in). `positions`: "plain" (the text model's own
+    1-D positions) or "mrope" (multimodal RoPE, `engine/mrope.py`). `router_tensors`: smg 1.13
+    processes this family's images itself and sends `mm_inputs` (docs/images.md, "The router's
+    two paths"); otherwise it sends media references. `demo`: the module of its tiny build
+    under `servicer.demos` (served by `--model demo:vlm:FAMILY` under a name holding the
+    family's, which smg 1.13 matches some families by).
+
+    `router_image_token`: how the router's copy of the tokenizer (GetModelInfo.tokenizer_path
+    and GetTokenizer) spells the image token, where smg's own preprocessor looks it up under
+    another name. smg 1.13's Qwen-VL spec anchors on the literal "<image>", which Qwen2-VL
+    tokenizers spell "<|image_pad|>": without the respelled copy the router answers 400 to
+    every image. Same ids, so the prompt the router sends is the checkpoint tokenizer's."""
+
+    model_type: str
+    spec: Callable[[dict[str, Any], Any], VisionSpec | None]
+    demo: str
+    positions: Positions = "plain"
+    router_tensors: bool = False
+    router_image_token: str | None = None
+
+
+FAMILIES: dict[str, VisionFamily] = {
+    family.model_type: family
+    for family in (
+        VisionFamily("gemma3", _gemma3_spec, "gemma3"),
+        VisionFamily(
+            "qwen2_vl", _qwen2_vl_spec, "qwen2_vl", "mrope", True, router_image_token="<image>"
+        ),
+        VisionFamily(
+            "qwen2_5_vl", _qwen2_vl_spec, "qwen2_5_vl", "mrope", True, router_image_token="<image>"
+        ),
+        VisionFamily("mistral3", _mistral3_spec, "mistral3"),
+        VisionFamily("llava", _llava_spec, "llava", router_tensors=True),
+    )
+}
+SERVED_FAMILIES = tuple(FAMILIES)
+
+
+def family_of(config: dict[str, Any]) -> VisionFamily | None:
+    """The served family of a checkpoint with a vision tower (None: a text model, or a family
+    not served with images)."""
+    if not isinstance(config.get("vision_config"), dict):
+        return None
+    return FAMILIES.get(config.get("model_type", ""))
+
+
+def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
+    """The spec of a vision-language checkpoint this worker can serve images for (None: a
+    text model, or a family it cannot; `vision_refusal` says why)."""
+    family = family_of(config)
+    spec = family.spec(config, tokenizer) if family is not None else None
+    return replace(spec, router_processed=family.router_tensors) if spec is not None else None
+
+
+def vision_refusal(config: dict[str, Any]) -> str | None:
+    """Why a checkpoint with a vision tower is served as text only (None: it is not)."""
+    if not isinstance(config.get("vision_config"), dict):
+        return None
+    if family_of(config) is None:
+        family = config.get("model_type", "")
+        return f"images are not supported for model type {family!r} yet; serving text only"
+    if importlib.util.find_spec("mlx_vlm") is None:
+        return "serving images needs mlx-vlm (pip install 'mlx-grpc-worker[vision]')"
+    return None
