@@ -133,7 +133,7 @@ class ImagePreparer:
         self.spec = spec
         self.policy = policy
         self._pool = ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="images")
-        self._processor = _image_processor(model_dir)
+        self._processor = _processor(model_dir, whole=spec.anchor_text is not None)
         self.patch_width = _patch_width(self._processor)  # a flattened patch's values
 
     def close(self) -> None:
@@ -181,6 +181,8 @@ class ImagePreparer:
 
     def _process(self, index: int, image: Any) -> ProcessedImage:
         spec = self.spec
+        if spec.anchor_text is not None:
+            return self._expanded_by_processor(index, image, spec.anchor_text)
         try:
             if spec.cell:  # sized to whole cells of merged patches, as Pixtral's processor does
                 cell = {"height": spec.cell, "width": spec.cell}
@@ -204,13 +206,35 @@ class ImagePreparer:
         pixels = tensor(np.asarray(out["pixel_values"]))
         return ProcessedImage(tokens, image_key(pixels, extra), pixels, extra, run)
 
+    def _expanded_by_processor(self, index: int, image: Any, anchor: str) -> ProcessedImage:
+        """The image as the processor expands one anchor for it: the ids it makes are the
+        image's run; every tensor it makes but the ids and mask goes to the encoder."""
+        try:
+            out = self._processor(
+                text=anchor, images=[image], return_tensors="np", add_special_tokens=False
+            )
+            run = tuple(int(t) for t in np.asarray(out["input_ids"]).reshape(-1))
+            if self.spec.image_token_id not in run:
+                raise ValueError("the processor put no image token in its expansion")
+            extra = tuple(
+                (name, tensor(np.asarray(value)))
+                for name, value in sorted(out.items())
+                if name not in ("input_ids", "attention_mask", "pixel_values")
+            )
+            pixels = tensor(np.asarray(out["pixel_values"]))
+        except Exception as exc:
+            raise _invalid(f"image {index}: the model's processor refused it: {exc}") from None
+        return ProcessedImage(len(run), image_key(pixels, extra), pixels, extra, run)
 
-def _image_processor(model_dir: Path) -> Any:
-    """The checkpoint's own image processor, its numpy/PIL build (no torch, no MLX)."""
+
+def _processor(model_dir: Path, whole: bool) -> Any:
+    """The checkpoint's own image processor (`whole`: its processor, tokenizer included), the
+    numpy/PIL build (no torch, no MLX)."""
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers import AutoImageProcessor
+    from transformers import AutoImageProcessor, AutoProcessor
 
-    return AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+    kind = AutoProcessor if whole else AutoImageProcessor
+    return kind.from_pretrained(str(model_dir), backend="pil")
 
 
 def _patch_width(processor: Any) -> int | None:

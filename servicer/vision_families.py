@@ -37,6 +37,9 @@ class VisionSpec:
     cell: int = 0
     row_break: int = 0
     row_end: int = 0
+    # The checkpoint's own processor expands the anchor, image by image: each image's run is
+    # what it makes of `anchor_text` (tiles, row markers and all); `before`/`after` are empty.
+    anchor_text: str | None = None
 
     def run(self, n: int) -> list[int]:
         return [*self.before, *([self.image_token_id] * n), *self.after]
@@ -130,6 +133,24 @@ def _llava_spec(config: dict[str, Any], _tokenizer: Any) -> VisionSpec | None:
     dropped = config.get("vision_feature_select_strategy", "default") == "default"
     count = (size // patch) ** 2 + cls - dropped
     return VisionSpec("llava", image, (image,), (), (), count)
+
+
+def processor_spec(
+    anchor: str, image_token: str, config_key: str = "image_token_id"
+) -> Callable[[dict[str, Any], Any], VisionSpec | None]:
+    """The spec of a family whose processor expands the anchor text `anchor` itself (tiles,
+    row markers, a size-dependent count): the anchor is its tokens, the image token is
+    `image_token` (or the config's `config_key`), and each image's run is the processor's."""
+
+    def spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
+        image = _token_id(tokenizer, image_token, config.get(config_key))
+        ids = tuple(tokenizer.encode(anchor, add_special_tokens=False))
+        if image is None or not ids:
+            return None
+        family = config.get("model_type", "")
+        return VisionSpec(family, image, ids, (), (), None, anchor_text=anchor)
+
+    return spec
 
 
 def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:
