@@ -117,18 +117,20 @@ def test_an_encode_for_a_request_that_left_the_line_is_dropped():
     assert not encoder._ahead  # nobody waits for it; the cache may still hold it
 
 
-def test_an_image_that_fails_to_encode_is_left_to_fail_its_request_alone():
+def test_an_image_that_fails_to_encode_fails_its_request_alone_within_the_step():
+    """The failure comes back from the encoder's share of the step, naming its request; the
+    request behind it is encoded on, and nothing is left to encode again at admission."""
     from servicer.engine.encoding import ImageEncodes
     from servicer.messages import Tensor
 
     encoder, image, run = _encoder_and_image("gemma3", seed=7)
     broken = ImageInput(5, image.length, b"broken", Tensor("float32", (1, 2), b"\0" * 8))
     request = _request(broken, run)
+    fine = GenerationRequest(2, "r2", request.prompt, 4, images=(image,))
     encodes = ImageEncodes(encoder, lambda request: 0)
-    encodes.advance([request], None)
-    assert encodes.ready(request)  # admitted, where its own failure ends it
-    with pytest.raises(Exception):  # noqa: B017  (whatever the tower raises)
-        encoder.features(broken, run)
+    failed = encodes.advance([request, fine], None)
+    assert [(r.ticket, "vision encoder failed" in why) for r, why in failed] == [(1, True)]
+    assert encodes.ready(fine) and not encodes.pending([fine])
 
 
 def test_a_prefix_lookup_that_fails_skips_that_request_and_encodes_the_next():
@@ -146,3 +148,34 @@ def test_a_prefix_lookup_that_fails_skips_that_request_and_encodes_the_next():
     encodes = ImageEncodes(encoder, reusable)
     encodes.advance([failing, fine], None)
     assert encodes.ready(fine)
+
+
+def test_a_waiting_image_request_is_looked_up_once_a_step():
+    """The scheduler's estimate, its readiness and the encoder's share read one lookup of the
+    prefix store per request per step (`PrefixLookups`); the next step looks again."""
+    from servicer.admission import Admission, MemoryModel
+    from servicer.engine.encoding import ImageEncodes
+    from servicer.engine.planner import PrefixLookups
+    from servicer.engine.scheduler import BatchView, Scheduler
+    from servicer.engine_config import EngineConfig
+
+    encoder, image, run = _encoder_and_image("gemma3", seed=10)
+    request = _request(image, run)
+    looked: list[int] = []
+
+    class Store:
+        def match(self, request):
+            looked.append(request.ticket)
+            return type("Match", (), {"length": 0})()
+
+    lookups = PrefixLookups(Store(), EngineConfig())
+    encodes = ImageEncodes(encoder, lookups)
+    room = Admission(MemoryModel(((1, None),), 0, allocation_step=1), limit_bytes=1 << 40)
+    scheduler = Scheduler(room, reusable=lookups, ready=encodes.ready)
+    for step in range(2):
+        lookups.new_step()
+        scheduler.enqueue([request] if step == 0 else [])
+        scheduler.schedule(BatchView(rows=1, first_tokens_due=False, decode_step_s=0.01))
+        encodes.pending(scheduler.waiting_requests())
+        encodes.advance(scheduler.waiting_requests(), 0.0)
+        assert looked == [1] * (step + 1)

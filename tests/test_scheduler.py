@@ -441,7 +441,9 @@ def _with_image(ticket: int, image_tokens: int, text: int = 8) -> GenerationRequ
 def test_an_image_request_waits_for_its_encode_and_the_encoder_gets_what_prefill_leaves():
     """An image request whose images are not encoded yet is passed over (a text request behind
     it joins); it joins once they are. While rows run, the encoder's share of the step is the
-    budget less the planned prefill; with nothing running it is unbounded."""
+    budget less the planned prefill; with nothing running it is unbounded. The budget is spent
+    once: an embed beside it takes its part first, and a draft model's catch-up gets nothing
+    while images wait."""
     from servicer.engine.prefill import StepCost
 
     encoded: set[int] = set()
@@ -454,9 +456,12 @@ def test_an_image_request_waits_for_its_encode_and_the_encoder_gets_what_prefill
     decoding = BatchView(rows=2, first_tokens_due=False, decode_step_s=0.01)
     first = scheduler.schedule(decoding)
     assert [a.request.ticket for a in first.admits] == [3]
-    assert scheduler.encode_budget(first, running=True) == pytest.approx(
-        max(first.budget_s - first.prefill_s, 0.0)
-    )
-    assert scheduler.encode_budget(first, running=False) is None
+    left = max(first.budget_s - first.prefill_s, 0.0)
+    embed, encode_s, catch_up = scheduler.share(first, True, embeds=False, images=True)
+    assert (embed, encode_s, catch_up) == (None, pytest.approx(left), 0)
+    embed, encode_s, _ = scheduler.share(first, True, embeds=True, images=True)
+    assert encode_s == pytest.approx(max(left - cost.seconds(1, embed, 0), 0.0))
+    assert encode_s < left
+    assert scheduler.share(first, False, embeds=True, images=True) == (None, None, None)
     encoded.add(1)
     assert [a.request.ticket for a in scheduler.schedule(decoding).admits] == [1]

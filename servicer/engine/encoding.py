@@ -121,28 +121,36 @@ class ImageEncodes:
         self._encoder = encoder
         self._reusable = reusable
         self._running: StagedEncode | None = None
-        # Images whose encode failed: their request is admitted and fails alone there.
-        self._failed: dict[bytes, None] = {}
 
     def _missing(self, request: GenerationRequest) -> list[ImageInput]:
         if not request.images:
             return []
         covered = self._reusable(request)
-        encoder, failed = self._encoder, self._failed
-        return [
-            image
-            for image in request.images
-            if image.end > covered and not encoder.has(image.key) and image.key not in failed
-        ]
+        encoder = self._encoder
+        return [i for i in request.images if i.end > covered and not encoder.has(i.key)]
 
     def ready(self, request: GenerationRequest) -> bool:
         """Every image past the request's reusable prefix has its features."""
         return not self._missing(request)
 
-    def advance(self, waiting: Iterable[GenerationRequest], budget_s: float | None) -> float:
+    def pending(self, waiting: Iterable[GenerationRequest]) -> bool:
+        """Some waiting request has an image to encode (one whose lookup fails counts not:
+        its planning fails it)."""
+        for request in waiting:
+            try:
+                if self._missing(request):
+                    return True
+            except Exception:
+                continue
+        return False
+
+    def advance(
+        self, waiting: Iterable[GenerationRequest], budget_s: float | None
+    ) -> list[tuple[GenerationRequest, str]]:
         """Encode the oldest waiting requests' missing images for up to `budget_s` (None: all
-        of them); returns the seconds spent. Each call makes progress on one image at least."""
-        spent = 0.0
+        of them), at least one stage of one image a call; returns the requests whose image
+        failed to encode, and why (each fails alone, its encode inside the budget)."""
+        spent, failed = 0.0, []
         for request in waiting:
             try:
                 missing = self._missing(request)
@@ -150,35 +158,40 @@ class ImageEncodes:
                 continue
             for image in missing:
                 if budget_s is not None and spent > 0 and spent >= budget_s:
-                    return spent
+                    return failed
                 left = None if budget_s is None else budget_s - spent
-                spent += self._step(request, image, left)
+                started = time.perf_counter()
+                error = self._step(request, image, left)
+                spent += time.perf_counter() - started
+                if error is not None:
+                    failed.append((request, error))
+                    break
                 if self._running is not None:  # unfinished: the budget is spent
-                    return spent
-        return spent
+                    return failed
+        return failed
 
-    def _step(self, request: GenerationRequest, image: ImageInput, budget_s: float | None) -> float:
+    def _step(
+        self, request: GenerationRequest, image: ImageInput, budget_s: float | None
+    ) -> str | None:
+        """A few stages of `image`'s encode; why it failed (None: it did not)."""
         running = self._running
-        started = time.perf_counter()
         try:
             if running is None or running.image.key != image.key:
                 run = placeholder_run(request, image)
                 running = self._running = StagedEncode(self._encoder, image, run)
             running.advance(budget_s)
-        except Exception:
-            log.warning("encoding an image ahead failed; its request fails at admission")
+        except Exception as exc:
+            log.warning("encoding an image failed; its request fails: %s", exc)
             self._running = None
-            self._failed[image.key] = None
-            return time.perf_counter() - started
+            return f"the vision encoder failed on the request's image: {exc}"
         if running.done:
             self._encoder.keep(image, running.features)
             self._running = None
-        return time.perf_counter() - started
+        return None
 
     def forget_all_but(self, waiting: Iterable[GenerationRequest]) -> None:
-        """Drop what was encoded (or failed) for requests no longer waiting."""
+        """Drop what was encoded for requests no longer waiting."""
         keys = {image.key for request in waiting for image in request.images}
         self._encoder.drop_ahead(keys)
-        self._failed = {key: None for key in self._failed if key in keys}
         if self._running is not None and self._running.image.key not in keys:
             self._running = None

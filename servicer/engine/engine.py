@@ -25,9 +25,11 @@ from ..messages import (
     EmbedRequest,
     EngineCapabilities,
     EngineStartupError,
+    FailureKind,
     GenerationRequest,
     ModelInfo,
     RowEvent,
+    RowFailure,
     SpeculationFigures,
     StepOutput,
 )
@@ -41,7 +43,7 @@ from .figures import FiguresPublisher
 from .inbox import Inbox
 from .lockstep import Lockstep
 from .parts import EngineParts, build_parts, new_runner, warm_up
-from .planner import Planner, reusable
+from .planner import Planner, PrefixLookups
 from .prefill import PrefillPolicy, StepCost
 from .prefix.store import Hit
 from .scheduler import Plan, Scheduler
@@ -232,12 +234,11 @@ class EngineLoop:
         if config.warmup:
             warm_up(self.batch.runner, info.bos_token_id or 0, parts.new_row)
         self.store.on_disk_done(inbox.nudge)
-        self.encodes = (
-            ImageEncodes(parts.vision, functools.partial(reusable, self.store, config))
-            if parts.vision is not None
-            else None
+        lookups = PrefixLookups(self.store, config)
+        self.encodes = ImageEncodes(parts.vision, lookups) if parts.vision is not None else None
+        self.scheduler = _new_scheduler(
+            parts, config, info.model_type, self.cost, self.encodes, lookups
         )
-        self.scheduler = _new_scheduler(parts, config, info.model_type, self.cost, self.encodes)
         self.embedder = Embedder.of(
             parts.loaded.model, self._lockstep is not None, config.prefill_step_size
         )
@@ -252,6 +253,8 @@ class EngineLoop:
             inbox,
             self.embedder,
             self._watch,
+            lookups,
+            self.encodes,
             lockstep,
         )
         self._figures = FiguresPublisher(
@@ -283,7 +286,7 @@ class EngineLoop:
             self._inbox.fan_out(out)
             self._embed(out, plan.embed_tokens)
             if self.encodes is not None and self.scheduler.waiting:
-                self._encode_ahead(plan.encode_s)
+                self._encode_ahead(plan.encode_s, out)
             if self.parts.vision is not None:
                 out.images_encoded = self.parts.vision.take_encoded()
             if self._lockstep is not None:
@@ -369,12 +372,15 @@ class EngineLoop:
         if embeds or self.embedder.busy:
             out.embeddings.extend(self.embedder.take(embeds, tokens))
 
-    def _encode_ahead(self, budget_s: float | None) -> None:
-        """Waiting requests' images, a few vision layers within what the step left."""
+    def _encode_ahead(self, budget_s: float | None, out: StepOutput) -> None:
+        """Waiting requests' images, a few vision layers within the encoder's share of the
+        step; a request whose image fails to encode fails alone, now."""
         assert self.encodes is not None
-        waiting = self.scheduler.waiting_requests()
-        self.encodes.advance(waiting, budget_s)
-        self.encodes.forget_all_but(waiting)
+        for request, reason in self.encodes.advance(self.scheduler.waiting_requests(), budget_s):
+            self.scheduler.withdraw({request.ticket})
+            self.store.forget(request.ticket)
+            out.failures.append(RowFailure(request.ticket, FailureKind.INVALID_ARGUMENT, reason))
+        self.encodes.forget_all_but(self.scheduler.waiting_requests())
 
     def _speculation_figures(self) -> SpeculationFigures | None:
         if self.parts.speculation is None:
@@ -446,6 +452,7 @@ def _new_scheduler(
     model_type: str,
     cost: StepCost,
     encodes: ImageEncodes | None,
+    lookups: PrefixLookups,
 ) -> Scheduler:
     policy = PrefillPolicy(
         max_stall_s=config.max_prefill_stall_ms / 1000,
@@ -457,7 +464,7 @@ def _new_scheduler(
     return Scheduler(
         parts.admission,
         policy,
-        reusable=functools.partial(reusable, store, config),
+        reusable=lookups,
         ready=store.ready if encodes is None else _both(store.ready, encodes.ready),
         max_rows=config.completion_batch_size,
         cost=cost,

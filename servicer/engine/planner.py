@@ -22,6 +22,7 @@ from ..messages import (
 )
 from .batch import Batch, check_same_prefix
 from .embedding import Embedder
+from .encoding import ImageEncodes
 from .inbox import Inbox, InboxTake
 from .lockstep import Lockstep, LockstepBroken
 from .prefix.store import AnyPrefixStore, Hit
@@ -41,11 +42,14 @@ class Planner:
         inbox: Inbox,
         embedder: Embedder,
         watch: StepWatch,
+        lookups: PrefixLookups,
+        encodes: ImageEncodes | None = None,
         lockstep: Lockstep | None = None,
     ) -> None:
         self._config, self._scheduler, self._batch = config, scheduler, batch
         self._store, self._inbox, self._embedder = store, inbox, embedder
-        self._watch, self._lockstep = watch, lockstep
+        self._watch, self._lookups, self._encodes = watch, lookups, encodes
+        self._lockstep = lockstep
         self._leads = lockstep is None or lockstep.leads
         self._embeds: list[EmbedRequest] = []  # taken while planning, run after the step
 
@@ -83,6 +87,7 @@ class Planner:
         )
         self._watch.begin()  # the wait for work is over: planning counts from here
         now = time.monotonic()
+        self._lookups.new_step()
         scheduler.enqueue(take.requests, now)
         out.disk_load_seconds.extend(self._store.collect())
         plan = Plan(stop=take.stopping, check=batch.check)
@@ -101,8 +106,10 @@ class Planner:
         plan.budget_s, plan.bulk = choice.budget_s, choice.bulk
         embeds = bool(self._embeds or self._embedder.busy)
         running = bool(view.rows or choice.admits)
-        plan.embed_tokens, plan.catch_up_tokens = scheduler.share(choice, running, embeds)
-        plan.encode_s = scheduler.encode_budget(choice, running)
+        encodes = self._encodes
+        images = encodes is not None and encodes.pending(scheduler.waiting_requests())
+        shares = scheduler.share(choice, running, embeds, images)
+        plan.embed_tokens, plan.encode_s, plan.catch_up_tokens = shares
         for request, reason in choice.failed:
             out.failures.append(RowFailure(request.ticket, FailureKind.INTERNAL, reason))
             self._store.forget(request.ticket)
@@ -140,11 +147,24 @@ class Planner:
         return hit
 
 
-def reusable(store: AnyPrefixStore, config: EngineConfig, request: GenerationRequest) -> int:
-    """How much of its prompt a cached prefix would cover, for planning."""
-    if config.faults is not None:
-        config.faults.before_call("plan")
-    return store.match(request).length
+class PrefixLookups:
+    """How much of each waiting request's prompt a cached prefix would cover, looked up once a
+    step: the scheduler's estimate and the image encoder read the same answer."""
+
+    def __init__(self, store: AnyPrefixStore, config: EngineConfig) -> None:
+        self._store, self._config = store, config
+        self._found: dict[int, int] = {}  # ticket -> covered tokens, this step
+
+    def new_step(self) -> None:
+        self._found.clear()
+
+    def __call__(self, request: GenerationRequest) -> int:
+        found = self._found.get(request.ticket)
+        if found is None:
+            if self._config.faults is not None:
+                self._config.faults.before_call("plan")
+            found = self._found[request.ticket] = self._store.match(request).length
+        return found
 
 
 def _length(hit: Hit | None) -> int:

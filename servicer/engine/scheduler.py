@@ -54,15 +54,14 @@ class Admit(Wire, frozen=True):
 class Plan(Wire):
     """Everything the next step does, decided on rank 0 and run by every rank: the batch's
     changes, and the work of the step under its one budget (the prefill's chunk, an embed's
-    chunk, a draft model's catch-up; room for encoder inputs)."""
+    chunk, the vision encoder's work for waiting images, a draft model's catch-up)."""
 
     aborts: list[int] = msgspec.field(default_factory=list)  # admitted rows to remove
     admits: list[Admit] = msgspec.field(default_factory=list)
     chunk: int = DEFAULT_PREFILL_STEP  # prompt tokens per row this step prefills
     embed_tokens: int | None = None  # an embed's chunk beside decoding rows (None: whole)
     catch_up_tokens: int | None = None  # a draft model's catch-up (None: no bound)
-    # The vision encoder's share of the budget, for waiting requests' images (None: no bound).
-    encode_s: float | None = None
+    encode_s: float | None = None  # the vision encoder's, for waiting images (None: no bound)
     stop: bool = False
     check: int = 0  # what the previous step produced, so the ranks can compare notes
     # Rank 0's own: the prefill budget this step was planned with, whether it was widened
@@ -301,28 +300,24 @@ class Scheduler:
         return batch.reserved + need > self._admission.limit_bytes
 
     def share(
-        self, choice: StepChoice, decoding: bool, embeds: bool
-    ) -> tuple[int | None, int | None]:
-        """What the step's budget leaves, after its prefill, to an embed's chunk (first) and a
-        draft model's catch-up (tokens each; None: no bound). With none decoding or no budget
-        nothing is bounded; a step that prefills prompts leaves the catch-up nothing."""
+        self, choice: StepChoice, decoding: bool, embeds: bool, images: bool
+    ) -> tuple[int | None, float | None, int | None]:
+        """What the step's budget leaves, after its prefill, to an embed's chunk (tokens, first),
+        the vision encoder for waiting images (seconds, next) and a draft model's catch-up
+        (tokens, last): each spends what the one before left, so the budget is spent once.
+        With none decoding or no budget nothing is bounded; a step that prefills prompts or
+        encodes leaves the catch-up nothing."""
         if not (decoding and self._policy.budgeted):
-            return None, None
+            return None, None, None
         left_s = choice.budget_s - choice.prefill_s
         embed = None
         if embeds:
             embed = self.cost.tokens_within(max(left_s, 0.0), 0)
             left_s -= self.cost.seconds(1, embed, 0)
-        prefilling = choice.prefill_s > 0 or bool(choice.admits)
-        catch_up = 0 if prefilling else self.cost.catch_up_within(max(left_s, 0.0))
-        return embed, catch_up
-
-    def encode_budget(self, choice: StepChoice, running: bool) -> float | None:
-        """What the step's budget leaves, after its prefill, to the vision encoder for the
-        waiting requests' images (None: no bound, with no row running or no budget)."""
-        if not (running and self._policy.budgeted):
-            return None
-        return max(choice.budget_s - choice.prefill_s, 0.0)
+        encode_s = max(left_s, 0.0) if images else None
+        busy = choice.prefill_s > 0 or bool(choice.admits) or images
+        catch_up = 0 if busy else self.cost.catch_up_within(max(left_s, 0.0))
+        return embed, encode_s, catch_up
 
     def waiting_requests(self) -> list[GenerationRequest]:
         """The requests in line, oldest first."""
