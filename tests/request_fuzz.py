@@ -13,15 +13,15 @@ one GenerateComplete. After every batch the worker must be alive and SERVING wit
 in flight, and a fixed greedy request must return the tokens it returned at the start, on both
 faces.
 
-A vision-language model (`--kinds vlm`, the demo Gemma 3 VLM; or a Gemma 3 checkpoint's
-directory) also gets vLLM-face Generate calls with image parts (media references, one anchor
-per image in the prompt): valid PNG/JPEG/WEBP/GIF/BMP data: URLs of random small sizes (a few
-fixed images reused, so that prefixes and features hit), undecodable, truncated and oversized
-images, schemes not allowed, too many images, anchors and images that do not pair up, other
-modalities and mm_inputs. Valid ones must be served (`prompt_tokens` counting each image's
-expansion); a bad one refused with the status its problem has (INVALID_ARGUMENT, or
-RESOURCE_EXHAUSTED for a limit) and, for one image, a message naming its index; and after every
-batch a fixed greedy image request must return its tokens too.
+A vision-language model (`--kinds vlm`, the demo Gemma 3 VLM; `vlm:FAMILY`, any served family's
+demo; or a checkpoint's directory) also gets vLLM-face Generate calls with image parts (media
+references, one anchor per image in the prompt): valid PNG/JPEG/WEBP/GIF/BMP data: URLs of
+random small sizes (a few fixed images reused, so that prefixes and features hit), undecodable,
+truncated and oversized images, schemes not allowed, too many images, anchors and images that
+do not pair up, other modalities and mm_inputs. Valid ones must be served (`prompt_tokens`
+counting each image's expansion); a bad one refused with the status its problem has
+(INVALID_ARGUMENT, or RESOURCE_EXHAUSTED for a limit) and, for one image, a message naming its
+index; and after every batch a fixed greedy image request must return its tokens too.
 
 `python tests/request_fuzz.py --seeds 20` (or `make fuzz-requests SEEDS=20`) prints what each
 RPC answered and every finding (seed, batch and request: `--first-seed S --seeds 1` draws the
@@ -547,37 +547,38 @@ FIXED_IMAGES = (  # reused across requests (prefix and encoder cache hits): seed
 
 @dataclass(frozen=True)
 class Vision:
-    """How the model's prompts hold images (Gemma 3's way): the chat template renders one
-    `anchor` token per image, which the worker expands into `run` tokens; `vision_ids` are
-    the family's image tokens, kept out of random image prompts."""
+    """How the model's prompts hold images (any served family, from the registry): the chat
+    template renders `anchor` (one or more ids) per image, which the worker expands into the
+    image's run, of a length that may depend on the image (`run_of`); `vision_ids` are the
+    family's image tokens, kept out of random image prompts."""
 
-    anchor: int
+    anchor: tuple[int, ...]
     anchor_text: str
     placeholder: int
     vision_ids: frozenset[int]
-    run: int
     max_images: int
     chats: tuple[tuple[int, ...], ...]  # the router's prompts, one anchor each
+    preparer: Any  # the worker's own ImagePreparer: the run each image expands into
 
     @classmethod
     def load(cls, model_dir: Path, client: Client) -> Vision | None:
-        """The vision of a Gemma 3 checkpoint the worker serves images for (None: not one)."""
+        """The vision of a checkpoint the worker serves images for (None: not one)."""
         from transformers import AutoTokenizer
+
+        from servicer.images import ImagePreparer
+        from servicer.media import MediaPolicy
+        from servicer.vision_families import vision_spec
 
         info = client.stubs["vllm"].GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=30)
         config = json.loads((model_dir / "config.json").read_text())
-        if not info.supports_vision or config.get("model_type") != "gemma3":
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        spec = vision_spec(config, tokenizer)
+        if not info.supports_vision or spec is None:
             return None
         server = client.stubs["vllm"].GetServerInfo(
             vllm_engine_pb2.GetServerInfoRequest(), timeout=30
         )
         limits = dict(item.partition("=")[::2] for item in server.mm_item_limits.split(","))
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        names = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
-        anchor, end, placeholder = tokenizer.convert_tokens_to_ids(list(names))
-        # What Gemma 3's processor puts for each anchor (its full_image_sequence).
-        sequence = f"\n\n{names[0]}{names[2] * config['mm_tokens_per_image']}{names[1]}\n\n"
-        run = len(tokenizer.encode(sequence, add_special_tokens=False))
         chats = []
         for question in QUESTIONS:
             content = [{"type": "image"}, {"type": "text", "text": question}]
@@ -585,17 +586,46 @@ class Vision:
                 [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
             )
             chats.append(tuple(tokenizer.encode(text, add_special_tokens=False)))
-        ids = frozenset((anchor, end, placeholder))
-        return cls(anchor, names[0], placeholder, ids, run, int(limits["image"]), tuple(chats))
+        ids = {*spec.anchor, *spec.before, *spec.after, spec.image_token_id, *spec.placeholder_ids}
+        anchor_text = tokenizer.decode(list(spec.anchor))
+        preparer = ImagePreparer(model_dir, spec, MediaPolicy())
+        return cls(
+            spec.anchor,
+            anchor_text,
+            spec.image_token_id,
+            frozenset(ids),
+            int(limits["image"]),
+            tuple(chats),
+            preparer,
+        )
+
+    def run_of(self, url: str) -> int | None:
+        """The tokens an anchor becomes for the image at `url` (a valid data: URL), as the
+        worker expands it (None: the family's processor refuses the image)."""
+        from servicer.media import _decode, _read_data
+        from servicer.validation import RequestError
+
+        policy = self.preparer.policy
+        image = _decode(_read_data(url, policy), policy).image
+        try:
+            processed = self.preparer._process(0, image)
+        except RequestError:
+            return None
+        spec = self.preparer.spec
+        return len(spec.before) + (len(processed.run) or processed.tokens) + len(spec.after)
+
+
+def _insert(ids: list[int], at: int, anchor: tuple[int, ...]) -> None:
+    ids[at:at] = anchor
 
 
 def model_dir(kind: str) -> Path | None:
     if "/" in kind:
         return Path(kind)
-    if kind == "vlm":
+    if kind == "vlm" or kind.startswith("vlm:"):
         from servicer.demos.vision import demo_vlm_path
 
-        return demo_vlm_path(family="gemma3")
+        return demo_vlm_path(family=kind.partition(":")[2] or "gemma3")
     return None
 
 
@@ -735,23 +765,25 @@ def image_url(d: Draw, index: int, p_bad: float, kinds: list[str], bad: set[int]
     return d.one(GOOD_IMAGES)
 
 
-def image_prompt(d: Draw, anchors: int) -> list[int]:
-    """A prompt with `anchors` image anchors: the router's chat prompt, or ids around them."""
+def image_prompt(d: Draw, anchors: int, runs: int) -> list[int]:
+    """A prompt with `anchors` image anchors: the router's chat prompt, or ids around them
+    (`runs`: the tokens the images' runs take in all, where they are known)."""
     vision = d.limits.vision
     assert vision is not None
-    marks = [vision.anchor] * anchors
+    marks = list(vision.anchor) * anchors
     if d.chance(0.03):  # expanded, just at the prompt limit or past it
         extra = 1 if d.limits.bos is not None else 0
-        size = d.limits.prompt_limit + d.one((0, 0, 1)) - extra - anchors * vision.run
+        size = d.limits.prompt_limit + d.one((0, 0, 1)) - extra - runs
         ids = [8 + t % 400 for t in range(max(size, 1))]
         for _ in range(anchors):
-            ids.insert(d.rng.randint(0, len(ids)), vision.anchor)
+            _insert(ids, d.rng.randint(0, len(ids)), vision.anchor)
         return ids
     shape = d.one(("chat", "chat", "chat", "random", "random", "end", "start", "known"))
     if shape == "chat":
         chat = list(d.one(vision.chats))
-        at = chat.index(vision.anchor)
-        return chat[:at] + marks + chat[at + 1 :]
+        width = len(vision.anchor)
+        at = next(i for i in range(len(chat)) if tuple(chat[i : i + width]) == vision.anchor)
+        return chat[:at] + marks + chat[at + width :]
     if shape == "end":  # an image the prompt's last token
         return plain_tokens(d, 1, 30) + marks
     if shape == "start":
@@ -760,7 +792,7 @@ def image_prompt(d: Draw, anchors: int) -> list[int]:
         return KNOWN_GOOD_PROMPT[:256] + marks + plain_tokens(d, 0, 20)
     ids = plain_tokens(d, 1, 60)
     for _ in range(anchors):
-        ids.insert(d.rng.randint(0, len(ids)), vision.anchor)
+        _insert(ids, d.rng.randint(0, len(ids)), vision.anchor)
     return ids
 
 
@@ -807,6 +839,7 @@ def image_input(d: Draw, request: Any) -> Images:
     else:
         count = d.one((1, 1, 1, 1, 1, 2, 2, 3))
     p_bad = d.one((0.0, 0.0, 0.0, 0.25, 0.6))
+    runs = 0  # the tokens the valid images' runs take
     for index in range(count):
         modality = IMAGE
         if d.chance(0.03):
@@ -816,6 +849,14 @@ def image_input(d: Draw, request: Any) -> Images:
             bad.add(index)
         url = image_url(d, index, p_bad, kinds, bad)
         request.media_refs.items.add(modality=modality, url=url)
+        if index not in bad:
+            run = vision.run_of(url)
+            if run is None:  # valid, but not for this family's processor (an aspect ratio)
+                d.refuse(f"image {index}: its processor refuses it", INVALID, rf"\bimage {index}\b")
+                kinds.append("refused by the processor")
+                bad.add(index)
+            else:
+                runs += run
     anchors = count
     roll = d.rng.random()
     if roll < 0.05:
@@ -833,14 +874,16 @@ def image_input(d: Draw, request: Any) -> Images:
         request.text = f"{vision.anchor_text} " * anchors + d.words(1, 12)
         d.odd.append("anchors in a text prompt")
         return Images(None, [*kinds, "anchors in a text prompt"][0], frozenset(bad))
-    ids = image_prompt(d, anchors)
+    ids = image_prompt(d, anchors, runs)
     if d.chance(0.03):  # an image's own tokens outside any image
-        ids.insert(d.rng.randint(0, len(ids)), d.one(sorted(vision.vision_ids - {vision.anchor})))
+        ids.insert(d.rng.randint(0, len(ids)), d.one(sorted(vision.vision_ids - {*vision.anchor})))
         d.odd.append("a stray image token")
         kinds.append("a stray image token")
     request.tokenized.input_ids.extend(ids)
     final, problem = d.limits.final_prompt(ids)
-    expanded = len(final) + anchors * (vision.run - 1)
+    expanded = len(final) - anchors * len(vision.anchor) + runs
+    if problem is not None or bad or anchors != count:
+        expanded = len(final)  # refused before its length counts
     if problem is not None:
         d.bad.append(problem)
     elif expanded > d.limits.prompt_limit:
@@ -1427,7 +1470,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kinds",
         default="llama",
-        help="demo kinds (llama, gemma3, hybrid, vlm) or model directories",
+        help="demo kinds (llama, gemma3, hybrid, vlm, vlm:FAMILY) or model directories",
     )
     parser.add_argument("--worker-args", default="", help="more worker flags, one string")
     parser.add_argument("--json", type=Path, help="write the report here too")
