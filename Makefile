@@ -83,6 +83,12 @@ fuzz-cache: $(STAMP)
 fuzz-requests: $(STAMP)
 	$(BIN)/python tests/request_fuzz.py --seeds $(SEEDS) $(ARGS)
 
+# Differential fuzz of image prefixes and features: image and text requests at random, repeated
+# images, cancellations, against a cache-off worker, on every served vision family (3 seeds each).
+.PHONY: fuzz-images
+fuzz-images: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow or not slow" -k without_any_cache tests/test_images_cache.py $(ARGS)
+
 # Every mlx-lm text architecture (tiny random weights) served by the worker in six cells and
 # compared with mlx-lm's greedy output: bench/families-table.md and the README's summary
 # (ARGS="--only llama" redoes one and keeps the others from the last full run).

@@ -16,8 +16,10 @@ from support import ServerThread, slow
 from test_images import chat_ids, complete, data_url, expanded, image_request, needs_vlm, png
 
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
+from servicer.vision_families import SERVED_FAMILIES
 
 pytestmark = needs_vlm
+FAST_FUZZ = {("gemma3", 0), ("qwen2_vl", 0)}
 
 QUESTIONS = (
     "What do bees make?",
@@ -79,8 +81,19 @@ def _run(stub, job) -> list[int] | None:
     return list(complete(stub, message).output_ids)
 
 
-@pytest.mark.parametrize("seed", [0, slow(1)])
-def test_image_and_text_requests_answer_as_without_any_cache(vlm_dir, seed):
+# Every served family, three seeds each (`make fuzz-images`); a fast slice in `make test`.
+FUZZ_CASES = [
+    (family, seed) if (family, seed) in FAST_FUZZ else slow(family, seed)
+    for family in SERVED_FAMILIES
+    for seed in range(3)
+]
+
+
+@pytest.mark.parametrize(("family", "seed"), FUZZ_CASES)
+def test_image_and_text_requests_answer_as_without_any_cache(family, seed):
+    from servicer.demos.vision import demo_vlm_path
+
+    vlm_dir = demo_vlm_path(family=family)
     jobs = _fuzz_jobs(vlm_dir, seed, 24)
     answers = {}
     for name, engine in (("cached", {"prompt_cache_block": 4}), ("cold", {"prompt_cache_size": 0})):
