@@ -875,8 +875,9 @@ def image_input(d: Draw, request: Any) -> Images:
         d.odd.append("anchors in a text prompt")
         return Images(None, [*kinds, "anchors in a text prompt"][0], frozenset(bad))
     ids = image_prompt(d, anchors, runs)
-    if d.chance(0.03):  # an image's own tokens outside any image
-        ids.insert(d.rng.randint(0, len(ids)), d.one(sorted(vision.vision_ids - {*vision.anchor})))
+    strays = sorted(vision.vision_ids - {*vision.anchor})
+    if strays and d.chance(0.03):  # an image's own tokens outside any image
+        ids.insert(d.rng.randint(0, len(ids)), d.one(strays))
         d.odd.append("a stray image token")
         kinds.append("a stray image token")
     request.tokenized.input_ids.extend(ids)
