@@ -96,9 +96,8 @@ def text_stack_config(model_dir: Path) -> dict[str, Any] | None:
 
 
 def _language_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """The language model's weights under the text model's own names: mlx-vlm's
-    ``language_model.`` prefix (its flat stacks, Idefics3's, without the ``model.`` level), or
-    transformers' ``model.language_model.`` and ``lm_head``."""
+    """The language model's weights under the text model's own names: mlx-vlm's (a flat
+    stack's given the ``model.`` level), or transformers' ``model.language_model.``, ``lm_head``."""
     out = {}
     for name, value in weights.items():
         if name.startswith("language_model."):

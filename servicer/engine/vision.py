@@ -129,7 +129,8 @@ class VisionEncoder:
     @property
     def tower(self) -> Any:
         """mlx-vlm's vision tower (its transformer layers are what `encoding` stages)."""
-        return getattr(self._vlm, "vision_tower", None) or getattr(self._vlm, "visual", None)
+        names = ("vision_tower", "visual", "vision_model")  # mlx-vlm's names for it
+        return next((getattr(self._vlm, name) for name in names if name in self._vlm), None)
 
     def has(self, key: bytes) -> bool:
         """Whether the image's features are at hand (encoded ahead, or in the cache)."""
