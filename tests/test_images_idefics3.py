@@ -1,10 +1,11 @@
 """Idefics3's images (tiles of the image, a row marker each, then the whole image shrunk to one
 tile, all expanded by the model's own processor): through the real server each answer equals
 mlx-vlm's own greedy generation, its processor expanding the prompt and making the pixels, for
-images cut into 2x2 and 2x1 tiles, alone, batched with a text request and from a cached prefix
-past the image; and through the real smg router (media references: smg 1.13 does not know the
-family) the chat answer equals mlx-vlm's text. tests/test_images_smolvlm.py runs the same checks
-on SmolVLM (Idefics3's architecture and expansion under another model type)."""
+images cut into 2x2 and 2x1 tiles, one or two a prompt, alone, batched with a text request and
+from a cached prefix past the image; and through the real smg router (media references: smg
+1.13 does not know the family) the chat answer equals mlx-vlm's text.
+tests/test_images_smolvlm.py runs the same checks on SmolVLM (Idefics3's architecture and
+expansion under another model type)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,12 @@ def check_tiled_images_alone(stub, vlm_dir) -> None:
         assert list(done.output_ids) == want
         answers.append(want)
     assert answers[0] != answers[1]  # the image matters
+    both = [TILED[0], TALL]  # two images in one prompt: 4 + 2 tiles
+    prompt = router_ids(vlm_dir, QUESTION, images=2)
+    done = complete(stub, image_request(prompt, [data_url(raw) for raw in both]))
+    want, expanded = reference(vlm_dir, QUESTION, both)
+    assert tiles(vlm_dir, expanded) == 6 and done.prompt_tokens == len(expanded)
+    assert list(done.output_ids) == want
 
 
 def check_batched_with_text_and_a_prefix_hit(stub, vlm_dir) -> None:
