@@ -133,7 +133,7 @@ class ImagePreparer:
         self.spec = spec
         self.policy = policy
         self._pool = ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="images")
-        self._processor = _processor(model_dir, whole=spec.anchor_text is not None)
+        self._processor = _processor(model_dir, spec)
         self.patch_width = _patch_width(self._processor)  # a flattened patch's values
 
     def close(self) -> None:
@@ -227,14 +227,15 @@ class ImagePreparer:
         return ProcessedImage(len(run), image_key(pixels, extra), pixels, extra, run)
 
 
-def _processor(model_dir: Path, whole: bool) -> Any:
-    """The checkpoint's own image processor (`whole`: its processor, tokenizer included), the
-    numpy/PIL build (no torch, no MLX)."""
+def _processor(model_dir: Path, spec: VisionSpec) -> Any:
+    """The checkpoint's own image processor (a spec with `anchor_text`: its processor,
+    tokenizer included, or the class the spec names), the numpy/PIL build (no torch, no MLX)."""
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers import AutoImageProcessor, AutoProcessor
+    import transformers
 
-    kind = AutoProcessor if whole else AutoImageProcessor
-    return kind.from_pretrained(str(model_dir), backend="pil")
+    kind = "AutoImageProcessor" if spec.anchor_text is None else "AutoProcessor"
+    kind = spec.processor_class or kind
+    return getattr(transformers, kind).from_pretrained(str(model_dir), backend="pil")
 
 
 def _patch_width(processor: Any) -> int | None:

@@ -40,6 +40,9 @@ class VisionSpec:
     # The checkpoint's own processor expands the anchor, image by image: each image's run is
     # what it makes of `anchor_text` (tiles, row markers and all); `before`/`after` are empty.
     anchor_text: str | None = None
+    # The transformers processor class run in place of the checkpoint's own (None: its own),
+    # where that one needs what the handler side lacks (a torch video processor).
+    processor_class: str | None = None
 
     def run(self, n: int) -> list[int]:
         return [*self.before, *([self.image_token_id] * n), *self.after]
@@ -136,11 +139,15 @@ def _llava_spec(config: dict[str, Any], _tokenizer: Any) -> VisionSpec | None:
 
 
 def processor_spec(
-    anchor: str, image_token: str, config_key: str = "image_token_id"
+    anchor: str,
+    image_token: str,
+    config_key: str = "image_token_id",
+    processor_class: str | None = None,
 ) -> Callable[[dict[str, Any], Any], VisionSpec | None]:
     """The spec of a family whose processor expands the anchor text `anchor` itself (tiles,
     row markers, a size-dependent count): the anchor is its tokens, the image token is
-    `image_token` (or the config's `config_key`), and each image's run is the processor's."""
+    `image_token` (or the config's `config_key`), and each image's run is the processor's
+    (transformers' `processor_class` in place of the checkpoint's own, where given)."""
 
     def spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
         image = _token_id(tokenizer, image_token, config.get(config_key))
@@ -148,7 +155,9 @@ def processor_spec(
         if image is None or not ids:
             return None
         family = config.get("model_type", "")
-        return VisionSpec(family, image, ids, (), (), None, anchor_text=anchor)
+        return VisionSpec(
+            family, image, ids, (), (), None, anchor_text=anchor, processor_class=processor_class
+        )
 
     return spec
 
@@ -201,6 +210,14 @@ FAMILIES: dict[str, VisionFamily] = {
         ),
         VisionFamily("mistral3", _mistral3_spec, "mistral3"),
         VisionFamily("llava", _llava_spec, "llava", router_tensors=True),
+        VisionFamily("idefics3", processor_spec("<image>", "<image>"), "idefics3"),
+        # SmolVLM's processor needs a torch video processor; Idefics3's expands its images
+        # alike (the same tiles, markers and thumbnail) with its image processor.
+        VisionFamily(
+            "smolvlm",
+            processor_spec("<image>", "<image>", processor_class="Idefics3Processor"),
+            "smolvlm",
+        ),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)

@@ -106,6 +106,10 @@ class Family(abc.ABC):
         """Weights the family's text stack has and the text demo lacks."""
         return {}
 
+    def saved_weights(self, weights: dict) -> dict:
+        """All the weights (text and vision) under the names the family's checkpoints use."""
+        return weights
+
     @property
     def chat_template(self) -> str:
         return chat_template(self.image_anchor)
@@ -265,6 +269,7 @@ def _build_into(out: Path, seed: int, text_model: Path, fam: Family) -> None:
     embed = weights["language_model.model.embed_tokens.weight"]
     feature_rms = float(np.sqrt(np.mean(embed**2)))
     weights |= fam.vision_weights(config, feature_rms, vision_rng)
+    weights = fam.saved_weights(weights)
     save_file(
         {name: np.ascontiguousarray(weights[name], dtype=np.float32) for name in sorted(weights)},
         str(out / "model.safetensors"),

@@ -96,12 +96,13 @@ def text_stack_config(model_dir: Path) -> dict[str, Any] | None:
 
 
 def _language_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """The language model's weights under the text model's own names: mlx-vlm's
-    ``language_model.`` prefix, or transformers' ``model.language_model.`` and ``lm_head``."""
+    """The language model's weights under the text model's own names: mlx-vlm's (a flat
+    stack's given the ``model.`` level), or transformers' ``model.language_model.``, ``lm_head``."""
     out = {}
     for name, value in weights.items():
         if name.startswith("language_model."):
-            out[name.removeprefix("language_model.")] = value
+            name = name.removeprefix("language_model.")
+            out[name if name.startswith(("model.", "lm_head.")) else f"model.{name}"] = value
         elif name.startswith("model.language_model."):
             out["model." + name.removeprefix("model.language_model.")] = value
         elif name.startswith("lm_head."):

@@ -107,11 +107,12 @@ class VisionEncoder:
         except Exception as exc:
             raise VisionUnavailable(f"mlx-vlm could not load {model_dir}: {exc}") from exc
         language = vlm.language_model
-        language.model.layers = []  # the text model's own run; never loaded twice
+        stack = getattr(language, "model", language)  # mlx-vlm's flat stacks (Idefics3's)
+        stack.layers = []  # the text model's own run; never loaded twice
         language.pop("lm_head", None)
         embed = _embedding_of(text_model)
         if embed is not None:
-            language.model.embed_tokens = embed
+            stack.embed_tokens = embed
         mx.eval(vlm.parameters())
         return cls(vlm, image_token_id, cache_bytes, rope, merge)
 
@@ -128,7 +129,8 @@ class VisionEncoder:
     @property
     def tower(self) -> Any:
         """mlx-vlm's vision tower (its transformer layers are what `encoding` stages)."""
-        return getattr(self._vlm, "vision_tower", None) or getattr(self._vlm, "visual", None)
+        names = ("vision_tower", "visual", "vision_model")  # mlx-vlm's names for it
+        return next((getattr(self._vlm, name) for name in names if name in self._vlm), None)
 
     def has(self, key: bytes) -> bool:
         """Whether the image's features are at hand (encoded ahead, or in the cache)."""
