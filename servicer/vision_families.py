@@ -99,7 +99,8 @@ def _qwen2_vl_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
 
 def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     """`[IMG]` per image, replaced by the image's rows of `[IMG]`, each ending `[IMG_BREAK]`,
-    the last `[IMG_END]`; a cell is a patch merged `spatial_merge_size` times a side."""
+    the last `[IMG_END]`; a cell is a patch merged `spatial_merge_size` times a side (Pixtral's
+    own layout: no merge, a cell a patch)."""
     image = config.get("image_token_index")
     row_break = _token_id(tokenizer, "[IMG_BREAK]", None)
     row_end = _token_id(tokenizer, "[IMG_END]", None)
@@ -108,7 +109,7 @@ def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     if not all(isinstance(v, int) for v in (image, row_break, row_end, patch, merge)):
         return None
     return VisionSpec(
-        "mistral3",
+        config.get("model_type", "mistral3"),
         image,
         (image,),
         (),
@@ -201,6 +202,7 @@ FAMILIES: dict[str, VisionFamily] = {
         ),
         VisionFamily("mistral3", _mistral3_spec, "mistral3"),
         VisionFamily("llava", _llava_spec, "llava", router_tensors=True),
+        VisionFamily("pixtral", _mistral3_spec, "pixtral"),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)

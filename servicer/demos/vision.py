@@ -87,6 +87,8 @@ class Family(abc.ABC):
     processor_files: Mapping[str, Mapping[str, Any]]
     # Fields added to tokenizer_config.json.
     tokenizer_fields: Mapping[str, Any] = MappingProxyType({})
+    # The text stack holds its own lm_head (written as a copy of the embeddings).
+    untied_head: bool = False
 
     @abc.abstractmethod
     def model_config(
@@ -263,6 +265,8 @@ def _build_into(out: Path, seed: int, text_model: Path, fam: Family) -> None:
     weights = _text_weights(text_model, text_config["hidden_size"], vocab_size, text_rng)
     weights |= fam.extra_text_weights(text_config)
     embed = weights["language_model.model.embed_tokens.weight"]
+    if fam.untied_head:
+        weights["language_model.lm_head.weight"] = embed
     feature_rms = float(np.sqrt(np.mean(embed**2)))
     weights |= fam.vision_weights(config, feature_rms, vision_rng)
     save_file(
