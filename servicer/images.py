@@ -233,8 +233,29 @@ def _processor(model_dir: Path, whole: bool) -> Any:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoImageProcessor, AutoProcessor
 
-    kind = AutoProcessor if whole else AutoImageProcessor
-    return kind.from_pretrained(str(model_dir), backend="pil")
+    if not whole:
+        return AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+    try:
+        return AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+    except ImportError:  # a processor holding a video one, which has no PIL build (torch)
+        return _images_only(model_dir).from_pretrained(str(model_dir), backend="pil")
+
+
+def _images_only(model_dir: Path) -> Any:
+    """The checkpoint's processor class without its video processor: images and text only."""
+    import json
+
+    from transformers.models.auto.processing_auto import processor_class_from_name
+
+    config = json.loads((Path(model_dir) / "processor_config.json").read_text(encoding="utf-8"))
+    full = processor_class_from_name(config["processor_class"])
+
+    class ImagesOnly(full):
+        @classmethod
+        def get_attributes(cls) -> list[str]:
+            return [name for name in full.get_attributes() if not name.startswith("video")]
+
+    return ImagesOnly
 
 
 def _patch_width(processor: Any) -> int | None:

@@ -203,6 +203,11 @@ FAMILIES: dict[str, VisionFamily] = {
         VisionFamily("mistral3", _mistral3_spec, "mistral3"),
         VisionFamily("llava", _llava_spec, "llava", router_tensors=True),
         VisionFamily("pixtral", _mistral3_spec, "pixtral"),
+        VisionFamily(
+            "llava_onevision",
+            processor_spec("<image>", "<image>", "image_token_index"),
+            "llava_onevision",
+        ),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)

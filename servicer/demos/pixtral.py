@@ -118,7 +118,9 @@ class Pixtral(Family):
             "vision_feature_layer": -1,
             "vision_feature_select_strategy": "full",
         }
-        config = parts.nested_config(text_config, text_fields, VISION_CONFIG, fields, ids, vocab_size)
+        config = parts.nested_config(
+            text_config, text_fields, VISION_CONFIG, fields, ids, vocab_size
+        )
         config["tie_word_embeddings"] = False
         return config
 
