@@ -208,9 +208,6 @@ FAMILIES: dict[str, VisionFamily] = {
             processor_spec("<image>", "<image>", "image_token_index"),
             "llava_onevision",
         ),
-        VisionFamily(
-            "llava_next", processor_spec("<image>", "<image>", "image_token_index"), "llava_next"
-        ),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)
