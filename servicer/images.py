@@ -233,9 +233,32 @@ def _processor(model_dir: Path, spec: VisionSpec) -> Any:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     import transformers
 
-    kind = "AutoImageProcessor" if spec.anchor_text is None else "AutoProcessor"
-    kind = spec.processor_class or kind
-    return getattr(transformers, kind).from_pretrained(str(model_dir), backend="pil")
+    if spec.anchor_text is None:
+        return transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+    if spec.processor_class is not None:
+        kind = getattr(transformers, spec.processor_class)
+        return kind.from_pretrained(str(model_dir), backend="pil")
+    try:
+        return transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")
+    except ImportError:  # a processor holding a video one, which has no PIL build (torch)
+        return _images_only(model_dir).from_pretrained(str(model_dir), backend="pil")
+
+
+def _images_only(model_dir: Path) -> Any:
+    """The checkpoint's processor class without its video processor: images and text only."""
+    import json
+
+    from transformers.models.auto.processing_auto import processor_class_from_name
+
+    config = json.loads((Path(model_dir) / "processor_config.json").read_text(encoding="utf-8"))
+    full = processor_class_from_name(config["processor_class"])
+
+    class ImagesOnly(full):
+        @classmethod
+        def get_attributes(cls) -> list[str]:
+            return [name for name in full.get_attributes() if not name.startswith("video")]
+
+    return ImagesOnly
 
 
 def _patch_width(processor: Any) -> int | None:

@@ -102,7 +102,8 @@ def _qwen2_vl_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
 
 def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     """`[IMG]` per image, replaced by the image's rows of `[IMG]`, each ending `[IMG_BREAK]`,
-    the last `[IMG_END]`; a cell is a patch merged `spatial_merge_size` times a side."""
+    the last `[IMG_END]`; a cell is a patch merged `spatial_merge_size` times a side (Pixtral's
+    own layout: no merge, a cell a patch)."""
     image = config.get("image_token_index")
     row_break = _token_id(tokenizer, "[IMG_BREAK]", None)
     row_end = _token_id(tokenizer, "[IMG_END]", None)
@@ -111,7 +112,7 @@ def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     if not all(isinstance(v, int) for v in (image, row_break, row_end, patch, merge)):
         return None
     return VisionSpec(
-        "mistral3",
+        config.get("model_type", "mistral3"),
         image,
         (image,),
         (),
@@ -217,6 +218,12 @@ FAMILIES: dict[str, VisionFamily] = {
             "smolvlm",
             processor_spec("<image>", "<image>", processor_class="Idefics3Processor"),
             "smolvlm",
+        ),
+        VisionFamily("pixtral", _mistral3_spec, "pixtral"),
+        VisionFamily(
+            "llava_onevision",
+            processor_spec("<image>", "<image>", "image_token_index"),
+            "llava_onevision",
         ),
     )
 }

@@ -303,7 +303,7 @@ def test_families() -> None:
     assert get_family("gemma3").tokens_per_image == demo_vlm_gemma3.MM_TOKENS_PER_IMAGE
     assert get_family("gemma3").image_token == demo_vlm_gemma3.IMAGE_TOKEN
     with pytest.raises(ValueError, match="unknown demo VLM family"):
-        get_family("pixtral")
+        get_family("nope")
 
 
 def test_gemma3_cache_layout(gemma3_built: Path) -> None:

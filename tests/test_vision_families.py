@@ -37,6 +37,7 @@ _ALSO_NAMED_FOR_ANOTHER_REASON = {
         "servicer/model_files.py",  # demo:vlm's family
     },
     "qwen2_vl": {"servicer/demos/vision.py"},  # the demo builder's default family
+    "pixtral": {"servicer/demos/mistral3.py"},  # Mistral 3's vision tower is a Pixtral one
 }
 
 

@@ -6,7 +6,8 @@ tests and the default").
   writes around its weights (no MLX: the handler side uses the cache helpers).
 - ``text``: the text demos (llama, hybrid, gemma3), trained briefly on ``corpus.txt``.
 - ``vision``: the vision-language demos' shared build and parts, and their families, one a
-  module: ``qwen2_vl`` (the default), ``qwen2_5_vl``, ``gemma3``, ``mistral3``, ``llava``.
+  module: ``qwen2_vl`` (the default), ``qwen2_5_vl``, ``gemma3``, ``mistral3``, ``llava``,
+  ``pixtral``, ``llava_onevision``.
 
 Built models are cached under ``MLX_GRPC_WORKER_CACHE`` (default ~/.cache/mlx-grpc-worker),
 named by kind, seed and recipe version.

@@ -5,9 +5,11 @@ vision-language model but must never download one. The families share one build 
 says what differs, each in a module of its own): ``qwen2_vl`` (the default,
 ``servicer.demos.qwen2_vl``), ``gemma3`` (``servicer.demos.gemma3``, built from the ``gemma3``
 text demo), ``mistral3`` (``servicer.demos.mistral3``, from the ``llama`` one), ``llava``
-(``servicer.demos.llava``, from the ``llama`` one too) and ``qwen2_5_vl``
+(``servicer.demos.llava``, from the ``llama`` one too), ``qwen2_5_vl``
 (``servicer.demos.qwen2_5_vl``: qwen2_vl's text stack, tokens and processor with Qwen2.5-VL's
-vision tower); gemma3, mistral3 and llava also load as text models with mlx-lm.
+vision tower), ``pixtral`` (``servicer.demos.pixtral``, from the ``llama`` one) and
+``llava_onevision`` (``servicer.demos.llava_onevision``, from the ``llama`` one as Qwen2);
+gemma3, mistral3, llava and pixtral also load as text models with mlx-lm.
 
 What every family's build is made of (nothing is trained here):
 
@@ -87,6 +89,8 @@ class Family(abc.ABC):
     processor_files: Mapping[str, Mapping[str, Any]]
     # Fields added to tokenizer_config.json.
     tokenizer_fields: Mapping[str, Any] = MappingProxyType({})
+    # The text stack holds its own lm_head (written as a copy of the embeddings).
+    untied_head: bool = False
 
     @abc.abstractmethod
     def model_config(
@@ -267,6 +271,8 @@ def _build_into(out: Path, seed: int, text_model: Path, fam: Family) -> None:
     weights = _text_weights(text_model, text_config["hidden_size"], vocab_size, text_rng)
     weights |= fam.extra_text_weights(text_config)
     embed = weights["language_model.model.embed_tokens.weight"]
+    if fam.untied_head:
+        weights["language_model.lm_head.weight"] = embed
     feature_rms = float(np.sqrt(np.mean(embed**2)))
     weights |= fam.vision_weights(config, feature_rms, vision_rng)
     weights = fam.saved_weights(weights)
