@@ -201,6 +201,7 @@ FAMILIES: dict[str, VisionFamily] = {
         ),
         VisionFamily("mistral3", _mistral3_spec, "mistral3"),
         VisionFamily("llava", _llava_spec, "llava", router_tensors=True),
+        VisionFamily("gemma4", processor_spec("<|image|>", "<|image|>"), "gemma4"),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)

@@ -152,7 +152,7 @@ class PromptBatch:
             if embeddings is None:
                 self.model(inputs, cache=self.prompt_cache)
             else:
-                self.model(inputs, cache=self.prompt_cache, input_embeddings=embeddings)
+                self.model(inputs, cache=self.prompt_cache, **embeddings)
         for row in self.rows:  # features no chunk needs again
             row.images = [span for span in row.images if span.end > len(row.tokens)]
         mx.eval([c.state for c in self.prompt_cache])
