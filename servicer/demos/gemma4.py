@@ -45,6 +45,7 @@ PATCH_SIZE = 4
 POOLING = 2  # soft tokens pool POOLING x POOLING patches
 MAX_SOFT_TOKENS = 70  # the smallest budget transformers' processor accepts
 PER_LAYER_WIDTH = 16
+LOUD = 2.0
 
 VISION_CONFIG = {
     "model_type": "gemma4_vision",
@@ -176,6 +177,7 @@ class Gemma4(Family):
         layers, width = 2, PER_LAYER_WIDTH
         model = "language_model.model"
         out: dict[str, Any] = {f"{model}.embed_tokens.weight": embed}
+        scaled_rms = float(np.sqrt(np.mean(embed**2))) * math.sqrt(hidden)
         ones = {f"{model}.norm.weight": hidden, f"{model}.per_layer_projection_norm.weight": width}
         for i in range(layers):
             layer = f"{model}.layers.{i}"
@@ -193,14 +195,13 @@ class Gemma4(Family):
                 gain = 0.5 if name.endswith(("o_proj", "down_proj", "per_layer_projection")) else 1
                 out |= parts.random_linear(rng, f"{layer}.{name}", *shape, gain=gain, bias=False)
             ones |= {f"{layer}.self_attn.{n}.weight": head_dim for n in ("q_norm", "k_norm")}
-            for norm in (
-                "input_layernorm",
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "post_feedforward_layernorm",
-                "post_per_layer_input_norm",
-            ):
+            for norm in ("input_layernorm", "pre_feedforward_layernorm"):
                 ones[f"{layer}.{norm}.weight"] = hidden
+            # The blocks' outputs (normed) at LOUD times the scaled embeddings' RMS: the
+            # layers, not the residual token, decide the next token.
+            for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
+                out[f"{layer}.{norm}.weight"] = np.full(hidden, LOUD * scaled_rms)
+            out[f"{layer}.post_per_layer_input_norm.weight"] = np.full(hidden, scaled_rms)
             out[f"{layer}.layer_scalar"] = np.ones(1)
         out |= {name: np.ones(size) for name, size in ones.items()}
         out[f"{model}.embed_tokens_per_layer.weight"] = rng.standard_normal(
