@@ -197,12 +197,13 @@ class VisionEncoder:
             self._held -= gone.nbytes
 
     def embed(self, inputs: mx.array) -> dict[str, mx.array]:
-        """Token embeddings of `inputs` ([batch, length]) as the model's merge starts them
-        (`input_embeddings`), and any per-layer inputs it makes of the ids (Gemma 4's)."""
+        """The model's inputs for ids `inputs` ([batch, length]) as mlx-vlm's merge starts
+        them: token embeddings, and per-layer inputs where it makes them (Gemma 4's)."""
         out = self._vlm.get_input_embeddings(inputs)
-        per_layer = getattr(out, "per_layer_inputs", None)
-        more = {"per_layer_inputs": per_layer} if per_layer is not None else {}
-        return {"input_embeddings": out.inputs_embeds, **more}
+        per_layer = {"per_layer_inputs": getattr(out, "per_layer_inputs", None)}
+        return {"input_embeddings": out.inputs_embeds} | {
+            k: v for k, v in per_layer.items() if v is not None
+        }
 
 
 def image_grid(image: ImageInput) -> tuple[int, int, int]:
@@ -229,10 +230,9 @@ def _embedding_owner(text_model: Any) -> Any:
 
 
 def _take_scaled_embeddings(owner: Any, encoder: VisionEncoder) -> None:
-    """Where mlx-vlm's merge hands the layers embeddings already scaled by the text model's
-    `embed_scale` (Gemma 4's: image features unscaled beside them), the text model takes
-    given input embeddings as they are (x 1.0, exactly) and scales only what it embeds."""
-    probe = mx.array([[0]])
+    """Where mlx-vlm's merge makes embeddings scaled by `embed_scale` (Gemma 4's, image features
+    unscaled beside them), the text model takes given ones as they are (x 1.0, exactly)."""
+    probe = mx.arange(8)[None]
     given = encoder.embed(probe)["input_embeddings"]
     if mx.array_equal(given, owner.embed_tokens(probe)).item():
         return
@@ -268,9 +268,8 @@ def chunk_embeddings(
     lengths: list[int],
     images: list[list[ImageSpan]],
 ) -> dict[str, mx.array] | None:
-    """The model's inputs besides the ids (`embed`'s) for a padded chunk whose row i covers
-    prompt positions `starts[i]` to `starts[i] + lengths[i]` (None: no row's chunk touches
-    an image)."""
+    """The model's inputs (`embed`'s) for a padded chunk whose row i covers prompt positions
+    `starts[i]` to `starts[i] + lengths[i]` (None: no row's chunk touches an image)."""
     pieces = []
     for i, (start, n, spans) in enumerate(zip(starts, lengths, images, strict=True)):
         for span in spans:
