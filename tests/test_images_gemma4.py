@@ -60,6 +60,20 @@ def reference(vlm_dir, question: str, raws: list[bytes], n: int = 12) -> tuple[l
     return tokens[:end], ids.shape[1]
 
 
+def test_a_checkpoint_whose_images_attend_both_ways_is_served_as_text(vlm_dir):
+    """Google's Gemma 4 checkpoints set text_config.use_bidirectional_attention "vision"
+    (mlx-vlm then lets an image's tokens attend to each other both ways): the worker's prefill
+    is causal, so such a checkpoint is served as text, the reason logged; the demo is causal."""
+    import json
+
+    from servicer.vision_families import vision_refusal
+
+    config = json.loads((vlm_dir / "config.json").read_text())
+    assert vision_refusal(config) is None
+    config["text_config"]["use_bidirectional_attention"] = "vision"
+    assert "attend both ways" in (vision_refusal(config) or "")
+
+
 @pytest.mark.parametrize("size", [(64, 48), (30, 90)])
 def test_an_image_answer_equals_mlx_vlms(stub, vlm_dir, size):
     """Two images of other sizes (other soft-token counts), each its own answer."""
