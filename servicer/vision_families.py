@@ -170,6 +170,19 @@ def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:
     return fallback if isinstance(fallback, int) else None
 
 
+def _two_way_images(config: dict[str, Any]) -> str | None:
+    """A Gemma 4 checkpoint whose image tokens attend to each other both ways (its text
+    model's use_bidirectional_attention, "vision" in Google's): the worker's prefill is causal
+    throughout, so its answers would not be the model's."""
+    if (config.get("text_config") or {}).get("use_bidirectional_attention"):
+        return (
+            "images are not supported for this checkpoint: its image tokens attend both ways "
+            "(text_config.use_bidirectional_attention), the worker's prefill is causal; "
+            "serving text only"
+        )
+    return None
+
+
 Positions = Literal["plain", "mrope"]
 
 
@@ -197,6 +210,8 @@ class VisionFamily:
     positions: Positions = "plain"
     router_tensors: bool = False
     router_image_token: str | None = None
+    # Why a checkpoint of the family is served as text only (None: it is not).
+    refusal: Callable[[dict[str, Any]], str | None] | None = None
 
 
 FAMILIES: dict[str, VisionFamily] = {
@@ -225,6 +240,9 @@ FAMILIES: dict[str, VisionFamily] = {
             processor_spec("<image>", "<image>", "image_token_index"),
             "llava_onevision",
         ),
+        VisionFamily(
+            "gemma4", processor_spec("<|image|>", "<|image|>"), "gemma4", refusal=_two_way_images
+        ),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)
@@ -250,9 +268,12 @@ def vision_refusal(config: dict[str, Any]) -> str | None:
     """Why a checkpoint with a vision tower is served as text only (None: it is not)."""
     if not isinstance(config.get("vision_config"), dict):
         return None
-    if family_of(config) is None:
+    served = family_of(config)
+    if served is None:
         family = config.get("model_type", "")
         return f"images are not supported for model type {family!r} yet; serving text only"
+    if served.refusal is not None and (why := served.refusal(config)) is not None:
+        return why
     if importlib.util.find_spec("mlx_vlm") is None:
         return "serving images needs mlx-vlm (pip install 'mlx-grpc-worker[vision]')"
     return None

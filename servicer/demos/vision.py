@@ -114,6 +114,11 @@ class Family(abc.ABC):
         """All the weights (text and vision) under the names the family's checkpoints use."""
         return weights
 
+    def text_weights(self, weights: dict, text_config: Mapping[str, Any]) -> dict:
+        """The language model's weights from the text demo's `weights` (moved under
+        ``language_model.``, embedding rows for the appended tokens added)."""
+        return weights | self.extra_text_weights(text_config)
+
     @property
     def chat_template(self) -> str:
         return chat_template(self.image_anchor)
@@ -269,7 +274,7 @@ def _build_into(out: Path, seed: int, text_model: Path, fam: Family) -> None:
         np.random.default_rng(s) for s in np.random.SeedSequence([seed, 0x71E]).spawn(2)
     )
     weights = _text_weights(text_model, text_config["hidden_size"], vocab_size, text_rng)
-    weights |= fam.extra_text_weights(text_config)
+    weights = fam.text_weights(weights, text_config)
     embed = weights["language_model.model.embed_tokens.weight"]
     if fam.untied_head:
         weights["language_model.lm_head.weight"] = embed

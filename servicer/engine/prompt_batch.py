@@ -150,7 +150,7 @@ class PromptBatch:
             if embeddings is None:
                 self.model(inputs, cache=self.prompt_cache)
             else:
-                self.model(inputs, cache=self.prompt_cache, input_embeddings=embeddings)
+                self.model(inputs, cache=self.prompt_cache, **embeddings)
         for row in self.rows:
             row.inputs.prefilled_to(len(row.tokens))
         mx.eval([c.state for c in self.prompt_cache])

@@ -110,11 +110,15 @@ class VisionEncoder:
         stack = getattr(language, "model", language)  # mlx-vlm's flat stacks (Idefics3's)
         stack.layers = []  # the text model's own run; never loaded twice
         language.pop("lm_head", None)
-        embed = _embedding_of(text_model)
-        if embed is not None:
-            stack.embed_tokens = embed
+        owner = _embedding_owner(text_model)
+        for name in ("embed_tokens", "embed_tokens_per_layer"):  # shared, not loaded twice
+            if getattr(owner, name, None) is not None and name in stack:
+                stack[name] = getattr(owner, name)
         mx.eval(vlm.parameters())
-        return cls(vlm, image_token_id, cache_bytes, rope, merge)
+        encoder = cls(vlm, image_token_id, cache_bytes, rope, merge)
+        if owner is not None and getattr(owner, "embed_scale", 1.0) != 1.0:
+            _take_scaled_embeddings(owner, encoder)
+        return encoder
 
     def row_rope(self, request: GenerationRequest) -> RowRope | None:
         """The request's multimodal RoPE, from its whole prompt (a row that starts from a
@@ -194,9 +198,14 @@ class VisionEncoder:
             _, gone = self._cache.popitem(last=False)
             self._held -= gone.nbytes
 
-    def embed(self, inputs: mx.array) -> mx.array:
-        """Token embeddings of `inputs` ([batch, length]) as the model's merge starts them."""
-        return self._vlm.get_input_embeddings(inputs).inputs_embeds
+    def embed(self, inputs: mx.array) -> dict[str, mx.array]:
+        """The model's inputs for ids `inputs` ([batch, length]) as mlx-vlm's merge starts
+        them: token embeddings, and per-layer inputs where it makes them (Gemma 4's)."""
+        out = self._vlm.get_input_embeddings(inputs)
+        per_layer = {"per_layer_inputs": getattr(out, "per_layer_inputs", None)}
+        return {"input_embeddings": out.inputs_embeds} | {
+            k: v for k, v in per_layer.items() if v is not None
+        }
 
 
 def image_grid(image: ImageInput) -> tuple[int, int, int]:
@@ -210,17 +219,38 @@ def image_grid(image: ImageInput) -> tuple[int, int, int]:
     raise ValueError("an image of this model needs its image_grid_thw (t, h, w)")
 
 
-def _embedding_of(text_model: Any) -> Any:
-    """The token embedding module of an mlx-lm text model (None: not found where expected)."""
+def _embedding_owner(text_model: Any) -> Any:
+    """The module of an mlx-lm text model holding its token embedding (None: not found)."""
     for path in (("language_model", "model"), ("model",)):
         module = text_model
         for name in path:
             module = getattr(module, name, None)
-        embed = getattr(module, "embed_tokens", None)
-        if embed is not None:
-            return embed
+        if getattr(module, "embed_tokens", None) is not None:
+            return module
     log.info("the text model's token embedding was not found; the encoder keeps its own")
     return None
+
+
+def _take_scaled_embeddings(owner: Any, encoder: VisionEncoder) -> None:
+    """Where mlx-vlm's merge makes embeddings scaled by `embed_scale` (Gemma 4's, image features
+    unscaled beside them), the text model takes given ones as they are (x 1.0, exactly)."""
+    probe = mx.arange(8)[None]
+    given = encoder.embed(probe)["input_embeddings"]
+    if mx.array_equal(given, owner.embed_tokens(probe)).item():
+        return
+    base = type(owner)
+
+    class TakesScaled(base):
+        def __call__(self, inputs: Any = None, cache: Any = None, input_embeddings=None, **kw):
+            if input_embeddings is None:
+                return base.__call__(self, inputs, cache, **kw)
+            scale, self.embed_scale = self.embed_scale, 1.0
+            try:
+                return base.__call__(self, inputs, cache, input_embeddings, **kw)
+            finally:
+                self.embed_scale = scale
+
+    owner.__class__ = TakesScaled
 
 
 class ImageSpan:
@@ -239,8 +269,8 @@ def chunk_embeddings(
     starts: list[int],
     lengths: list[int],
     images: list[list[ImageSpan]],
-) -> mx.array | None:
-    """The input embeddings of a padded chunk whose row i covers prompt positions
+) -> dict[str, mx.array] | None:
+    """The model's inputs (`embed`'s) for a padded chunk whose row i covers prompt positions
     `starts[i]` to `starts[i] + lengths[i]` (None: no row's chunk touches an image)."""
     pieces = []
     for i, (start, n, spans) in enumerate(zip(starts, lengths, images, strict=True)):
@@ -250,10 +280,11 @@ def chunk_embeddings(
                 pieces.append((i, a - start, span.features[a - span.offset : b - span.offset]))
     if not pieces:
         return None
-    h = encoder.embed(inputs)
+    given = encoder.embed(inputs)
+    h = given["input_embeddings"]
     for i, at, features in pieces:
         h[i, at : at + features.shape[0]] = features.astype(h.dtype)
-    return h
+    return given
 
 
 class ImageWork:
