@@ -144,11 +144,11 @@ class PromptBatch:
                 cache.prepare(lengths=lengths, right_padding=padding)
         else:
             inputs = mx.array(chunks)
-        embeddings = None
+        embeddings, deepstack = None, contextlib.nullcontext()
         if self.vision is not None:
             images = [row.images for row in self.rows]
-            embeddings = chunk_embeddings(self.vision, inputs, starts, lengths, images)
-        with self._positions(starts, lengths), self._adapted():
+            embeddings, deepstack = chunk_embeddings(self.vision, inputs, starts, lengths, images)
+        with self._positions(starts, lengths), self._adapted(), deepstack:
             if embeddings is None:
                 self.model(inputs, cache=self.prompt_cache)
             else:
