@@ -114,7 +114,8 @@ class RopePositions:
         self.mrope_section = tuple(int(s) for s in mrope_section)
         # mlx-vlm's inverse frequencies, computed as it does.
         self.inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2).astype(mx.float32) / dims))
-        self.selector = mx.array(_selector(self.mrope_section, dims // 2, interleaved), dtype=mx.int32)
+        selector = _selector(self.mrope_section, dims // 2, interleaved)
+        self.selector = mx.array(selector, dtype=mx.int32)
         mx.eval(self.inv_freq, self.selector)
         self.rows: list[RowPositions] | None = None
         self._derived: dict[tuple[Any, ...], Any] = {}
