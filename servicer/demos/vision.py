@@ -110,6 +110,11 @@ class Family(abc.ABC):
         """Weights the family's text stack has and the text demo lacks."""
         return {}
 
+    def adapt_text_weights(self, weights: dict, text_config: Mapping[str, Any], rng) -> dict:
+        """The text weights (the text demo's under ``language_model.``, with the extra ones)
+        as the family's text stack holds them (some weights split, merged or replaced)."""
+        return weights
+
     def saved_weights(self, weights: dict) -> dict:
         """All the weights (text and vision) under the names the family's checkpoints use."""
         return weights
@@ -270,6 +275,7 @@ def _build_into(out: Path, seed: int, text_model: Path, fam: Family) -> None:
     )
     weights = _text_weights(text_model, text_config["hidden_size"], vocab_size, text_rng)
     weights |= fam.extra_text_weights(text_config)
+    weights = fam.adapt_text_weights(weights, text_config, text_rng)
     embed = weights["language_model.model.embed_tokens.weight"]
     if fam.untied_head:
         weights["language_model.lm_head.weight"] = embed
