@@ -112,10 +112,12 @@ def qk_norms(text_config: Mapping[str, Any], layers: list[int] | None = None) ->
     }
 
 
-def vision_tower_weights(config: Mapping[str, Any], feature_rms: float, rng) -> dict:
+def vision_tower_weights(
+    config: Mapping[str, Any], feature_rms: float, rng, feature_gain: float = 1.0
+) -> dict:
     """Random weights of mlx-vlm's Qwen3-VL (and Qwen3.5) VisionModel: unit-scale blocks, its
-    merger scaled to `feature_rms` after its GELU, the deepstack mergers DEEPSTACK_GAIN times
-    that."""
+    merger scaled to `feature_rms` (times `feature_gain`) after its GELU, the deepstack
+    mergers DEEPSTACK_GAIN times `feature_rms`."""
     vision = config["vision_config"]
     width, mlp = vision["hidden_size"], vision["intermediate_size"]
     hidden = vision["out_hidden_size"]
@@ -133,7 +135,7 @@ def vision_tower_weights(config: Mapping[str, Any], feature_rms: float, rng) -> 
         out |= parts.random_linear(rng, f"{prefix}.mlp.linear_fc1", mlp, width)
         out |= parts.random_linear(rng, f"{prefix}.mlp.linear_fc2", width, mlp, gain=0.5)
     gain = parts.gelu_gain(feature_rms)
-    mergers = [("vision_tower.merger", width, gain)]
+    mergers = [("vision_tower.merger", width, gain * feature_gain)]
     mergers += [
         (f"vision_tower.deepstack_merger_list.{i}", merged, gain * DEEPSTACK_GAIN)
         for i in range(len(vision.get("deepstack_visual_indexes") or ()))
@@ -155,6 +157,7 @@ class Qwen3VL(Family):
     image_token = qwen2_vl.IMAGE_PAD
     processor_files = processor_files("Qwen3VLProcessor", "Qwen3VLVideoProcessor")
     text_model_type = "qwen3_vl_text"
+    feature_gain = 1.0  # the image tokens' RMS over the text embeddings'
 
     def text_fields(self, text_config: Mapping[str, Any]) -> dict[str, Any]:
         """text_config's fields over the text demo's."""
@@ -186,7 +189,7 @@ class Qwen3VL(Family):
         return qk_norms(text_config)
 
     def vision_weights(self, config: Mapping[str, Any], feature_rms: float, rng) -> dict:
-        return vision_tower_weights(config, feature_rms, rng)
+        return vision_tower_weights(config, feature_rms, rng, self.feature_gain)
 
 
 FAMILY = Qwen3VL()
