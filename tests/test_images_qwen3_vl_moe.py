@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from test_images_qwen3_vl import (  # noqa: F401  (the tests run here on this family)
+    image_last,
     stub,
     test_images_alone_batched_with_text_and_from_a_prefix_equal_mlx_vlm,
     test_through_the_router_answers_as_mlx_vlm_does,
