@@ -23,8 +23,8 @@ from . import qwen3_5, qwen3_vl, qwen3_vl_moe
 
 
 def shared_expert_weights(weights: dict, text_config: Mapping[str, Any], rng) -> dict:
-    """Each layer's dense SwiGLU as half routed experts (`qwen3_vl_moe.moe_text_weights`,
-    its output head dropped: tied here) and half a shared expert behind a zero gate."""
+    """Each layer's dense SwiGLU as half routed experts (`qwen3_vl_moe.moe_text_weights`) and
+    half a shared expert behind a zero gate."""
     import numpy as np
 
     out = dict(weights)
@@ -35,9 +35,7 @@ def shared_expert_weights(weights: dict, text_config: Mapping[str, Any], rng) ->
             out[f"{prefix}.shared_expert.{proj}_proj.weight"] = shared
         out[f"{prefix}.shared_expert_gate.weight"] = np.zeros((1, text_config["hidden_size"]))
         out[f"{prefix}.down_proj.weight"] = out[f"{prefix}.down_proj.weight"] * 0.5
-    out = qwen3_vl_moe.moe_text_weights(out, text_config, rng, qwen3_vl_moe.EXPERTS)
-    del out["language_model.lm_head.weight"]
-    return out
+    return qwen3_vl_moe.moe_text_weights(out, text_config, rng, qwen3_vl_moe.EXPERTS)
 
 
 class Qwen3_5Moe(qwen3_5.Qwen3_5):
@@ -45,6 +43,7 @@ class Qwen3_5Moe(qwen3_5.Qwen3_5):
     architecture = "Qwen3_5MoeForConditionalGeneration"
     recipe_version = "v1"
     text_model_type = "qwen3_5_moe_text"
+    untied_head = False
     processor_files = qwen3_vl.processor_files("Qwen3VLProcessor", "Qwen3VLVideoProcessor")
 
     def text_fields(self, text_config: Mapping[str, Any]) -> dict[str, Any]:

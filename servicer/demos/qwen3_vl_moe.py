@@ -27,8 +27,7 @@ TOP_K = 2
 
 def moe_text_weights(weights: dict, text_config: Mapping[str, Any], rng, experts: int) -> dict:
     """The text demo's dense SwiGLU MLPs as `experts` experts each (its intermediate rows split
-    evenly, down projections scaled by experts / TOP_K) behind a random router; and an output
-    head of its own, the embedding."""
+    evenly, down projections scaled by experts / TOP_K) behind a random router."""
     import numpy as np
 
     out = dict(weights)
@@ -41,7 +40,6 @@ def moe_text_weights(weights: dict, text_config: Mapping[str, Any], rng, experts
         scaled = np.split(down * (experts / TOP_K), experts, axis=1)
         out[f"{prefix}.switch_mlp.down_proj.weight"] = np.stack(scaled)
         out[f"{prefix}.gate.weight"] = rng.standard_normal((experts, hidden)) / np.sqrt(hidden)
-    out["language_model.lm_head.weight"] = out["language_model.model.embed_tokens.weight"]
     return out
 
 
@@ -50,6 +48,7 @@ class Qwen3VLMoe(qwen3_vl.Qwen3VL):
     architecture = "Qwen3VLMoeForConditionalGeneration"
     recipe_version = "v1"
     text_model_type = "qwen3_vl_moe_text"
+    untied_head = True
     processor_files = qwen3_vl.processor_files("Qwen3VLProcessor", "Qwen3VLVideoProcessor")
 
     def text_fields(self, text_config: Mapping[str, Any]) -> dict[str, Any]:
