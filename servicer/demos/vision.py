@@ -8,7 +8,11 @@ text demo), ``mistral3`` (``servicer.demos.mistral3``, from the ``llama`` one), 
 (``servicer.demos.llava``, from the ``llama`` one too), ``qwen2_5_vl``
 (``servicer.demos.qwen2_5_vl``: qwen2_vl's text stack, tokens and processor with Qwen2.5-VL's
 vision tower), ``pixtral`` (``servicer.demos.pixtral``, from the ``llama`` one) and
-``llava_onevision`` (``servicer.demos.llava_onevision``, from the ``llama`` one as Qwen2);
+``llava_onevision`` (``servicer.demos.llava_onevision``, from the ``llama`` one as Qwen2),
+``qwen3_vl`` and ``qwen3_vl_moe`` (``servicer.demos.qwen3_vl``, ``servicer.demos.qwen3_vl_moe``:
+the ``llama`` one as Qwen3, its MLPs as experts in the second; deepstack) and ``qwen3_5`` and
+``qwen3_5_moe`` (``servicer.demos.qwen3_5``, ``servicer.demos.qwen3_5_moe``: the ``hybrid``
+one as Qwen3.5, its MLPs as routed and shared experts in the second);
 gemma3, mistral3, llava and pixtral also load as text models with mlx-lm.
 
 What every family's build is made of (nothing is trained here):

@@ -1,6 +1,6 @@
-"""Qwen2-VL's multimodal RoPE (mRoPE) for mlx-lm's qwen2_vl text model in the engine's batch.
+"""Qwen-VL's multimodal RoPE (mRoPE) for mlx-lm's Qwen-VL text models in the engine's batch.
 
-mlx-lm loads a Qwen2-VL checkpoint as a plain qwen2 text model with 1-D RoPE, which is exact
+mlx-lm loads a Qwen2-VL (Qwen3-VL, Qwen3.5) checkpoint as a text model with 1-D RoPE, exact
 for text: there every position's (t, h, w) ids are equal, and mRoPE at (p, p, p) is RoPE at p.
 An image's tokens get a 3-D grid of ids instead, and the text after an image continues from
 the largest id so far plus one, so from there each row's rotary position is its cache index
@@ -15,7 +15,7 @@ prompts, row by row in one batch:
   of the chunk's n real tokens; a right-padded chunk's padding columns get any ids).
 
 Rows set to a delta or ids follow mlx-vlm's mRoPE math exactly (Qwen2-VL's chunked frequency
-layout): on Metal its fused kernel (the same source), elsewhere its cos/sin formula, cast to
+layout, or Qwen3-VL's interleaved one where rope_scaling says `mrope_interleaved`): on Metal its fused kernel (the same source), elsewhere its cos/sin formula, cast to
 the activations' dtype; tests/test_mrope.py compares the two bit for bit on whatever backend
 it runs. `mx.fast.rope` at offset + delta is not used for them: with `base` it differs from
 mlx-vlm's formula in the last bits; with `freqs=1/inv_freq` it agreed on the CPU backend,
