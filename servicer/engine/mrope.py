@@ -15,11 +15,12 @@ prompts, row by row in one batch:
   of the chunk's n real tokens; a right-padded chunk's padding columns get any ids).
 
 Rows set to a delta or ids follow mlx-vlm's mRoPE math exactly (Qwen2-VL's chunked frequency
-layout, or Qwen3-VL's interleaved one where rope_scaling says `mrope_interleaved`): on Metal its fused kernel (the same source), elsewhere its cos/sin formula, cast to
-the activations' dtype; tests/test_mrope.py compares the two bit for bit on whatever backend
-it runs. `mx.fast.rope` at offset + delta is not used for them: with `base` it differs from
-mlx-vlm's formula in the last bits; with `freqs=1/inv_freq` it agreed on the CPU backend,
-which nothing promises for the others.
+layout, Qwen3-VL's interleaved one where rope_scaling says `mrope_interleaved`): on Metal its
+fused kernel (the same source), elsewhere its cos/sin formula, cast to the activations' dtype;
+tests/test_mrope.py compares the two bit for bit on whatever backend it runs. `mx.fast.rope`
+at offset + delta is not used for them: with `base` it differs from mlx-vlm's formula in the
+last bits; with `freqs=1/inv_freq` it agreed on the CPU backend, which nothing promises for
+the others.
 """
 
 from __future__ import annotations

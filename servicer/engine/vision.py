@@ -269,22 +269,19 @@ def chunk_embeddings(
     h, deep = encoder.embed(inputs), None
     for i, at, features in pieces:
         if features.ndim == 3:  # with deepstack features
-            if deep is None:
-                deep = mx.zeros((features.shape[1] - 1, *h.shape), dtype=h.dtype)
+            deep = mx.zeros((features.shape[1] - 1, *h.shape), h.dtype) if deep is None else deep
             deep[:, i, at : at + features.shape[0]] = features[:, 1:].transpose(1, 0, 2)
             features = features[:, 0]
         h[i, at : at + features.shape[0]] = features.astype(h.dtype)
-    if deep is None or encoder.deepstack is None:
-        return h, contextlib.nullcontext()
-    return h, encoder.deepstack.forward(deep)
+    # Features with deepstack ones come only from an encoder with its `Deepstack`.
+    return h, contextlib.nullcontext() if deep is None else encoder.deepstack.forward(deep)
 
 
 class Deepstack:
-    """What the text layers wrapped by `enable_deepstack` add to their output in the next
-    forward: `added` [layers, batch, width, hidden] (None: nothing)."""
+    """What the text layers wrapped by `enable_deepstack` add to their output in a forward run
+    inside `forward(added)`: layer i its `added[i]` ([layers, batch, width, hidden])."""
 
-    def __init__(self) -> None:
-        self.added: mx.array | None = None
+    added: mx.array | None = None
 
     @contextlib.contextmanager
     def forward(self, added: mx.array) -> Any:
@@ -300,8 +297,7 @@ class _DeepstackLayer:
     deepstack, as mlx-vlm's text model adds it after each of its first layers."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
-        h = super().__call__(*args, **kwargs)  # type: ignore[misc]
-        added = self.deepstack.added  # type: ignore[attr-defined]
+        h, added = super().__call__(*args, **kwargs), self.deepstack.added  # type: ignore[misc]
         return h if added is None else h + added[self.deepstack_index]  # type: ignore[attr-defined]
 
 
