@@ -224,6 +224,10 @@ FAMILIES: dict[str, VisionFamily] = {
         VisionFamily(
             "qwen2_5_vl", _qwen2_vl_spec, "qwen2_5_vl", "mrope", True, router_image_token="<image>"
         ),
+        VisionFamily("qwen3_vl", _qwen2_vl_spec, "qwen3_vl", "mrope"),
+        VisionFamily("qwen3_vl_moe", _qwen2_vl_spec, "qwen3_vl_moe", "mrope"),
+        VisionFamily("qwen3_5", _qwen2_vl_spec, "qwen3_5", "mrope"),
+        VisionFamily("qwen3_5_moe", _qwen2_vl_spec, "qwen3_5_moe", "mrope"),
         VisionFamily("mistral3", _mistral3_spec, "mistral3"),
         VisionFamily("llava", _llava_spec, "llava", router_tensors=True),
         VisionFamily("idefics3", processor_spec("<image>", "<image>"), "idefics3"),

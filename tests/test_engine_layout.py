@@ -54,6 +54,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("mrope.py", "attention"): MLX,  # an attention: its rope swapped for multimodal RoPE
     ("vision.py", "stack"): MLX,  # mlx-vlm's language stack: no layers of its own, our embedding
     ("vision.py", "owner"): MLX,  # the text model: its class swapped to take scaled embeddings
+    ("vision.py", "layer"): MLX,  # a text layer: its class swapped to add deepstack features
     ("prefix/store.py", "quantized"): MLX,  # a quantized row cache, built from a block's state
     ("quantized_kv.py", "row"): MLX,  # extract: the row's cache, built as mlx-lm's extract does
     ("quantized_kv.py", "obj"): MLX,  # a descriptor's __set__ storing on its owner instance

@@ -8,7 +8,11 @@ text demo), ``mistral3`` (``servicer.demos.mistral3``, from the ``llama`` one), 
 (``servicer.demos.llava``, from the ``llama`` one too), ``qwen2_5_vl``
 (``servicer.demos.qwen2_5_vl``: qwen2_vl's text stack, tokens and processor with Qwen2.5-VL's
 vision tower), ``pixtral`` (``servicer.demos.pixtral``, from the ``llama`` one) and
-``llava_onevision`` (``servicer.demos.llava_onevision``, from the ``llama`` one as Qwen2);
+``llava_onevision`` (``servicer.demos.llava_onevision``, from the ``llama`` one as Qwen2),
+``qwen3_vl`` and ``qwen3_vl_moe`` (``servicer.demos.qwen3_vl``, ``servicer.demos.qwen3_vl_moe``:
+the ``llama`` one as Qwen3, its MLPs as experts in the second; deepstack) and ``qwen3_5`` and
+``qwen3_5_moe`` (``servicer.demos.qwen3_5``, ``servicer.demos.qwen3_5_moe``: the ``hybrid``
+one as Qwen3.5, its MLPs as routed and shared experts in the second);
 gemma3, mistral3, llava and pixtral also load as text models with mlx-lm.
 
 What every family's build is made of (nothing is trained here):
@@ -109,6 +113,11 @@ class Family(abc.ABC):
     def extra_text_weights(self, text_config: Mapping[str, Any]) -> dict:
         """Weights the family's text stack has and the text demo lacks."""
         return {}
+
+    def adapt_text_weights(self, weights: dict, text_config: Mapping[str, Any], rng) -> dict:
+        """The text weights (the text demo's under ``language_model.``, with the extra ones)
+        as the family's text stack holds them (some weights split, merged or replaced)."""
+        return weights
 
     def saved_weights(self, weights: dict) -> dict:
         """All the weights (text and vision) under the names the family's checkpoints use."""
@@ -275,6 +284,7 @@ def _build_into(out: Path, seed: int, text_model: Path, fam: Family) -> None:
     )
     weights = _text_weights(text_model, text_config["hidden_size"], vocab_size, text_rng)
     weights = fam.text_weights(weights, text_config)
+    weights = fam.adapt_text_weights(weights, text_config, text_rng)
     embed = weights["language_model.model.embed_tokens.weight"]
     if fam.untied_head:
         weights["language_model.lm_head.weight"] = embed

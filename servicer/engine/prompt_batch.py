@@ -9,6 +9,7 @@ are shorter (`prepare` / `finalize`, the cache kind's own).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -141,12 +142,12 @@ class PromptBatch:
                 cache.prepare(lengths=lengths, right_padding=padding)
         else:
             inputs = mx.array(chunks)
-        embeddings = None
+        embeddings, deepstack = None, contextlib.nullcontext()
         given = [row.inputs for row in self.rows]
         if self.vision is not None:
             images = [row.images for row in given]
-            embeddings = chunk_embeddings(self.vision, inputs, starts, lengths, images)
-        with self.context.forward(given, list(zip(starts, lengths, strict=True))):
+            embeddings, deepstack = chunk_embeddings(self.vision, inputs, starts, lengths, images)
+        with self.context.forward(given, list(zip(starts, lengths, strict=True))), deepstack:
             if embeddings is None:
                 self.model(inputs, cache=self.prompt_cache)
             else:
