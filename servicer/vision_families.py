@@ -100,6 +100,29 @@ def _qwen2_vl_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     )
 
 
+def _glm4v_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
+    """`<|begin_of_image|><|image|><|end_of_image|>` per image, its `<|image|>` repeated once
+    per merged patch (Qwen2-VL's count)."""
+    start = _token_id(tokenizer, "<|begin_of_image|>", config.get("image_start_token_id"))
+    end = _token_id(tokenizer, "<|end_of_image|>", config.get("image_end_token_id"))
+    image = _token_id(tokenizer, "<|image|>", config.get("image_token_id"))
+    merge = (config.get("vision_config") or {}).get("spatial_merge_size", 2)
+    if not all(isinstance(v, int) for v in (start, end, image, merge)):
+        return None
+    family = config.get("model_type", "glm4v")
+    return VisionSpec(family, image, (start, image, end), (start,), (end,), None, merge)
+
+
+def _glm4_text(text: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4V's text_config as mlx-lm's glm4 / glm4_moe model takes it (its head_dim spelled
+    out; the rest, rope_scaling's mrope_section included, as it is)."""
+    kind = {"glm4v_text": "glm4", "glm4v_moe_text": "glm4_moe"}.get(text.get("model_type"))
+    if kind is None:
+        return text
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    return {**text, "model_type": kind, "head_dim": head_dim}
+
+
 def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     """`[IMG]` per image, replaced by the image's rows of `[IMG]`, each ending `[IMG_BREAK]`,
     the last `[IMG_END]`; a cell is a patch merged `spatial_merge_size` times a side (Pixtral's
@@ -197,6 +220,9 @@ class VisionFamily:
     positions: Positions = "plain"
     router_tensors: bool = False
     router_image_token: str | None = None
+    # The checkpoint's text_config as mlx-lm's text model takes it, where its model_type is
+    # one mlx-lm lacks (engine/model.py's text stack).
+    text_stack: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 FAMILIES: dict[str, VisionFamily] = {
@@ -225,6 +251,7 @@ FAMILIES: dict[str, VisionFamily] = {
             processor_spec("<image>", "<image>", "image_token_index"),
             "llava_onevision",
         ),
+        VisionFamily("glm4v", _glm4v_spec, "glm4v", "mrope", text_stack=_glm4_text),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)
@@ -236,6 +263,15 @@ def family_of(config: dict[str, Any]) -> VisionFamily | None:
     if not isinstance(config.get("vision_config"), dict):
         return None
     return FAMILIES.get(config.get("model_type", ""))
+
+
+def text_stack_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's text_config as mlx-lm's text model takes it (None: it has none)."""
+    text = config.get("text_config")
+    family = FAMILIES.get(config.get("model_type", ""))
+    if not isinstance(text, dict) or family is None or family.text_stack is None:
+        return text if isinstance(text, dict) else None
+    return family.text_stack(text)
 
 
 def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:

@@ -11,6 +11,7 @@ text model at load, and each image row carries its prompt's ids and rope delta (
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -113,6 +114,7 @@ class VisionEncoder:
         embed = _embedding_of(text_model)
         if embed is not None:
             stack.embed_tokens = embed
+            _take_embeddings(text_model, embed)
         mx.eval(vlm.parameters())
         return cls(vlm, image_token_id, cache_bytes, rope, merge)
 
@@ -221,6 +223,28 @@ def _embedding_of(text_model: Any) -> Any:
             return embed
     log.info("the text model's token embedding was not found; the encoder keeps its own")
     return None
+
+
+def _take_embeddings(model: Any, embed: Any) -> None:
+    """Give an mlx-lm text model whose call takes no `input_embeddings` (glm4's) that argument:
+    in such a forward its token embedding `embed` returns them (both classes swapped)."""
+    if "input_embeddings" in inspect.signature(model.__call__).parameters:
+        return
+    given: list[mx.array] = []
+
+    class Embedding(type(embed)):
+        def __call__(self, x: mx.array) -> mx.array:
+            return given[0] if given else super().__call__(x)
+
+    class Model(type(model)):
+        def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: Any = None):
+            given[:] = [] if input_embeddings is None else [input_embeddings]
+            try:
+                return super().__call__(inputs, cache)
+            finally:
+                given.clear()
+
+    embed.__class__, model.__class__ = Embedding, Model
 
 
 class ImageSpan:
