@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 from conftest import demo_config
@@ -138,6 +139,44 @@ def check_through_the_router(vlm_dir, tmp_path, family: str) -> None:
     reply = response.json()
     assert reply["choices"][0]["message"]["content"] == text
     assert reply["usage"]["completion_tokens"] == len(tokens)
+
+
+@pytest.mark.parametrize("family", ["glm4v", "glm4v_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_partial_rotation_equals_mlx_vlm(family: str, dtype: str) -> None:
+    """GLM-4V's multimodal RoPE over half the head (mlx-lm's glm4 rope: even/odd pairs;
+    glm4_moe's: half-split) as the engine's MRoPE applies it equals mlx-vlm's, bit for bit,
+    for a row of 3-D ids and a row of cache offset + delta; the other half passes through."""
+    import importlib
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+
+    from servicer.engine.mrope import MRoPE, RopePositions
+
+    language = importlib.import_module(f"mlx_vlm.models.{family}.language")
+    head, section = 32, [2, 3, 3]
+    config = SimpleNamespace(rope_theta=10000.0, partial_rotary_factor=0.5, head_dim=head)
+    config.__dict__.update(max_position_embeddings=4096, rope_scaling=None)
+    vlm_rope = language.GLM4VRotaryEmbedding(config)
+    plain = nn.RoPE(head // 2, traditional=family == "glm4v", base=10000.0)
+    positions = RopePositions(head // 2, 10000.0, section)
+    rope = MRoPE(plain, positions)
+    kind = getattr(mx, dtype)
+    q = mx.random.normal((2, 4, 7, head), key=mx.random.key(1)).astype(kind)
+    k = mx.random.normal((2, 2, 7, head), key=mx.random.key(2)).astype(kind)
+    ids = np.random.default_rng(0).integers(0, 300, (3, 7))
+    with positions.forward([ids, -40]):
+        got_q, got_k = rope(q, offset=mx.array([0, 57])), rope(k, offset=mx.array([0, 57]))
+    counted = np.broadcast_to(np.arange(7) + 57 - 40, (3, 7))
+    for row, row_ids in enumerate((ids, counted)):
+        cos, sin = vlm_rope(q, mx.array(row_ids)[:, None])
+        want_q, want_k = language.apply_multimodal_rotary_pos_emb(
+            q[row : row + 1], k[row : row + 1], cos, sin, section
+        )
+        assert mx.array_equal(got_q[row : row + 1], want_q)
+        assert mx.array_equal(got_k[row : row + 1], want_k)
 
 
 def test_images_alone_and_two_in_a_prompt_answer_as_mlx_vlm_does(stub, vlm_dir):

@@ -161,9 +161,9 @@ class Glm4v(Family):
             prefix = f"language_model.model.layers.{layer}"
             for proj, width in widths.items():
                 out[f"{prefix}.self_attn.{proj}.bias"] = np.zeros(width, np.float32)
-            scales = POST_NORM_SCALES[min(layer, len(POST_NORM_SCALES) - 1)]
-            for norm, scale in zip(("post_self_attn_layernorm", "post_mlp_layernorm"), scales):
-                out[f"{prefix}.{norm}.weight"] = np.full(hidden, scale, np.float32)
+            attn, mlp = POST_NORM_SCALES[min(layer, len(POST_NORM_SCALES) - 1)]
+            out[f"{prefix}.post_self_attn_layernorm.weight"] = np.full(hidden, attn, np.float32)
+            out[f"{prefix}.post_mlp_layernorm.weight"] = np.full(hidden, mlp, np.float32)
         return out
 
     def saved_weights(self, weights: dict) -> dict:
@@ -209,11 +209,10 @@ class Glm4v(Family):
             out[f"{prefix}.norm2.weight"] = np.ones(width)
             out |= parts.random_linear(rng, f"{prefix}.attn.qkv", 3 * width, width, bias=False)
             out |= parts.random_linear(rng, f"{prefix}.attn.proj", width, width, 0.5, bias=False)
+            mlp = f"{prefix}.mlp"
             for proj in ("gate_proj", "up_proj"):
-                out |= parts.random_linear(rng, f"{prefix}.mlp.{proj}", out_width, width, bias=False)
-            out |= parts.random_linear(
-                rng, f"{prefix}.mlp.down_proj", width, out_width, 0.5, bias=False
-            )
+                out |= parts.random_linear(rng, f"{mlp}.{proj}", out_width, width, bias=False)
+            out |= parts.random_linear(rng, f"{mlp}.down_proj", width, out_width, 0.5, bias=False)
         fan_in = merge * merge * width
         out[f"{tower}.downsample.weight"] = rng.standard_normal(
             (out_width, merge, merge, width)
@@ -226,9 +225,7 @@ class Glm4v(Family):
             out |= parts.random_linear(rng, f"{merger}.{proj}", context, out_width, bias=False)
         # silu(gate) * up of unit-scale inputs has RMS about 0.6.
         gain = feature_rms / 0.6
-        out |= parts.random_linear(
-            rng, f"{merger}.down_proj", out_width, context, gain, bias=False
-        )
+        out |= parts.random_linear(rng, f"{merger}.down_proj", out_width, context, gain, bias=False)
         return out
 
 
