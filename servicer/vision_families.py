@@ -114,13 +114,14 @@ def _glm4v_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
 
 
 def _glm4_text(text: dict[str, Any]) -> dict[str, Any]:
-    """GLM-4V's text_config as mlx-lm's glm4 / glm4_moe model takes it (its head_dim spelled
-    out; the rest, rope_scaling's mrope_section included, as it is)."""
+    """GLM-4V's text_config as mlx-lm's glm4 / glm4_moe model takes it: its head_dim spelled
+    out, its mrope_section in rope_scaling (transformers 5 writes rope_parameters)."""
     kind = {"glm4v_text": "glm4", "glm4v_moe_text": "glm4_moe"}.get(text.get("model_type"))
     if kind is None:
         return text
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    return {**text, "model_type": kind, "head_dim": head_dim}
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    return {**text, "model_type": kind, "head_dim": head_dim, "rope_scaling": rope}
 
 
 def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
@@ -252,6 +253,7 @@ FAMILIES: dict[str, VisionFamily] = {
             "llava_onevision",
         ),
         VisionFamily("glm4v", _glm4v_spec, "glm4v", "mrope", text_stack=_glm4_text),
+        VisionFamily("glm4v_moe", _glm4v_spec, "glm4v_moe", "mrope", text_stack=_glm4_text),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)

@@ -77,6 +77,23 @@ VISION_CONFIG: Mapping[str, Any] = {
 }
 
 
+def qkv_biases(text_config: Mapping[str, Any]) -> dict:
+    """Zero q/k/v biases for every layer (GLM-4 has them, llama lacks them)."""
+    import numpy as np
+
+    head_dim = text_config["hidden_size"] // text_config["num_attention_heads"]
+    widths = {
+        "q_proj": text_config["num_attention_heads"] * head_dim,
+        "k_proj": text_config["num_key_value_heads"] * head_dim,
+        "v_proj": text_config["num_key_value_heads"] * head_dim,
+    }
+    return {
+        f"language_model.model.layers.{layer}.self_attn.{proj}.bias": np.zeros(width, np.float32)
+        for layer in range(text_config["num_hidden_layers"])
+        for proj, width in widths.items()
+    }
+
+
 class Glm4v(Family):
     model_type = "glm4v"
     architecture = "Glm4vForConditionalGeneration"
@@ -130,7 +147,8 @@ class Glm4v(Family):
     ) -> dict:
         text_fields = {**self.text_fields(text_config), "vocab_size": vocab_size}
         text_fields |= {"eos_token_id": ids["<|end|>"], "pad_token_id": ids["<|pad|>"]}
-        vision = {**VISION_CONFIG, "out_hidden_size": text_config["hidden_size"]}
+        vision = {**VISION_CONFIG, "model_type": self.model_type}
+        vision["out_hidden_size"] = text_config["hidden_size"]
         fields = {
             "image_token_id": ids[IMAGE_TOKEN],
             "video_token_id": ids[VIDEO_TOKEN],
@@ -150,17 +168,9 @@ class Glm4v(Family):
         import numpy as np
 
         hidden = text_config["hidden_size"]
-        head_dim = hidden // text_config["num_attention_heads"]
-        widths = {
-            "q_proj": text_config["num_attention_heads"] * head_dim,
-            "k_proj": text_config["num_key_value_heads"] * head_dim,
-            "v_proj": text_config["num_key_value_heads"] * head_dim,
-        }
-        out = {}
+        out = qkv_biases(text_config)
         for layer in range(text_config["num_hidden_layers"]):
             prefix = f"language_model.model.layers.{layer}"
-            for proj, width in widths.items():
-                out[f"{prefix}.self_attn.{proj}.bias"] = np.zeros(width, np.float32)
             attn, mlp = POST_NORM_SCALES[min(layer, len(POST_NORM_SCALES) - 1)]
             out[f"{prefix}.post_self_attn_layernorm.weight"] = np.full(hidden, attn, np.float32)
             out[f"{prefix}.post_mlp_layernorm.weight"] = np.full(hidden, mlp, np.float32)
