@@ -8,7 +8,9 @@ text demo), ``mistral3`` (``servicer.demos.mistral3``, from the ``llama`` one), 
 (``servicer.demos.llava``, from the ``llama`` one too), ``qwen2_5_vl``
 (``servicer.demos.qwen2_5_vl``: qwen2_vl's text stack, tokens and processor with Qwen2.5-VL's
 vision tower), ``pixtral`` (``servicer.demos.pixtral``, from the ``llama`` one) and
-``llava_onevision`` (``servicer.demos.llava_onevision``, from the ``llama`` one as Qwen2);
+``llava_onevision`` (``servicer.demos.llava_onevision``, from the ``llama`` one as Qwen2),
+``glm4v`` and ``glm4v_moe`` (``servicer.demos.glm4v``, ``servicer.demos.glm4v_moe``, from the
+``llama`` one in GLM-4's dense and MoE layouts);
 gemma3, mistral3, llava and pixtral also load as text models with mlx-lm.
 
 What every family's build is made of (nothing is trained here):

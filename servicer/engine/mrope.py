@@ -213,7 +213,7 @@ class MRoPE(nn.RoPE):
         x_rot = x[..., : self.dims]
         half = self.dims // 2
         turned = mx.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
-        if self.traditional:  # even/odd pairs: mlx-vlm's sectioned_even_odd formula (GLM-4V)
+        if self.traditional:  # even/odd pairs: mlx-vlm's formula (on Metal unchecked)
             cos, sin = (mx.repeat(c[..., :half], 2, axis=-1) for c in (cos, sin))
             turned = mx.stack([-x_rot[..., 1::2], x_rot[..., 0::2]], axis=-1).flatten(-2)
         out = ((x_rot * cos) + (turned * sin)).astype(x.dtype)

@@ -226,7 +226,7 @@ def _embedding_of(text_model: Any) -> Any:
 
 
 def _take_embeddings(model: Any, embed: Any) -> None:
-    """Give an mlx-lm text model whose call takes no `input_embeddings` (glm4's) that argument:
+    """Give an mlx-lm text model whose call takes no `input_embeddings` that argument (GLM-4's):
     in such a forward its token embedding `embed` returns them (both classes swapped)."""
     if "input_embeddings" in inspect.signature(model.__call__).parameters:
         return
