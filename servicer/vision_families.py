@@ -115,13 +115,15 @@ def _glm4v_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
 
 def _glm4_text(text: dict[str, Any]) -> dict[str, Any]:
     """GLM-4V's text_config as mlx-lm's glm4 / glm4_moe model takes it: its head_dim spelled
-    out, its mrope_section in rope_scaling (transformers 5 writes rope_parameters)."""
+    out, the rotary fields at the top and the mrope_section in rope_scaling (transformers 5
+    writes them all in rope_parameters)."""
     kind = {"glm4v_text": "glm4", "glm4v_moe_text": "glm4_moe"}.get(text.get("model_type"))
     if kind is None:
         return text
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    rope = text.get("rope_scaling") or text.get("rope_parameters")
-    return {**text, "model_type": kind, "head_dim": head_dim, "rope_scaling": rope}
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    fields = {name: rope[name] for name in ("rope_theta", "partial_rotary_factor") if name in rope}
+    return {**fields, **text, "model_type": kind, "head_dim": head_dim, "rope_scaling": rope}
 
 
 def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
