@@ -100,6 +100,32 @@ def _qwen2_vl_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     )
 
 
+def _glm4v_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
+    """`<|begin_of_image|><|image|><|end_of_image|>` per image, its `<|image|>` repeated once
+    per merged patch (Qwen2-VL's count)."""
+    start = _token_id(tokenizer, "<|begin_of_image|>", config.get("image_start_token_id"))
+    end = _token_id(tokenizer, "<|end_of_image|>", config.get("image_end_token_id"))
+    image = _token_id(tokenizer, "<|image|>", config.get("image_token_id"))
+    merge = (config.get("vision_config") or {}).get("spatial_merge_size", 2)
+    if not all(isinstance(v, int) for v in (start, end, image, merge)):
+        return None
+    family = config.get("model_type", "glm4v")
+    return VisionSpec(family, image, (start, image, end), (start,), (end,), None, merge)
+
+
+def _glm4_text(text: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4V's text_config as mlx-lm's glm4 / glm4_moe model takes it: its head_dim spelled
+    out, the rotary fields at the top and the mrope_section in rope_scaling (transformers 5
+    writes them all in rope_parameters)."""
+    kind = {"glm4v_text": "glm4", "glm4v_moe_text": "glm4_moe"}.get(text.get("model_type"))
+    if kind is None:
+        return text
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    fields = {name: rope[name] for name in ("rope_theta", "partial_rotary_factor") if name in rope}
+    return {**fields, **text, "model_type": kind, "head_dim": head_dim, "rope_scaling": rope}
+
+
 def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     """`[IMG]` per image, replaced by the image's rows of `[IMG]`, each ending `[IMG_BREAK]`,
     the last `[IMG_END]`; a cell is a patch merged `spatial_merge_size` times a side (Pixtral's
@@ -212,6 +238,9 @@ class VisionFamily:
     router_image_token: str | None = None
     # Why a checkpoint of the family is served as text only (None: it is not).
     refusal: Callable[[dict[str, Any]], str | None] | None = None
+    # The checkpoint's text_config as mlx-lm's text model takes it, where its model_type is
+    # one mlx-lm lacks (engine/model.py's text stack).
+    text_stack: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 FAMILIES: dict[str, VisionFamily] = {
@@ -247,6 +276,8 @@ FAMILIES: dict[str, VisionFamily] = {
         VisionFamily(
             "gemma4", processor_spec("<|image|>", "<|image|>"), "gemma4", refusal=_two_way_images
         ),
+        VisionFamily("glm4v", _glm4v_spec, "glm4v", "mrope", text_stack=_glm4_text),
+        VisionFamily("glm4v_moe", _glm4v_spec, "glm4v_moe", "mrope", text_stack=_glm4_text),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)
@@ -258,6 +289,15 @@ def family_of(config: dict[str, Any]) -> VisionFamily | None:
     if not isinstance(config.get("vision_config"), dict):
         return None
     return FAMILIES.get(config.get("model_type", ""))
+
+
+def text_stack_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's text_config as mlx-lm's text model takes it (None: it has none)."""
+    text = config.get("text_config")
+    family = FAMILIES.get(config.get("model_type", ""))
+    if not isinstance(text, dict) or family is None or family.text_stack is None:
+        return text if isinstance(text, dict) else None
+    return family.text_stack(text)
 
 
 def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:

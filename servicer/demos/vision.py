@@ -13,6 +13,8 @@ vision tower), ``pixtral`` (``servicer.demos.pixtral``, from the ``llama`` one) 
 the ``llama`` one as Qwen3, its MLPs as experts in the second; deepstack) and ``qwen3_5`` and
 ``qwen3_5_moe`` (``servicer.demos.qwen3_5``, ``servicer.demos.qwen3_5_moe``: the ``hybrid``
 one as Qwen3.5, its MLPs as routed and shared experts in the second);
+``glm4v`` and ``glm4v_moe`` (``servicer.demos.glm4v``, ``servicer.demos.glm4v_moe``, from the
+``llama`` one in GLM-4's dense and MoE layouts);
 gemma3, mistral3, llava and pixtral also load as text models with mlx-lm.
 
 What every family's build is made of (nothing is trained here):

@@ -213,12 +213,15 @@ class MRoPE(nn.RoPE):
 
     def _mrope(self, x: mx.array, ids: mx.array) -> mx.array:
         state = self.positions
-        if _METAL:
+        if _METAL and not self.traditional:
             return _metal_mrope(x, ids, state.inv_freq, state.selector, self.dims)
         cos, sin = state.cos_sin(ids, x.dtype)
         x_rot = x[..., : self.dims]
         half = self.dims // 2
         turned = mx.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+        if self.traditional:  # even/odd pairs: mlx-vlm's formula (on Metal unchecked)
+            cos, sin = (mx.repeat(c[..., :half], 2, axis=-1) for c in (cos, sin))
+            turned = mx.stack([-x_rot[..., 1::2], x_rot[..., 0::2]], axis=-1).flatten(-2)
         out = ((x_rot * cos) + (turned * sin)).astype(x.dtype)
         if self.dims < x.shape[-1]:
             out = mx.concatenate([out, x[..., self.dims :]], axis=-1)
@@ -333,7 +336,7 @@ def enable_mrope(model: nn.Module) -> RopePositions:
     first = ropes[0] if ropes else None
     if not isinstance(first, nn.RoPE) or any(type(r) is not nn.RoPE for r in ropes):
         raise ValueError(f"multimodal RoPE needs nn.RoPE attentions, not {type(first).__name__}")
-    if first.traditional or first.scale != 1.0 or first.dims % 2:
+    if first.scale != 1.0 or first.dims % 2:
         raise ValueError(f"multimodal RoPE needs Qwen-VL's rotary embedding, not {first}")
     positions = RopePositions(first.dims, first.base, section, interleaved)
     for attention, rope in zip(attentions, ropes, strict=True):

@@ -15,6 +15,7 @@ the layers, wrapped at load (`enable_deepstack`), add a prefill chunk's (`Deepst
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -123,6 +124,8 @@ class VisionEncoder:
         for name in ("embed_tokens", "embed_tokens_per_layer"):  # shared, not loaded twice
             if getattr(owner, name, None) is not None and name in stack:
                 stack[name] = getattr(owner, name)
+        if owner is not None and getattr(owner, "embed_tokens", None) is not None:
+            _take_embeddings(text_model, owner.embed_tokens)
         mx.eval(vlm.parameters())
         encoder = cls(vlm, image_token_id, cache_bytes, rope, merge, deepstack)
         if owner is not None and getattr(owner, "embed_scale", 1.0) != 1.0:
@@ -266,6 +269,28 @@ def _take_scaled_embeddings(owner: Any, encoder: VisionEncoder) -> None:
                 self.embed_scale = scale
 
     owner.__class__ = TakesScaled
+
+
+def _take_embeddings(model: Any, embed: Any) -> None:
+    """Give an mlx-lm text model whose call takes no `input_embeddings` that argument (GLM-4's):
+    in such a forward its token embedding `embed` returns them (both classes swapped)."""
+    if "input_embeddings" in inspect.signature(model.__call__).parameters:
+        return
+    given: list[mx.array] = []
+
+    class Embedding(type(embed)):
+        def __call__(self, x: mx.array) -> mx.array:
+            return given[0] if given else super().__call__(x)
+
+    class Model(type(model)):
+        def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: Any = None):
+            given[:] = [] if input_embeddings is None else [input_embeddings]
+            try:
+                return super().__call__(inputs, cache)
+            finally:
+                given.clear()
+
+    embed.__class__, model.__class__ = Embedding, Model
 
 
 class ImageSpan:
