@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import importlib
 import logging
 import math
 import os
@@ -235,8 +236,9 @@ def _processor(model_dir: Path, spec: VisionSpec) -> Any:
 
     if spec.anchor_text is None:
         return transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
-    if spec.processor_class is not None:
-        kind = getattr(transformers, spec.processor_class)
+    if spec.processor_class is not None:  # a transformers class, or "module:Class" of ours
+        module, _, name = spec.processor_class.rpartition(":")
+        kind = getattr(importlib.import_module(module) if module else transformers, name)
         return kind.from_pretrained(str(model_dir), backend="pil")
     try:
         return transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")

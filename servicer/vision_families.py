@@ -40,8 +40,9 @@ class VisionSpec:
     # The checkpoint's own processor expands the anchor, image by image: each image's run is
     # what it makes of `anchor_text` (tiles, row markers and all); `before`/`after` are empty.
     anchor_text: str | None = None
-    # The transformers processor class run in place of the checkpoint's own (None: its own),
-    # where that one needs what the handler side lacks (a torch video processor).
+    # The processor class run in place of the checkpoint's own (None: its own), where that
+    # one needs what the handler side lacks (a torch video processor, MLX): a transformers
+    # class name, or "module:Class".
     processor_class: str | None = None
 
     def run(self, n: int) -> list[int]:
@@ -220,6 +221,17 @@ FAMILIES: dict[str, VisionFamily] = {
             "smolvlm",
         ),
         VisionFamily("pixtral", _mistral3_spec, "pixtral"),
+        # mlx-vlm's own processor computes with MLX: the same tiling in numpy and PIL.
+        VisionFamily(
+            "internvl_chat",
+            processor_spec(
+                "<image>",
+                "<IMG_CONTEXT>",
+                "image_token_index",
+                "servicer.tiled_images:DynamicTilesProcessor",
+            ),
+            "internvl_chat",
+        ),
         VisionFamily(
             "llava_onevision",
             processor_spec("<image>", "<image>", "image_token_index"),

@@ -25,6 +25,7 @@ HANDLER_SIDE = [
     "servicer.engine_config",
     "servicer.grammar",
     "servicer.media",
+    "servicer.tiled_images",
     "servicer.engine.prefix.keys",
     "servicer.engine.prefix.index",
     "servicer.engine.prefix.snapshots",
