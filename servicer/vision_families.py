@@ -232,6 +232,18 @@ FAMILIES: dict[str, VisionFamily] = {
             ),
             "internvl_chat",
         ),
+        # mlx-vlm's own processor (numpy and PIL over transformers' torch-only one), run
+        # without MLX (servicer.vlm_modules); LFM2-VL checkpoints say "lfm2-vl".
+        VisionFamily(
+            "lfm2-vl",
+            processor_spec(
+                "<image>",
+                "<image>",
+                "image_token_index",
+                "mlx_vlm.models.lfm2_vl.processing_lfm2_vl:Lfm2VlProcessor",
+            ),
+            "lfm2_vl",
+        ),
         VisionFamily(
             "llava_onevision",
             processor_spec("<image>", "<image>", "image_token_index"),

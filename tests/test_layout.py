@@ -26,6 +26,7 @@ HANDLER_SIDE = [
     "servicer.grammar",
     "servicer.media",
     "servicer.tiled_images",
+    "servicer.vlm_modules",
     "servicer.engine.prefix.keys",
     "servicer.engine.prefix.index",
     "servicer.engine.prefix.snapshots",
