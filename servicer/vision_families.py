@@ -198,6 +198,10 @@ class VisionFamily:
     positions: Positions = "plain"
     router_tensors: bool = False
     router_image_token: str | None = None
+    # The worker builds the text model from text_config (servicer.engine.model's text
+    # stack) although mlx-lm has a module for the checkpoint's model type: that one cannot
+    # load mlx-vlm's weights.
+    text_stack: bool = False
 
 
 FAMILIES: dict[str, VisionFamily] = {
@@ -228,7 +232,7 @@ FAMILIES: dict[str, VisionFamily] = {
                 "<image>",
                 "<IMG_CONTEXT>",
                 "image_token_index",
-                "servicer.tiled_images:DynamicTilesProcessor",
+                "servicer.numpy_processors:DynamicTilesProcessor",
             ),
             "internvl_chat",
         ),
@@ -243,6 +247,20 @@ FAMILIES: dict[str, VisionFamily] = {
                 "mlx_vlm.models.lfm2_vl.processing_lfm2_vl:Lfm2VlProcessor",
             ),
             "lfm2_vl",
+        ),
+        # mlx-vlm's own processor computes with MLX: the same patches in numpy and PIL.
+        # mlx-lm 0.32's kimi_vl leaves mlx-vlm's latent attention weights (kv_b_proj)
+        # unsplit: its deepseek_v3, built from text_config, splits them.
+        VisionFamily(
+            "kimi_vl",
+            processor_spec(
+                "<|media_pad|>",
+                "<|media_pad|>",
+                "media_placeholder_token_id",
+                "servicer.numpy_processors:NativePatchesProcessor",
+            ),
+            "kimi_vl",
+            text_stack=True,
         ),
         VisionFamily(
             "llava_onevision",
@@ -260,6 +278,12 @@ def family_of(config: dict[str, Any]) -> VisionFamily | None:
     if not isinstance(config.get("vision_config"), dict):
         return None
     return FAMILIES.get(config.get("model_type", ""))
+
+
+def text_stack_only(config: dict[str, Any]) -> bool:
+    """Whether the checkpoint's text model is built from its text_config alone."""
+    family = family_of(config)
+    return family is not None and family.text_stack
 
 
 def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:

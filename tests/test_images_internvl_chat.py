@@ -2,7 +2,7 @@
 whole image as one more where there are several; `<image>` expanded into `<img>`, an
 `<IMG_CONTEXT>` per image token, `</img>`): through the real server each answer equals
 mlx-vlm's own greedy generation, with the prompt expanded and the pixels made by mlx-vlm's
-processor (the worker's is servicer.tiled_images, no MLX), for images tiled differently,
+processor (the worker's is servicer.numpy_processors, no MLX), for images tiled differently,
 batched with text and from a cached prefix; and through the real smg router, which has no
 spec for the family and sends its images as media references."""
 
@@ -63,6 +63,30 @@ def reference(vlm_dir, question: str, raws: list[bytes], n: int = 12) -> tuple[l
 def _tiles(vlm_dir, raw: bytes) -> int:
     """How many tiles (the thumbnail included) mlx-vlm's processor makes of the image."""
     return processed_chat(vlm_dir, "", [raw])[1]["pixel_values"].shape[1]
+
+
+def test_the_workers_processor_is_mlx_vlms_bit_for_bit(vlm_dir):
+    """servicer.numpy_processors' tiles and expansion equal mlx-vlm's processor's (which
+    normalises with MLX) on images of many sizes and aspect ratios, squares (ties) included."""
+    import numpy as np
+    from PIL import Image
+
+    from servicer.numpy_processors import DynamicTilesProcessor
+
+    _, processor = loaded(str(vlm_dir))
+    mine = DynamicTilesProcessor.from_pretrained(vlm_dir)
+    rng = np.random.default_rng(0)
+    text = "<|user|><image>Hi<|end|>"
+    for i in range(24):
+        w, h = (int(v) for v in rng.integers(8, 400, 2))
+        w = h if i % 4 == 0 else w
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        want = processor(text=text, images=[image], return_tensors="np")
+        got = mine(text=text, images=[image], return_tensors="np")
+        pixels = np.asarray(want["pixel_values"])
+        assert pixels.dtype == got["pixel_values"].dtype == np.float32
+        assert np.array_equal(pixels.view(np.uint32), got["pixel_values"].view(np.uint32))
+        assert np.asarray(want["input_ids"]).tolist() == got["input_ids"].tolist()
 
 
 def test_two_images_tiled_differently_answer_as_mlx_vlm_does(stub, vlm_dir):

@@ -25,7 +25,7 @@ HANDLER_SIDE = [
     "servicer.engine_config",
     "servicer.grammar",
     "servicer.media",
-    "servicer.tiled_images",
+    "servicer.numpy_processors",
     "servicer.vlm_modules",
     "servicer.engine.prefix.keys",
     "servicer.engine.prefix.index",

@@ -6,7 +6,7 @@ shuffle of 2x2 patches into one, an MLP projector (LayerNorm, linear, GELU, line
 Qwen2 text model. An image is tiled dynamically: cut into the grid of at most
 ``MAX_TILES`` tiles nearest its aspect ratio, plus the whole image as one tile where there
 are several; each tile becomes ``TOKENS_PER_TILE`` image tokens. The processor
-(``servicer.tiled_images``, mlx-vlm's step for step) expands the ``<image>`` anchor into
+(``servicer.numpy_processors``, mlx-vlm's step for step) expands the ``<image>`` anchor into
 ``<img>``, ``<IMG_CONTEXT>`` per image token, ``</img>``. Built from the ``llama`` text demo
 (``servicer.demos.text``), nothing trained here:
 

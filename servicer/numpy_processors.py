@@ -1,29 +1,42 @@
-"""InternVL's dynamic tiling on the handler side (numpy and PIL, no torch, no MLX).
+"""mlx-vlm processors that compute with MLX, redone on the handler side in numpy and PIL (no
+torch, no MLX), step for step and bit for bit (tests/test_images_<family>.py check them
+against mlx-vlm's own on many images).
 
-mlx-vlm 0.7.10's processor for these checkpoints (its ``InternVLChatProcessor``) normalises
-with MLX, so the handler cannot run it; transformers' GotOcr2 image processor tiles alike but
-breaks aspect-ratio ties another way (more tiles while they cover under twice the image, where
-mlx-vlm's picks the grid whose area is nearest the image's), so it cuts some images into other
-tiles. `DynamicTilesProcessor` is mlx-vlm's, step for step: the grid (columns x rows, at most
-``max_dynamic_patch`` tiles) whose aspect ratio is nearest the image's, the image resized to it
-(PIL bicubic) and cut into tiles, the whole image resized to one tile after them where there
-are several; each tile scaled to [0, 1] and normalised with ImageNet's mean and std in float32
-(the same arithmetic as MLX's, bit for bit); and ``<image>`` in the text replaced by
-``<img>``, ``<IMG_CONTEXT>`` once per image token of every tile, ``</img>``.
+`DynamicTilesProcessor`, InternVL's dynamic tiling (mlx-vlm 0.7.10's ``InternVLChatProcessor``
+normalises with MLX). transformers' GotOcr2 image processor tiles alike but breaks
+aspect-ratio ties another way (more tiles while they cover under twice the image, where
+mlx-vlm's picks the grid whose area is nearest the image's), so it cuts some images into
+other tiles. mlx-vlm's: the grid (columns x rows, at most ``max_dynamic_patch`` tiles) whose
+aspect ratio is nearest the image's, the image resized to it (PIL bicubic) and cut into
+tiles, the whole image resized to one tile after them where there are several; each tile
+scaled to [0, 1] and normalised with ImageNet's mean and std in float32 (the same arithmetic
+as MLX's); and ``<image>`` in the text replaced by ``<img>``, ``<IMG_CONTEXT>`` once per
+image token of every tile, ``</img>``.
+
+`NativePatchesProcessor`, Kimi-VL's (mlx-vlm's ``KimiVLProcessor``, which scales, normalises
+and patchifies with MLX): the image resized down (bicubic) where it has over 4096 patches,
+center-cropped to whole 2x2 blocks of 14-pixel patches, scaled to [0, 1] and normalised with
+CLIP's mean and std in float32, cut into patches [N, 3, 14, 14] row by row, its grid
+``image_grid_hws``; ``<|media_pad|>`` repeated once per block. Those sizes are mlx-vlm's
+fixed defaults: its processor reads none of the checkpoint's (Kimi-VL's own are the same).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 IMAGE_PLACEHOLDER = "<image>"
+MEDIA_PAD = "<|media_pad|>"
 START, END, CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)[:, None, None]
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)[:, None, None]
+CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)[:, None, None]
+CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)[:, None, None]
 
 
 def grid(width: int, height: int, tile: int, least: int, most: int) -> tuple[int, int]:
@@ -143,6 +156,69 @@ class DynamicTilesProcessor:
         if tiles:
             out["pixel_values"] = np.concatenate(tiles)[None]
             out["image_token_index"] = np.array(self.context_id, dtype=np.int64)
+        return out
+
+
+class NativePatchesProcessor:
+    """The checkpoint's tokenizer and Kimi-VL's patches: called as a transformers processor
+    is (`text`, `images`), it gives input_ids with each ``<|media_pad|>`` expanded,
+    pixel_values [patches, 3, 14, 14] (float32) and image_grid_hws [images, 2], as mlx-vlm's
+    processor does."""
+
+    patch, merge, limit = 14, 2, 4096
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **_: Any) -> NativePatchesProcessor:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(model_dir)))
+
+    def sized(self, image: Any) -> Any:
+        """The image resized down to the patch limit, center-cropped to whole blocks."""
+        from PIL import Image
+
+        p, block = self.patch, self.merge * self.patch
+        w, h = image.size
+        if (w // p) * (h // p) > self.limit:
+            scale = math.sqrt(self.limit / ((w // p) * (h // p)))
+            image = image.resize((int(w * scale), int(h * scale)), Image.Resampling.BICUBIC)
+        w, h = image.size
+        new_w, new_h = w - w % block, h - h % block
+        if not new_w or not new_h:
+            raise ValueError(f"an image under {block} pixels a side")
+        left, top = (w - new_w) // 2, (h - new_h) // 2
+        image = image.crop((left, top, left + new_w, top + new_h))
+        if new_w // p >= 512 or new_h // p >= 512:
+            raise ValueError("an image past the position embeddings (512 patches a side)")
+        return image
+
+    def patches(self, image: Any) -> tuple[np.ndarray, tuple[int, int]]:
+        """One image's patches [N, 3, p, p] (float32) and its patch grid (rows, columns)."""
+        image = self.sized(image).convert("RGB")
+        scaled = np.asarray(image, dtype=np.float32) / np.float32(255.0)
+        pixels = (scaled.transpose(2, 0, 1) - CLIP_MEAN) / CLIP_STD
+        p, (c, h, w) = self.patch, pixels.shape
+        cut = pixels.reshape(c, h // p, p, w // p, p).transpose(1, 3, 0, 2, 4)
+        return cut.reshape(-1, c, p, p), (h // p, w // p)
+
+    def __call__(
+        self, text: str | None = None, images: list[Any] | None = None, **_: Any
+    ) -> dict[str, Any]:
+        done = [self.patches(image) for image in images or []]
+        out: dict[str, Any] = {}
+        if done:
+            out["pixel_values"] = np.concatenate([patches for patches, _ in done])
+            out["image_grid_hws"] = np.array([grid for _, grid in done], dtype=np.int64)
+        if text is not None:
+            if text.count(MEDIA_PAD) != len(done):
+                raise ValueError(f"{len(done)} images for {text.count(MEDIA_PAD)} anchors")
+            for _, (h, w) in done:
+                text = text.replace(MEDIA_PAD, "<|placeholder|>" * (h * w // self.merge**2), 1)
+            text = text.replace("<|placeholder|>", MEDIA_PAD)
+            out["input_ids"] = np.array([self.tokenizer.encode(text)], dtype=np.int64)
         return out
 
 
