@@ -11,7 +11,6 @@ text model at load, and each image row carries its prompt's ids and rope delta (
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -114,7 +113,6 @@ class VisionEncoder:
         embed = _embedding_of(text_model)
         if embed is not None:
             stack.embed_tokens = embed
-            _take_embeddings(text_model, embed)
         mx.eval(vlm.parameters())
         return cls(vlm, image_token_id, cache_bytes, rope, merge)
 
@@ -210,25 +208,6 @@ def image_grid(image: ImageInput) -> tuple[int, int, int]:
                 t, h, w = (int(v) for v in grid)
                 return t, h, w
     raise ValueError("an image of this model needs its image_grid_thw (t, h, w)")
-
-
-def _take_embeddings(text_model: Any, embed: Any) -> None:
-    """A text model whose forward has no input_embeddings (mlx-lm 0.32's deepseek_v3) takes
-    them all the same: a forward given them runs with its token embedding returning them."""
-    forward, own = type(text_model).__call__, type(embed)
-    if "input_embeddings" in inspect.signature(forward).parameters:
-        return
-    given: list[mx.array] = []
-
-    def call(model: Any, inputs: mx.array, cache: Any = None, input_embeddings: Any = None) -> Any:
-        given[:] = [] if input_embeddings is None else [input_embeddings]
-        return forward(model, inputs, cache=cache)
-
-    embedding = {
-        "__call__": lambda module, ids: given.pop() if given else own.__call__(module, ids)
-    }
-    embed.__class__ = type(own.__name__, (own,), embedding)
-    text_model.__class__ = type(type(text_model).__name__, (type(text_model),), {"__call__": call})
 
 
 def _embedding_of(text_model: Any) -> Any:
