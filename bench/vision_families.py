@@ -1,5 +1,6 @@
 """The vision rows of the family matrix: the vision-language families the worker serves images
-for (gemma3, mistral3, llava, qwen2_vl, qwen2_5_vl), served by the real worker, against mlx-vlm.
+for (the registry's: gemma3, mistral3, llava, the qwen2 and qwen3 families, ...), served by the
+real worker, against mlx-vlm.
 
 Each family's tiny demo checkpoint (`servicer.demos.vision.demo_vlm_path`, built offline, cached)
 is served by `python -m servicer --protocols vllm --prompt-cache-block 4` (bench/families.py's

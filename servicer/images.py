@@ -15,6 +15,7 @@ import asyncio
 import functools
 import hashlib
 import importlib
+import json
 import logging
 import math
 import os
@@ -247,25 +248,42 @@ def _processor(model_dir: Path, spec: VisionSpec) -> Any:
         return kind.from_pretrained(str(model_dir), backend="pil")
     try:
         return transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")
-    except ImportError:  # a processor holding a video one, which has no PIL build (torch)
-        return _images_only(model_dir).from_pretrained(str(model_dir), backend="pil")
+    except ImportError:  # a part needs torch (a video processor): the rest, without it
+        return _processor_without_torch(model_dir)
 
 
-def _images_only(model_dir: Path) -> Any:
-    """The checkpoint's processor class without its video processor: images and text only."""
-    import json
+def _processor_without_torch(model_dir: Path) -> Any:
+    """The checkpoint's processor with the parts that need torch left out (None): its image
+    processor the PIL one, its tokenizer, and any other part that loads without torch."""
+    import transformers
+    from transformers.models.auto import processing_auto
 
-    from transformers.models.auto.processing_auto import processor_class_from_name
+    config = json.loads((model_dir / "processor_config.json").read_text(encoding="utf-8"))
+    base = processing_auto.processor_class_from_name(config.get("processor_class", ""))
+    if base is None:
+        raise ImportError("the checkpoint's processor_config.json names no known processor")
 
-    config = json.loads((Path(model_dir) / "processor_config.json").read_text(encoding="utf-8"))
-    full = processor_class_from_name(config["processor_class"])
+    class Partial(base):
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument is not None:
+                return super().check_argument_for_proper_class(argument_name, argument)
+            return None
 
-    class ImagesOnly(full):
-        @classmethod
-        def get_attributes(cls) -> list[str]:
-            return [name for name in full.get_attributes() if not name.startswith("video")]
-
-    return ImagesOnly
+    autos = {"image_processor": "AutoImageProcessor", "tokenizer": "AutoTokenizer"}
+    autos |= {"feature_extractor": "AutoFeatureExtractor", "video_processor": "AutoVideoProcessor"}
+    parts: dict[str, Any] = {}
+    for attribute in base.get_attributes():
+        backend = {"backend": "pil"} if attribute == "image_processor" else {}
+        try:
+            auto = getattr(transformers, autos[attribute])
+            parts[attribute] = auto.from_pretrained(str(model_dir), **backend)
+        except (ImportError, KeyError, ValueError, OSError):
+            parts[attribute] = None
+    if parts.get("tokenizer") is None or parts.get("image_processor") is None:
+        raise ImportError(f"{base.__name__}'s tokenizer or image processor needs torch")
+    fields = {k: v for k, v in config.items() if k not in parts and not isinstance(v, dict)}
+    fields.pop("processor_class", None)
+    return Partial(**parts, **fields)
 
 
 def _patch_width(processor: Any) -> int | None:

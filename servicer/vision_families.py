@@ -101,6 +101,32 @@ def _qwen2_vl_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     )
 
 
+def _glm4v_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
+    """`<|begin_of_image|><|image|><|end_of_image|>` per image, its `<|image|>` repeated once
+    per merged patch (Qwen2-VL's count)."""
+    start = _token_id(tokenizer, "<|begin_of_image|>", config.get("image_start_token_id"))
+    end = _token_id(tokenizer, "<|end_of_image|>", config.get("image_end_token_id"))
+    image = _token_id(tokenizer, "<|image|>", config.get("image_token_id"))
+    merge = (config.get("vision_config") or {}).get("spatial_merge_size", 2)
+    if not all(isinstance(v, int) for v in (start, end, image, merge)):
+        return None
+    family = config.get("model_type", "glm4v")
+    return VisionSpec(family, image, (start, image, end), (start,), (end,), None, merge)
+
+
+def _glm4_text(text: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4V's text_config as mlx-lm's glm4 / glm4_moe model takes it: its head_dim spelled
+    out, the rotary fields at the top and the mrope_section in rope_scaling (transformers 5
+    writes them all in rope_parameters)."""
+    kind = {"glm4v_text": "glm4", "glm4v_moe_text": "glm4_moe"}.get(text.get("model_type"))
+    if kind is None:
+        return text
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    fields = {name: rope[name] for name in ("rope_theta", "partial_rotary_factor") if name in rope}
+    return {**fields, **text, "model_type": kind, "head_dim": head_dim, "rope_scaling": rope}
+
+
 def _mistral3_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     """`[IMG]` per image, replaced by the image's rows of `[IMG]`, each ending `[IMG_BREAK]`,
     the last `[IMG_END]`; a cell is a patch merged `spatial_merge_size` times a side (Pixtral's
@@ -171,6 +197,19 @@ def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:
     return fallback if isinstance(fallback, int) else None
 
 
+def _two_way_images(config: dict[str, Any]) -> str | None:
+    """A Gemma 4 checkpoint whose image tokens attend to each other both ways (its text
+    model's use_bidirectional_attention, "vision" in Google's): the worker's prefill is causal
+    throughout, so its answers would not be the model's."""
+    if (config.get("text_config") or {}).get("use_bidirectional_attention"):
+        return (
+            "images are not supported for this checkpoint: its image tokens attend both ways "
+            "(text_config.use_bidirectional_attention), the worker's prefill is causal; "
+            "serving text only"
+        )
+    return None
+
+
 Positions = Literal["plain", "mrope"]
 
 
@@ -198,10 +237,12 @@ class VisionFamily:
     positions: Positions = "plain"
     router_tensors: bool = False
     router_image_token: str | None = None
-    # The worker builds the text model from text_config (servicer.engine.model's text
-    # stack) although mlx-lm has a module for the checkpoint's model type: that one cannot
-    # load mlx-vlm's weights.
-    text_stack: bool = False
+    # Why a checkpoint of the family is served as text only (None: it is not).
+    refusal: Callable[[dict[str, Any]], str | None] | None = None
+    # The checkpoint's text_config as mlx-lm's text model takes it: the worker builds its text
+    # model from that (engine/model.py's text stack), where mlx-lm lacks its model_type or has
+    # a module for it that cannot load mlx-vlm's weights.
+    text_stack: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 FAMILIES: dict[str, VisionFamily] = {
@@ -214,6 +255,10 @@ FAMILIES: dict[str, VisionFamily] = {
         VisionFamily(
             "qwen2_5_vl", _qwen2_vl_spec, "qwen2_5_vl", "mrope", True, router_image_token="<image>"
         ),
+        VisionFamily("qwen3_vl", _qwen2_vl_spec, "qwen3_vl", "mrope"),
+        VisionFamily("qwen3_vl_moe", _qwen2_vl_spec, "qwen3_vl_moe", "mrope"),
+        VisionFamily("qwen3_5", _qwen2_vl_spec, "qwen3_5", "mrope"),
+        VisionFamily("qwen3_5_moe", _qwen2_vl_spec, "qwen3_5_moe", "mrope"),
         VisionFamily("mistral3", _mistral3_spec, "mistral3"),
         VisionFamily("llava", _llava_spec, "llava", router_tensors=True),
         VisionFamily("idefics3", processor_spec("<image>", "<image>"), "idefics3"),
@@ -260,13 +305,18 @@ FAMILIES: dict[str, VisionFamily] = {
                 "servicer.numpy_processors:NativePatchesProcessor",
             ),
             "kimi_vl",
-            text_stack=True,
+            text_stack=dict,  # text_config as it is
         ),
         VisionFamily(
             "llava_onevision",
             processor_spec("<image>", "<image>", "image_token_index"),
             "llava_onevision",
         ),
+        VisionFamily(
+            "gemma4", processor_spec("<|image|>", "<|image|>"), "gemma4", refusal=_two_way_images
+        ),
+        VisionFamily("glm4v", _glm4v_spec, "glm4v", "mrope", text_stack=_glm4_text),
+        VisionFamily("glm4v_moe", _glm4v_spec, "glm4v_moe", "mrope", text_stack=_glm4_text),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)
@@ -280,10 +330,19 @@ def family_of(config: dict[str, Any]) -> VisionFamily | None:
     return FAMILIES.get(config.get("model_type", ""))
 
 
+def text_stack_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's text_config as mlx-lm's text model takes it (None: it has none)."""
+    text = config.get("text_config")
+    family = FAMILIES.get(config.get("model_type", ""))
+    if not isinstance(text, dict) or family is None or family.text_stack is None:
+        return text if isinstance(text, dict) else None
+    return family.text_stack(text)
+
+
 def text_stack_only(config: dict[str, Any]) -> bool:
-    """Whether the checkpoint's text model is built from its text_config alone."""
-    family = family_of(config)
-    return family is not None and family.text_stack
+    """Whether the worker builds the checkpoint's text model from its text_config alone."""
+    family = FAMILIES.get(config.get("model_type", ""))
+    return family is not None and family.text_stack is not None
 
 
 def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
@@ -298,9 +357,12 @@ def vision_refusal(config: dict[str, Any]) -> str | None:
     """Why a checkpoint with a vision tower is served as text only (None: it is not)."""
     if not isinstance(config.get("vision_config"), dict):
         return None
-    if family_of(config) is None:
+    served = family_of(config)
+    if served is None:
         family = config.get("model_type", "")
         return f"images are not supported for model type {family!r} yet; serving text only"
+    if served.refusal is not None and (why := served.refusal(config)) is not None:
+        return why
     if importlib.util.find_spec("mlx_vlm") is None:
         return "serving images needs mlx-vlm (pip install 'mlx-grpc-worker[vision]')"
     return None

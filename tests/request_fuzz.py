@@ -558,6 +558,7 @@ class Vision:
     vision_ids: frozenset[int]
     max_images: int
     chats: tuple[tuple[int, ...], ...]  # the router's prompts, one anchor each
+    open_end: bool  # an image's run ends the expansion (a prompt may not end in one)
     preparer: Any  # the worker's own ImagePreparer: the run each image expands into
 
     @classmethod
@@ -596,6 +597,7 @@ class Vision:
             frozenset(ids),
             int(limits["image"]),
             tuple(chats),
+            not spec.after,
             preparer,
         )
 
@@ -615,8 +617,14 @@ class Vision:
         return len(spec.before) + (len(processed.run) or processed.tokens) + len(spec.after)
 
 
-def _insert(ids: list[int], at: int, anchor: tuple[int, ...]) -> None:
-    ids[at:at] = anchor
+def with_anchors(d: Draw, ids: list[int], anchors: int, anchor: tuple[int, ...]) -> list[int]:
+    """`ids` (no anchor among them) with `anchors` anchors at random places between them."""
+    places = sorted(d.rng.randint(0, len(ids)) for _ in range(anchors))
+    out, at = [], 0
+    for place in places:
+        out += [*ids[at:place], *anchor]
+        at = place
+    return out + ids[at:]
 
 
 def model_dir(kind: str) -> Path | None:
@@ -775,9 +783,7 @@ def image_prompt(d: Draw, anchors: int, runs: int) -> list[int]:
         extra = 1 if d.limits.bos is not None else 0
         size = d.limits.prompt_limit + d.one((0, 0, 1)) - extra - runs
         ids = [8 + t % 400 for t in range(max(size, 1))]
-        for _ in range(anchors):
-            _insert(ids, d.rng.randint(0, len(ids)), vision.anchor)
-        return ids
+        return with_anchors(d, ids, anchors, vision.anchor)
     shape = d.one(("chat", "chat", "chat", "random", "random", "end", "start", "known"))
     if shape == "chat":
         chat = list(d.one(vision.chats))
@@ -790,10 +796,7 @@ def image_prompt(d: Draw, anchors: int, runs: int) -> list[int]:
         return marks + plain_tokens(d, 1, 30)
     if shape == "known":  # past the known prompt's prefix blocks
         return KNOWN_GOOD_PROMPT[:256] + marks + plain_tokens(d, 0, 20)
-    ids = plain_tokens(d, 1, 60)
-    for _ in range(anchors):
-        _insert(ids, d.rng.randint(0, len(ids)), vision.anchor)
-    return ids
+    return with_anchors(d, plain_tokens(d, 1, 60), anchors, vision.anchor)
 
 
 def mm_garbage(d: Draw, request: Any) -> None:
@@ -882,6 +885,11 @@ def image_input(d: Draw, request: Any) -> Images:
         kinds.append("a stray image token")
     request.tokenized.input_ids.extend(ids)
     final, problem = d.limits.final_prompt(ids)
+    width = len(vision.anchor)
+    ends_in_image = vision.open_end and anchors and tuple(final[-width:]) == vision.anchor
+    if ends_in_image and not bad and anchors == count and problem is None:
+        d.refuse("the prompt ends in an image", INVALID, "ends inside an image")
+        kinds.append("the prompt ends in an image")
     expanded = len(final) - anchors * len(vision.anchor) + runs
     if problem is not None or bad or anchors != count:
         expanded = len(final)  # refused before its length counts

@@ -370,6 +370,7 @@ def test_rows_in_attention_groups_take_their_adapters(adapter_dirs) -> None:
 
     from servicer.engine import fused_prefill
     from servicer.engine.adapters import load_adapters
+    from servicer.engine.row_inputs import RowInputs
     from servicer.engine.runner import BatchRunner
 
     model, tokenizer = load(str(demo_model_path("llama")))
@@ -384,8 +385,8 @@ def test_rows_in_attention_groups_take_their_adapters(adapter_dirs) -> None:
         by_prompt = {tuple(job.prompt): indices[job.name] for job in jobs}
 
         def with_adapters(prompts: list[list[int]], **kwargs: Any) -> list[int]:
-            rows = [by_prompt[tuple(p)] for p in prompts]
-            return insert(prompts, adapters=rows, **kwargs)
+            rows = [RowInputs(adapter=by_prompt[tuple(p)]) for p in prompts]
+            return insert(prompts, inputs=rows, **kwargs)
 
         runner.insert = with_adapters
         return drive(runner, mixed_jobs(tokenizer, 0), probe)

@@ -52,7 +52,12 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("arch_fixes.py", "layer.self_attn"): MLX,  # phi3small's attention: its mask flag
     ("fused_prefill.py", "attention"): MLX,  # an attention: its class swapped (packed forwards)
     ("mrope.py", "attention"): MLX,  # an attention: its rope swapped for multimodal RoPE
-    ("vision.py", "language.model"): MLX,  # mlx-vlm's: no layers of its own, our embedding
+    ("vision.py", "stack"): MLX,  # mlx-vlm's language stack: no layers of its own, our embedding
+    ("vision.py", "owner"): MLX,  # the text model: its class swapped to take scaled embeddings
+    ("vision.py", "layer"): MLX,  # a text layer: its class swapped to add deepstack features
+    ("vision.py", "model"): MLX,  # a text model without input_embeddings: its class swapped
+    ("vision.py", "embed"): MLX,  # its token embedding: its class swapped to hand them over
+    ("model.py", "args"): MLX,  # mlx-lm's ModelArgs: rope_scaling kept where a model drops it
     ("prefix/store.py", "quantized"): MLX,  # a quantized row cache, built from a block's state
     ("quantized_kv.py", "row"): MLX,  # extract: the row's cache, built as mlx-lm's extract does
     ("quantized_kv.py", "obj"): MLX,  # a descriptor's __set__ storing on its owner instance

@@ -102,25 +102,33 @@ def test_rope_index_refuses_a_span_that_does_not_fit_its_grid() -> None:
 # ----- the rotation -----
 
 
-def _rope(dims: int, base: float) -> tuple[MRoPE, RopePositions, nn.RoPE]:
+def _rope(
+    dims: int, base: float, interleaved: bool = False
+) -> tuple[MRoPE, RopePositions, nn.RoPE]:
     quarter = dims // 8
     section = [quarter, (dims // 2 - quarter) // 2, (dims // 2 - quarter) // 2]
     plain = nn.RoPE(dims, base=base)
-    positions = RopePositions(dims, base, section)
+    positions = RopePositions(dims, base, section, interleaved)
     return MRoPE(plain, positions), positions, plain
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["chunked", "interleaved"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=str)
 @pytest.mark.parametrize("dims,base", [(32, 10000.0), (128, 1000000.0)])
-def test_rotation_equals_mlx_vlm_and_plain_rows_equal_rope(dtype, dims: int, base: float) -> None:
-    """Rows with ids (3-D) or a delta rotate as mlx-vlm's Qwen2-VL rotary embedding does, bit
-    for bit; rows with None as mlx-lm's RoPE at the cache offset; nothing set, all rows so."""
+def test_rotation_equals_mlx_vlm_and_plain_rows_equal_rope(
+    dtype, dims: int, base: float, interleaved: bool
+) -> None:
+    """Rows with ids (3-D) or a delta rotate as mlx-vlm's Qwen2-VL rotary embedding (chunked
+    sections) or Qwen3-VL's (interleaved) does, bit for bit; rows with None as mlx-lm's RoPE
+    at the cache offset; nothing set, all rows so."""
     pytest.importorskip("mlx_vlm", reason=NO_MLX_VLM)
     from mlx_vlm.models.qwen2_vl.language import Qwen2RotaryEmbedding
+    from mlx_vlm.models.qwen3_vl.language import Qwen3VLRotaryEmbedding
 
-    rope, positions, plain = _rope(dims, base)
+    rope, positions, plain = _rope(dims, base, interleaved)
     section = list(positions.mrope_section)
-    vlm = Qwen2RotaryEmbedding(dims, base=base, rope_scaling={"mrope_section": section})
+    kind = Qwen3VLRotaryEmbedding if interleaved else Qwen2RotaryEmbedding
+    vlm = kind(dims, base=base, rope_scaling={"mrope_section": section})
     batch, width = 3, 9
     q = mx.random.normal((batch, 4, width, dims), key=mx.random.key(1)).astype(dtype)
     k = mx.random.normal((batch, 2, width, dims), key=mx.random.key(2)).astype(dtype)
@@ -175,7 +183,7 @@ def test_enable_mrope_refuses_a_model_without_multimodal_rope() -> None:
         vocab_size=16,
         num_key_value_heads=1,
     )
-    with pytest.raises(ValueError, match="no Qwen2-VL multimodal RoPE"):
+    with pytest.raises(ValueError, match="no Qwen-VL multimodal RoPE"):
         enable_mrope(qwen2.Model(args))
 
 

@@ -35,6 +35,7 @@ _ALSO_NAMED_FOR_ANOTHER_REASON = {
     "gemma3": {
         "servicer/demos/text.py",  # the gemma3 text demo kind, which the gemma3 VLM builds on
         "servicer/model_files.py",  # demo:vlm's family
+        "servicer/demos/gemma4.py",  # its tokenizer and token embeddings: the gemma3 text demo's
     },
     "qwen2_vl": {"servicer/demos/vision.py"},  # the demo builder's default family
     "pixtral": {"servicer/demos/mistral3.py"},  # Mistral 3's vision tower is a Pixtral one

@@ -8,7 +8,13 @@ text demo), ``mistral3`` (``servicer.demos.mistral3``, from the ``llama`` one), 
 (``servicer.demos.llava``, from the ``llama`` one too), ``qwen2_5_vl``
 (``servicer.demos.qwen2_5_vl``: qwen2_vl's text stack, tokens and processor with Qwen2.5-VL's
 vision tower), ``pixtral`` (``servicer.demos.pixtral``, from the ``llama`` one) and
-``llava_onevision`` (``servicer.demos.llava_onevision``, from the ``llama`` one as Qwen2);
+``llava_onevision`` (``servicer.demos.llava_onevision``, from the ``llama`` one as Qwen2),
+``qwen3_vl`` and ``qwen3_vl_moe`` (``servicer.demos.qwen3_vl``, ``servicer.demos.qwen3_vl_moe``:
+the ``llama`` one as Qwen3, its MLPs as experts in the second; deepstack) and ``qwen3_5`` and
+``qwen3_5_moe`` (``servicer.demos.qwen3_5``, ``servicer.demos.qwen3_5_moe``: the ``hybrid``
+one as Qwen3.5, its MLPs as routed and shared experts in the second);
+``glm4v`` and ``glm4v_moe`` (``servicer.demos.glm4v``, ``servicer.demos.glm4v_moe``, from the
+``llama`` one in GLM-4's dense and MoE layouts);
 gemma3, mistral3, llava and pixtral also load as text models with mlx-lm.
 
 What every family's build is made of (nothing is trained here):
@@ -110,9 +116,19 @@ class Family(abc.ABC):
         """Weights the family's text stack has and the text demo lacks."""
         return {}
 
+    def adapt_text_weights(self, weights: dict, text_config: Mapping[str, Any], rng) -> dict:
+        """The text weights (the text demo's under ``language_model.``, with the extra ones)
+        as the family's text stack holds them (some weights split, merged or replaced)."""
+        return weights
+
     def saved_weights(self, weights: dict) -> dict:
         """All the weights (text and vision) under the names the family's checkpoints use."""
         return weights
+
+    def text_weights(self, weights: dict, text_config: Mapping[str, Any]) -> dict:
+        """The language model's weights from the text demo's `weights` (moved under
+        ``language_model.``, embedding rows for the appended tokens added)."""
+        return weights | self.extra_text_weights(text_config)
 
     @property
     def chat_template(self) -> str:
@@ -269,7 +285,8 @@ def _build_into(out: Path, seed: int, text_model: Path, fam: Family) -> None:
         np.random.default_rng(s) for s in np.random.SeedSequence([seed, 0x71E]).spawn(2)
     )
     weights = _text_weights(text_model, text_config["hidden_size"], vocab_size, text_rng)
-    weights |= fam.extra_text_weights(text_config)
+    weights = fam.text_weights(weights, text_config)
+    weights = fam.adapt_text_weights(weights, text_config, text_rng)
     embed = weights["language_model.model.embed_tokens.weight"]
     if fam.untied_head:
         weights["language_model.lm_head.weight"] = embed

@@ -27,11 +27,12 @@ from .constraints import GrammarProcessor
 from .lockstep import LockstepBroken
 from .prefill import PrefillSample, StepCost
 from .prefix.store import AnyPrefixStore, Hit
+from .row_inputs import RowInputs
 from .rows import Row, RowBook
 from .runner import BatchRunner
 from .sampling import SamplingFactory, gather_logprobs
 from .scheduler import Admit, BatchView, Plan
-from .vision import ImageSpan, ImageWork, RowRope, VisionEncoder
+from .vision import ImageWork, VisionEncoder
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +156,7 @@ class Batch:
                 samplers=[sampling.sampler(r.sampling) for r in requests],
                 logits_processors=[part.chain for part in parts],
                 stop_sequences=[sampling.stop_sequences(r.stop_token_ids) for r in requests],
-                images=[part.images for part in parts],
-                ropes=[part.rope for part in parts],
-                adapters=[part.adapter for part in parts],
+                inputs=[part.inputs for part in parts],
             )
         except BaseException:
             for part in parts:
@@ -179,7 +178,7 @@ class Batch:
         chain = self._sampling.processors(request)
         segments = self._segments(request, cached)
         images, rope = self._images.spans(request, cached), self._images.rope(request)
-        return _Prepared(admit, hit, chain, segments, images, rope, adapter)
+        return _Prepared(admit, hit, chain, segments, RowInputs(adapter, rope, images))
 
     def _segments(self, request: GenerationRequest, cached: int) -> list[list[int]]:
         """The prompt past its reused prefix, cut where the prefix store wants a snapshot."""
@@ -348,9 +347,7 @@ class _Prepared:
     hit: Hit | None
     chain: list[Any]
     segments: list[list[int]]
-    images: list[ImageSpan]
-    rope: RowRope | None = None
-    adapter: int = 0  # its LoRA adapter's index (0: the base)
+    inputs: RowInputs  # beside its tokens: images, multimodal RoPE, LoRA adapter
 
 
 def _cache_for(hit: Hit | None, new_row: Callable[[], list[Any]] | None) -> list[Any] | None:

@@ -23,6 +23,7 @@ from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import TokenBuffer
 
 from ..messages import FINISH_LENGTH, FINISH_STOP
+from .row_inputs import RowContext, RowInputs
 
 
 class StepRows(list):
@@ -83,10 +84,8 @@ class DecodeBatch:
     samplers, logits processors, stop matchers and length limits. A new batch runs its rows'
     first forward at once (their last prompt token), so their first token is sampled.
 
-    On a model with multimodal RoPE (`rope`, mrope.py) each row has a delta on its cache
-    offset (an image row's) or None (standard positions), set for every forward (`forward`).
-    With LoRA adapters loaded (`adapters`, adapters.py) each row has its adapter's index
-    (`adapter_rows`, 0: the base), set for every forward the same way."""
+    Each row keeps its inputs beside its tokens (`row_inputs`, row_inputs.py: a multimodal RoPE
+    delta, a LoRA adapter), which `context` sets for every forward (`forward`)."""
 
     Response = DecodeResponse
 
@@ -102,19 +101,15 @@ class DecodeBatch:
         logits_processors: list[Sequence[Any]],
         stop_sequences: list[StopSequences],
         max_tokens: list[int],
-        rope: Any = None,
-        deltas: list[int | None] | None = None,
-        adapters: Any = None,
-        adapter_rows: list[int] | None = None,
+        context: RowContext | None = None,
+        row_inputs: list[RowInputs] | None = None,
         grouping: Callable[[list[Any]], list[Any]] | None = None,
     ) -> None:
         """`grouping`: makes a joining batch's layers into row groups (row_groups), if set."""
         self.model = model
         self.grouping = grouping
-        self.rope = rope  # the model's RopePositions, where it has multimodal RoPE
-        self.deltas: list[int | None] = deltas if deltas is not None else [None] * len(uids)
-        self.adapters = adapters  # the model's AdapterSet, where adapters are loaded
-        self.adapter_rows = adapter_rows if adapter_rows is not None else [0] * len(uids)
+        self.context = context or RowContext()
+        self.row_inputs = row_inputs if row_inputs is not None else [RowInputs() for _ in uids]
         self.uids = uids
         self.prompt_cache = prompt_cache
         self.tokens = tokens
@@ -161,10 +156,7 @@ class DecodeBatch:
         self.logits_processors.extend(batch.logits_processors)
         self.max_tokens.extend(batch.max_tokens)
         self.stop_sequences.extend(batch.stop_sequences)
-        self.deltas.extend(batch.deltas)
-        self.adapter_rows.extend(batch.adapter_rows)
-        self.rope = self.rope if self.rope is not None else batch.rope
-        self.adapters = self.adapters if self.adapters is not None else batch.adapters
+        self.row_inputs.extend(batch.row_inputs)
         self._current_tokens = _joined(self._current_tokens, batch._current_tokens)
         self._current_logprobs = _rows(self._current_logprobs, batch._current_logprobs)
         self._next_tokens = _joined(self._next_tokens, batch._next_tokens)
@@ -190,8 +182,7 @@ class DecodeBatch:
         self.logits_processors = [self.logits_processors[i] for i in keep]
         self.max_tokens = [self.max_tokens[i] for i in keep]
         self.stop_sequences = [self.stop_sequences[i] for i in keep]
-        self.deltas = [self.deltas[i] for i in keep]
-        self.adapter_rows = [self.adapter_rows[i] for i in keep]
+        self.row_inputs = [self.row_inputs[i] for i in keep]
         assert self._next_tokens is not None or not keep
         self._next_tokens = self._next_tokens[mx.array(keep)] if keep else None
         self._next_logprobs = [self._next_logprobs[i] for i in keep]
@@ -204,14 +195,9 @@ class DecodeBatch:
         return [cache.extract(i) for cache in self.prompt_cache]
 
     @property
-    def positioned(self) -> bool:
-        """Whether some row takes multimodal RoPE positions (its forwards set them)."""
-        return self.rope is not None and any(d is not None for d in self.deltas)
-
-    @property
-    def adapted(self) -> bool:
-        """Whether some row takes a LoRA adapter (its forwards set the rows' adapters)."""
-        return self.adapters is not None and any(self.adapter_rows)
+    def plain(self) -> bool:
+        """No row has inputs beside its tokens (its forwards set nothing)."""
+        return all(row.plain for row in self.row_inputs)
 
     @contextlib.contextmanager
     def forwards_through(self, model: Any) -> Iterator[None]:
@@ -227,13 +213,9 @@ class DecodeBatch:
         """The model on `inputs` (a row each) over `cache` (the batch's by default), each row
         at its positions and with its adapter (neither set where no row has one)."""
         cache = self.prompt_cache if cache is None else cache
-        if not (self.positioned or self.adapted):
+        if self.plain:
             return self.model(inputs, cache=cache)
-        with contextlib.ExitStack() as stack:
-            if self.positioned:
-                stack.enter_context(self.rope.forward(self.deltas))
-            if self.adapted:
-                stack.enter_context(self.adapters.forward(self.adapter_rows))
+        with self.context.forward(self.row_inputs):
             return self.model(inputs, cache=cache)
 
     def _sampler(self, i: int) -> Any:

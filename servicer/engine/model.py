@@ -23,6 +23,7 @@ from mlx_lm.utils import (
 )
 
 from ..model_files import ModelLoadError
+from ..vision_families import text_stack_config as _text_config
 from ..vision_families import text_stack_only
 from .arch_fixes import UnservableModel, fix_for_batching
 
@@ -88,7 +89,7 @@ def text_stack_config(model_dir: Path) -> dict[str, Any] | None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    text = config.get("text_config") if isinstance(config, dict) else None
+    text = _text_config(config) if isinstance(config, dict) else None
     whole = _mlx_lm_knows(config.get("model_type")) and not text_stack_only(config)
     if not isinstance(text, dict) or whole:
         return None
@@ -116,7 +117,7 @@ def load_text_stack(model_dir: Path) -> tuple[nn.Module, TokenizerWrapper]:
     from them as mlx-lm does), and the checkpoint's tokenizer as mlx-lm loads it."""
     model_dir = Path(model_dir)
     config = load_config(model_dir)
-    text = dict(config["text_config"])
+    text = dict(_text_config(config) or {})
     weights: dict[str, mx.array] = {}
     for path in sorted(model_dir.glob("model*.safetensors")):
         weights |= _language_weights(mx.load(str(path)))
@@ -127,7 +128,9 @@ def load_text_stack(model_dir: Path) -> tuple[nn.Module, TokenizerWrapper]:
     text.setdefault("tie_word_embeddings", "lm_head.weight" not in weights)
     model_type = text["model_type"]
     arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
-    model = arch.Model(arch.ModelArgs.from_dict(text))
+    args = arch.ModelArgs.from_dict(text)
+    args.rope_scaling = getattr(args, "rope_scaling", None) or text.get("rope_scaling")  # mrope
+    model = arch.Model(args)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     quantization = config.get("quantization") or text.get("quantization")

@@ -1,6 +1,6 @@
-"""Qwen2-VL's multimodal RoPE (mRoPE) for mlx-lm's qwen2_vl text model in the engine's batch.
+"""Qwen-VL's multimodal RoPE (mRoPE) for mlx-lm's Qwen-VL text models in the engine's batch.
 
-mlx-lm loads a Qwen2-VL checkpoint as a plain qwen2 text model with 1-D RoPE, which is exact
+mlx-lm loads a Qwen2-VL (Qwen3-VL, Qwen3.5) checkpoint as a text model with 1-D RoPE, exact
 for text: there every position's (t, h, w) ids are equal, and mRoPE at (p, p, p) is RoPE at p.
 An image's tokens get a 3-D grid of ids instead, and the text after an image continues from
 the largest id so far plus one, so from there each row's rotary position is its cache index
@@ -15,11 +15,12 @@ prompts, row by row in one batch:
   of the chunk's n real tokens; a right-padded chunk's padding columns get any ids).
 
 Rows set to a delta or ids follow mlx-vlm's mRoPE math exactly (Qwen2-VL's chunked frequency
-layout): on Metal its fused kernel (the same source), elsewhere its cos/sin formula, cast to
-the activations' dtype; tests/test_mrope.py compares the two bit for bit on whatever backend
-it runs. `mx.fast.rope` at offset + delta is not used for them: with `base` it differs from
-mlx-vlm's formula in the last bits; with `freqs=1/inv_freq` it agreed on the CPU backend,
-which nothing promises for the others.
+layout, Qwen3-VL's interleaved one where rope_scaling says `mrope_interleaved`): on Metal its
+fused kernel (the same source), elsewhere its cos/sin formula, cast to the activations' dtype;
+tests/test_mrope.py compares the two bit for bit on whatever backend it runs. `mx.fast.rope`
+at offset + delta is not used for them: with `base` it differs from mlx-vlm's formula in the
+last bits; with `freqs=1/inv_freq` it agreed on the CPU backend, which nothing promises for
+the others.
 """
 
 from __future__ import annotations
@@ -83,13 +84,15 @@ def rope_index(
     return positions, int(positions.max()) + 1 - total
 
 
-def _chunked_selector(mrope_section: Sequence[int], half: int) -> list[int]:
-    """Which of (t, h, w) each frequency reads: the first section t, the next h, the last w
-    (mlx-vlm's chunked layout, Qwen2-VL's)."""
+def _selector(mrope_section: Sequence[int], half: int, interleaved: bool) -> list[int]:
+    """Which of (t, h, w) each frequency reads (mlx-vlm's layouts): chunked (Qwen2-VL's), the
+    first section t, the next h, the last w; interleaved (Qwen3-VL's), t h w t h w ... while
+    the h and w sections last, then t."""
     selector = [0] * half
     start = mrope_section[0]
     for axis, length in enumerate(mrope_section[1:], start=1):
-        for i in range(start, min(start + length, half)):
+        taken = range(axis, length * 3, 3) if interleaved else range(start, start + length)
+        for i in (i for i in taken if i < half):
             selector[i] = axis
         start += length
     return selector
@@ -105,12 +108,15 @@ class RopePositions:
     once per forward, from the first layer's cache offset (every layer's is the same).
     """
 
-    def __init__(self, dims: int, base: float, mrope_section: Sequence[int]) -> None:
+    def __init__(
+        self, dims: int, base: float, mrope_section: Sequence[int], interleaved: bool = False
+    ) -> None:
         self.dims = dims
         self.mrope_section = tuple(int(s) for s in mrope_section)
         # mlx-vlm's inverse frequencies, computed as it does.
         self.inv_freq = 1.0 / (base ** (mx.arange(0, dims, 2).astype(mx.float32) / dims))
-        self.selector = mx.array(_chunked_selector(self.mrope_section, dims // 2), dtype=mx.int32)
+        selector = _selector(self.mrope_section, dims // 2, interleaved)
+        self.selector = mx.array(selector, dtype=mx.int32)
         mx.eval(self.inv_freq, self.selector)
         self.rows: list[RowPositions] | None = None
         self._derived: dict[tuple[Any, ...], Any] = {}
@@ -207,12 +213,15 @@ class MRoPE(nn.RoPE):
 
     def _mrope(self, x: mx.array, ids: mx.array) -> mx.array:
         state = self.positions
-        if _METAL:
+        if _METAL and not self.traditional:
             return _metal_mrope(x, ids, state.inv_freq, state.selector, self.dims)
         cos, sin = state.cos_sin(ids, x.dtype)
         x_rot = x[..., : self.dims]
         half = self.dims // 2
         turned = mx.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+        if self.traditional:  # even/odd pairs: mlx-vlm's formula (on Metal unchecked)
+            cos, sin = (mx.repeat(c[..., :half], 2, axis=-1) for c in (cos, sin))
+            turned = mx.stack([-x_rot[..., 1::2], x_rot[..., 0::2]], axis=-1).flatten(-2)
         out = ((x_rot * cos) + (turned * sin)).astype(x.dtype)
         if self.dims < x.shape[-1]:
             out = mx.concatenate([out, x[..., self.dims :]], axis=-1)
@@ -299,41 +308,37 @@ def _text_args(model: nn.Module) -> Any:
     return getattr(language, "args", None) or getattr(model, "args", None)
 
 
-def _mrope_section(model: nn.Module) -> list[int]:
+def _mrope_section(model: nn.Module) -> tuple[list[int], bool]:
+    """The text model's mrope_section and whether its layout is interleaved (Qwen3-VL's)."""
     args = _text_args(model)
     scaling = getattr(args, "rope_scaling", None) or {}
     section = scaling.get("mrope_section") if isinstance(scaling, dict) else None
     kind = (scaling.get("type") or scaling.get("rope_type")) if isinstance(scaling, dict) else None
-    if (
-        not section
-        or len(section) != 3
-        or kind not in ("mrope", "default")
-        or scaling.get("mrope_interleaved")
-    ):
+    if not section or len(section) != 3 or kind not in ("mrope", "default"):
         model_type = getattr(model, "model_type", type(model).__name__)
         raise ValueError(
-            f"{model_type} has no Qwen2-VL multimodal RoPE (rope_scaling with a 3-part "
-            f"mrope_section, chunked): rope_scaling is {scaling or None}"
+            f"{model_type} has no Qwen-VL multimodal RoPE (rope_scaling with a 3-part "
+            f"mrope_section): rope_scaling is {scaling or None}"
         )
-    return [int(s) for s in section]
+    return [int(s) for s in section], bool(scaling.get("mrope_interleaved"))
 
 
 def enable_mrope(model: nn.Module) -> RopePositions:
-    """Give every attention of an mlx-lm qwen2_vl model (as `mlx_lm.load` returns it) an
-    `MRoPE` reading one shared `RopePositions`, and return that. Idempotent. Raises
-    ValueError for a model without Qwen2-VL's rope_scaling (mrope_section) or whose
-    attentions' rope is not a plain `nn.RoPE`."""
-    section = _mrope_section(model)
-    attentions = [layer.self_attn for layer in model.layers]
+    """Give every attention of an mlx-lm Qwen-VL text model (as `mlx_lm.load` returns it; a
+    hybrid's linear-attention layers have none) an `MRoPE` reading one shared `RopePositions`,
+    and return that. Idempotent. Raises ValueError for a model without Qwen-VL's
+    rope_scaling (mrope_section) or whose attentions' rope is not a plain `nn.RoPE`."""
+    section, interleaved = _mrope_section(model)
+    attentions = [layer.self_attn for layer in model.layers if "self_attn" in layer]
     ropes = [getattr(a, "rope", None) for a in attentions]
     if ropes and all(isinstance(r, MRoPE) for r in ropes):
         return ropes[0].positions
     first = ropes[0] if ropes else None
     if not isinstance(first, nn.RoPE) or any(type(r) is not nn.RoPE for r in ropes):
         raise ValueError(f"multimodal RoPE needs nn.RoPE attentions, not {type(first).__name__}")
-    if first.traditional or first.scale != 1.0 or first.dims % 2:
-        raise ValueError(f"multimodal RoPE needs Qwen2-VL's rotary embedding, not {first}")
-    positions = RopePositions(first.dims, first.base, section)
+    if first.scale != 1.0 or first.dims % 2:
+        raise ValueError(f"multimodal RoPE needs Qwen-VL's rotary embedding, not {first}")
+    positions = RopePositions(first.dims, first.base, section, interleaved)
     for attention, rope in zip(attentions, ropes, strict=True):
         attention.rope = MRoPE(rope, positions)
     return positions

@@ -18,9 +18,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
-from .adapters import AdapterSet
 from .decode_batch import DecodeBatch, extend_caches, merge_caches
-from .vision import ImageSpan, RowRope, VisionEncoder, chunk_embeddings
+from .row_inputs import RowContext, RowInputs
+from .vision import VisionEncoder, chunk_embeddings
 
 
 @dataclass(slots=True)
@@ -36,9 +36,7 @@ class PromptRow:
     sampler: Any
     processors: Sequence[Any]
     stop: StopSequences
-    images: list[ImageSpan] = field(default_factory=list)  # those past its cached prefix
-    rope: RowRope | None = None  # its prompt's multimodal RoPE (None: standard positions)
-    adapter: int = 0  # its LoRA adapter's index in the model's AdapterSet (0: the base)
+    inputs: RowInputs = field(default_factory=RowInputs)  # beside its tokens, to its end
     done: int = 0  # prompt tokens through the model
     total: int = field(init=False)
 
@@ -79,11 +77,11 @@ class PromptBatch:
     """Rows in prefill, by position, with their merged caches."""
 
     def __init__(
-        self, model: Any, vision: VisionEncoder | None = None, adapters: AdapterSet | None = None
+        self, model: Any, vision: VisionEncoder | None = None, context: RowContext | None = None
     ) -> None:
         self.model = model
         self.vision = vision  # a vision-language model's image side
-        self.adapters = adapters  # the LoRA adapters loaded on the model, if any
+        self.context = context or RowContext()  # the rows' per-forward hooks
         self.rows: list[PromptRow] = []
         self.prompt_cache: list[Any] = []
 
@@ -144,17 +142,18 @@ class PromptBatch:
                 cache.prepare(lengths=lengths, right_padding=padding)
         else:
             inputs = mx.array(chunks)
-        embeddings = None
+        embeddings, deepstack = None, contextlib.nullcontext()
+        given = [row.inputs for row in self.rows]
         if self.vision is not None:
-            images = [row.images for row in self.rows]
-            embeddings = chunk_embeddings(self.vision, inputs, starts, lengths, images)
-        with self._positions(starts, lengths), self._adapted():
+            images = [row.images for row in given]
+            embeddings, deepstack = chunk_embeddings(self.vision, inputs, starts, lengths, images)
+        with self.context.forward(given, list(zip(starts, lengths, strict=True))), deepstack:
             if embeddings is None:
                 self.model(inputs, cache=self.prompt_cache)
             else:
-                self.model(inputs, cache=self.prompt_cache, input_embeddings=embeddings)
-        for row in self.rows:  # features no chunk needs again
-            row.images = [span for span in row.images if span.end > len(row.tokens)]
+                self.model(inputs, cache=self.prompt_cache, **embeddings)
+        for row in self.rows:
+            row.inputs.prefilled_to(len(row.tokens))
         mx.eval([c.state for c in self.prompt_cache])
         mx.clear_cache()
         if padded:
@@ -162,27 +161,6 @@ class PromptBatch:
                 cache.finalize()
             mx.eval([c.state for c in self.prompt_cache])
             mx.clear_cache()
-
-    def _positions(
-        self, starts: list[int], lengths: list[int]
-    ) -> contextlib.AbstractContextManager[Any]:
-        """The chunk's multimodal RoPE positions for the forward: each image row its prompt's
-        ids from `starts[i]` on, the other rows standard ones (nothing set where no row has
-        any, so a text batch runs exactly as without)."""
-        rope = self.vision.rope if self.vision is not None else None
-        if rope is None or all(row.rope is None for row in self.rows):
-            return contextlib.nullcontext()
-        rows = [
-            None if row.rope is None else row.rope.ids[:, start : start + n]
-            for row, start, n in zip(self.rows, starts, lengths, strict=True)
-        ]
-        return rope.forward(rows)
-
-    def _adapted(self) -> contextlib.AbstractContextManager[Any]:
-        """Each row's LoRA adapter for the forward (nothing set where no row has one)."""
-        if self.adapters is None or not any(row.adapter for row in self.rows):
-            return contextlib.nullcontext()
-        return self.adapters.forward([row.adapter for row in self.rows])
 
     def start_decoding(self, indices: list[int], fallback_sampler: Any) -> DecodeBatch:
         """The rows at `indices` (each with only its last token left) leave prefill as a
@@ -202,8 +180,6 @@ class PromptBatch:
             [row.processors for row in rows],
             [row.stop for row in rows],
             [row.max_tokens for row in rows],
-            rope=self.vision.rope if self.vision is not None else None,
-            deltas=[None if row.rope is None else row.rope.delta for row in rows],
-            adapters=self.adapters,
-            adapter_rows=[row.adapter for row in rows],
+            context=self.context,
+            row_inputs=[row.inputs for row in rows],
         )

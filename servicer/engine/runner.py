@@ -27,7 +27,8 @@ from .decode_batch import DecodeBatch, DecodeResponse
 from .fused_prefill import FusingModel
 from .prefill import PrefillWork
 from .prompt_batch import PromptBatch, PromptProgress, PromptRow
-from .vision import ImageSpan, RowRope, VisionEncoder
+from .row_inputs import RowContext, RowInputs
+from .vision import VisionEncoder
 
 DEFAULT_MAX_TOKENS = 128
 CLEAR_EVERY = 512  # decode steps between frees of MLX's buffer cache
@@ -60,7 +61,8 @@ class BatchRunner:
         self.max_kv_size = max_kv_size
         self._stream = stream or mx.new_stream(mx.default_device())
         self._next_uid = 0
-        self.prefill = PromptBatch(model, vision, adapters)
+        self.context = RowContext(vision.rope if vision is not None else None, adapters)
+        self.prefill = PromptBatch(model, vision, self.context)
         self.decoding: DecodeBatch = self._new_decode_batch(grouping)
         self.fuse_prefill = fuse_prefill
         self.fused_steps = 0
@@ -71,7 +73,7 @@ class BatchRunner:
         self._wired_limit = maybe_set_recommended_wired_limit()
 
     def _new_decode_batch(self, grouping: Callable[[list[Any]], list[Any]] | None) -> DecodeBatch:
-        return DecodeBatch.empty(self.model, self.sampler, grouping=grouping)
+        return DecodeBatch.empty(self.model, self.sampler, context=self.context, grouping=grouping)
 
     @property
     def stream(self) -> mx.Stream:
@@ -102,14 +104,11 @@ class BatchRunner:
         samplers: list[Any] | None = None,
         logits_processors: list[Sequence[Any] | None] | None = None,
         stop_sequences: list[StopSequences] | None = None,
-        images: list[list[ImageSpan]] | None = None,
-        ropes: list[RowRope | None] | None = None,
-        adapters: list[int] | None = None,
+        inputs: list[RowInputs] | None = None,
     ) -> list[int]:
         """Requests begin their prefill (the next step runs their first chunk), each prompt in
-        segments (prefill stops at each segment's end, for a snapshot), with its images,
-        multimodal RoPE and LoRA adapter (its index in the runner's AdapterSet), if any; their
-        uids."""
+        segments (prefill stops at each segment's end, for a snapshot), with its inputs beside
+        its tokens (images, multimodal RoPE, LoRA adapter), if any; their uids."""
         n = len(segments)
         options = {
             "max_tokens": max_tokens or [DEFAULT_MAX_TOKENS] * n,
@@ -118,14 +117,12 @@ class BatchRunner:
             "samplers": samplers or [None] * n,
             "logits_processors": logits_processors or [()] * n,
             "stop_sequences": stop_sequences or [StopSequences()] * n,
-            "images": images or [[] for _ in range(n)],
-            "ropes": ropes or [None] * n,
-            "adapters": adapters or [0] * n,
+            "inputs": inputs or [RowInputs() for _ in range(n)],
         }
         for name, values in options.items():
             if len(values) != n:
                 raise ValueError(f"{name}: {len(values)} values for {n} prompts")
-        _check_adapters(self.adapters, options["adapters"])
+        self.context.check(options["inputs"])
         rows = []
         for i, prompt in enumerate(segments):
             row = {name: values[i] for name, values in options.items()}
@@ -222,10 +219,8 @@ class BatchRunner:
     def _fusable(self) -> bool:
         if not self.fuse_prefill or len(self.prefill) != 1 or not len(self.decoding):
             return False
-        row = self.prefill.rows[0]
-        if row.adapter or self.decoding.adapted:  # a packed forward sets no rows' adapters
-            return False
-        return not (row.starting or row.images or row.rope or self.decoding.positioned)
+        row = self.prefill.rows[0]  # a packed forward sets no row's inputs
+        return not row.starting and row.inputs.plain and self.decoding.plain
 
     def _fused_step(self, chunk: int) -> tuple[list[PromptProgress], list[DecodeResponse]]:
         row = self.prefill.rows[0]
@@ -246,14 +241,6 @@ class BatchRunner:
             self.prefill.prompt([tokens])
         self.prompt_tokens += len(tokens)
         return [progress], responses
-
-
-def _check_adapters(adapters: AdapterSet | None, indices: Sequence[int]) -> None:
-    """Each request's adapter index must name an adapter the runner holds (0: the base)."""
-    loaded = len(adapters) if adapters is not None else 0
-    bad = sorted({i for i in indices if not 0 <= i <= loaded})
-    if bad:
-        raise ValueError(f"adapter indices {bad} are not loaded ({loaded} adapters)")
 
 
 def _prompt_row(
@@ -282,7 +269,5 @@ def _prompt_row(
         runner.sampler if sampler is None else sampler,
         tuple(given["logits_processors"] or ()),
         given["stop_sequences"],
-        given["images"],
-        given["ropes"],
-        given["adapters"],
+        given["inputs"],
     )

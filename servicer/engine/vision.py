@@ -7,10 +7,15 @@ here), so an image row prefills and decodes in the same batch, caches and prefix
 text row: only its chunks that cover image tokens go in as embeddings. Qwen2-VL's text model
 also needs its images' positions (multimodal RoPE, mrope): the encoder enables them on the
 text model at load, and each image row carries its prompt's ids and rope delta (`RowRope`).
+Qwen3-VL's tower also makes deepstack features, added after the text model's first layers at
+the image positions: an image's features then hold them too ([run, 1 + layers, hidden]), and
+the layers, wrapped at load (`enable_deepstack`), add a prefill chunk's (`Deepstack`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -64,12 +69,14 @@ class VisionEncoder:
         cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES,
         rope: RopePositions | None = None,
         merge: int = 1,
+        deepstack: Deepstack | None = None,
     ) -> None:
         self._vlm = vlm
         self.image_token_id = image_token_id
         self.cache_bytes = cache_bytes
         self.rope = rope  # the text model's multimodal RoPE (None: standard positions)
         self.merge = merge  # the vision tower's spatial merge (image tokens per grid cell)
+        self.deepstack = deepstack  # the text layers taking deepstack features (None: none)
         self._cache: OrderedDict[bytes, _Entry] = OrderedDict()
         self._ahead: dict[bytes, mx.array] = {}  # encoded for a request not admitted yet
         self._held = 0
@@ -106,15 +113,24 @@ class VisionEncoder:
             vlm = load_model(model_dir, lazy=True)
         except Exception as exc:
             raise VisionUnavailable(f"mlx-vlm could not load {model_dir}: {exc}") from exc
+        vision_config = getattr(vlm.config, "vision_config", None)
+        count = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+        deepstack = enable_deepstack(text_model, count) if count else None
         language = vlm.language_model
         stack = getattr(language, "model", language)  # mlx-vlm's flat stacks (Idefics3's)
         stack.layers = []  # the text model's own run; never loaded twice
         language.pop("lm_head", None)
-        embed = _embedding_of(text_model)
-        if embed is not None:
-            stack.embed_tokens = embed
+        owner = _embedding_owner(text_model)
+        for name in ("embed_tokens", "embed_tokens_per_layer"):  # shared, not loaded twice
+            if getattr(owner, name, None) is not None and name in stack:
+                stack[name] = getattr(owner, name)
+        if owner is not None and getattr(owner, "embed_tokens", None) is not None:
+            _take_embeddings(text_model, owner.embed_tokens)
         mx.eval(vlm.parameters())
-        return cls(vlm, image_token_id, cache_bytes, rope, merge)
+        encoder = cls(vlm, image_token_id, cache_bytes, rope, merge, deepstack)
+        if owner is not None and getattr(owner, "embed_scale", 1.0) != 1.0:
+            _take_scaled_embeddings(owner, encoder)
+        return encoder
 
     def row_rope(self, request: GenerationRequest) -> RowRope | None:
         """The request's multimodal RoPE, from its whole prompt (a row that starts from a
@@ -160,6 +176,12 @@ class VisionEncoder:
             ids, to_mx(image.pixel_values), mask=mx.ones((1, image.length)), **extra
         )
         features = merged.inputs_embeds[0]
+        deep = getattr(merged, "deepstack_visual_embeds", None)
+        if self.deepstack is not None and deep is not None and len(deep):
+            at = mx.array(np.flatnonzero(np.array(merged.visual_pos_masks[0])), dtype=mx.uint32)
+            full = mx.zeros((len(deep), *features.shape), dtype=features.dtype)
+            full[:, at] = mx.stack(list(deep)).astype(features.dtype)
+            features = mx.concatenate([features[None], full]).transpose(1, 0, 2)
         if features.shape[0] != image.length:
             raise ValueError(
                 f"the encoder made {features.shape[0]} image embeddings for {image.length} tokens"
@@ -194,9 +216,14 @@ class VisionEncoder:
             _, gone = self._cache.popitem(last=False)
             self._held -= gone.nbytes
 
-    def embed(self, inputs: mx.array) -> mx.array:
-        """Token embeddings of `inputs` ([batch, length]) as the model's merge starts them."""
-        return self._vlm.get_input_embeddings(inputs).inputs_embeds
+    def embed(self, inputs: mx.array) -> dict[str, mx.array]:
+        """The model's inputs for ids `inputs` ([batch, length]) as mlx-vlm's merge starts
+        them: token embeddings, and per-layer inputs where it makes them (Gemma 4's)."""
+        out = self._vlm.get_input_embeddings(inputs)
+        per_layer = {"per_layer_inputs": getattr(out, "per_layer_inputs", None)}
+        return {"input_embeddings": out.inputs_embeds} | {
+            k: v for k, v in per_layer.items() if v is not None
+        }
 
 
 def image_grid(image: ImageInput) -> tuple[int, int, int]:
@@ -210,17 +237,60 @@ def image_grid(image: ImageInput) -> tuple[int, int, int]:
     raise ValueError("an image of this model needs its image_grid_thw (t, h, w)")
 
 
-def _embedding_of(text_model: Any) -> Any:
-    """The token embedding module of an mlx-lm text model (None: not found where expected)."""
+def _embedding_owner(text_model: Any) -> Any:
+    """The module of an mlx-lm text model holding its token embedding (None: not found)."""
     for path in (("language_model", "model"), ("model",)):
         module = text_model
         for name in path:
             module = getattr(module, name, None)
-        embed = getattr(module, "embed_tokens", None)
-        if embed is not None:
-            return embed
+        if getattr(module, "embed_tokens", None) is not None:
+            return module
     log.info("the text model's token embedding was not found; the encoder keeps its own")
     return None
+
+
+def _take_scaled_embeddings(owner: Any, encoder: VisionEncoder) -> None:
+    """Where mlx-vlm's merge makes embeddings scaled by `embed_scale` (Gemma 4's, image features
+    unscaled beside them), the text model takes given ones as they are (x 1.0, exactly)."""
+    probe = mx.arange(8)[None]
+    given = encoder.embed(probe)["input_embeddings"]
+    if mx.array_equal(given, owner.embed_tokens(probe)).item():
+        return
+    base = type(owner)
+
+    class TakesScaled(base):
+        def __call__(self, inputs: Any = None, cache: Any = None, input_embeddings=None, **kw):
+            if input_embeddings is None:
+                return base.__call__(self, inputs, cache, **kw)
+            scale, self.embed_scale = self.embed_scale, 1.0
+            try:
+                return base.__call__(self, inputs, cache, input_embeddings, **kw)
+            finally:
+                self.embed_scale = scale
+
+    owner.__class__ = TakesScaled
+
+
+def _take_embeddings(model: Any, embed: Any) -> None:
+    """Give an mlx-lm text model whose call takes no `input_embeddings` that argument (GLM-4's):
+    in such a forward its token embedding `embed` returns them (both classes swapped)."""
+    if "input_embeddings" in inspect.signature(model.__call__).parameters:
+        return
+    given: list[mx.array] = []
+
+    class Embedding(type(embed)):
+        def __call__(self, x: mx.array) -> mx.array:
+            return given[0] if given else super().__call__(x)
+
+    class Model(type(model)):
+        def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: Any = None):
+            given[:] = [] if input_embeddings is None else [input_embeddings]
+            try:
+                return super().__call__(inputs, cache)
+            finally:
+                given.clear()
+
+    embed.__class__, model.__class__ = Embedding, Model
 
 
 class ImageSpan:
@@ -239,9 +309,10 @@ def chunk_embeddings(
     starts: list[int],
     lengths: list[int],
     images: list[list[ImageSpan]],
-) -> mx.array | None:
-    """The input embeddings of a padded chunk whose row i covers prompt positions
-    `starts[i]` to `starts[i] + lengths[i]` (None: no row's chunk touches an image)."""
+) -> tuple[dict[str, mx.array] | None, contextlib.AbstractContextManager[Any]]:
+    """The model's inputs (`embed`'s) for a padded chunk whose row i covers prompt positions
+    `starts[i]` to `starts[i] + lengths[i]` (None: no row's chunk touches an image), and the
+    forward's deepstack (its features at the chunk's image positions, zero elsewhere)."""
     pieces = []
     for i, (start, n, spans) in enumerate(zip(starts, lengths, images, strict=True)):
         for span in spans:
@@ -249,11 +320,53 @@ def chunk_embeddings(
             if a < b:
                 pieces.append((i, a - start, span.features[a - span.offset : b - span.offset]))
     if not pieces:
-        return None
-    h = encoder.embed(inputs)
+        return None, contextlib.nullcontext()
+    given = encoder.embed(inputs)
+    h, deep = given["input_embeddings"], None
     for i, at, features in pieces:
+        if features.ndim == 3:  # with deepstack features
+            deep = mx.zeros((features.shape[1] - 1, *h.shape), h.dtype) if deep is None else deep
+            deep[:, i, at : at + features.shape[0]] = features[:, 1:].transpose(1, 0, 2)
+            features = features[:, 0]
         h[i, at : at + features.shape[0]] = features.astype(h.dtype)
-    return h
+    # Features with deepstack ones come only from an encoder with its `Deepstack`.
+    return given, contextlib.nullcontext() if deep is None else encoder.deepstack.forward(deep)
+
+
+class Deepstack:
+    """What the text layers wrapped by `enable_deepstack` add to their output in a forward run
+    inside `forward(added)`: layer i its `added[i]` ([layers, batch, width, hidden])."""
+
+    added: mx.array | None = None
+
+    @contextlib.contextmanager
+    def forward(self, added: mx.array) -> Any:
+        self.added = added
+        try:
+            yield
+        finally:
+            self.added = None
+
+
+class _DeepstackLayer:
+    """Mixed into a text layer's class: its output plus its layer's share of the forward's
+    deepstack, as mlx-vlm's text model adds it after each of its first layers."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        h, added = super().__call__(*args, **kwargs), self.deepstack.added  # type: ignore[misc]
+        return h if added is None else h + added[self.deepstack_index]  # type: ignore[attr-defined]
+
+
+def enable_deepstack(text_model: Any, count: int) -> Deepstack:
+    """The first `count` layers of the mlx-lm text model add a shared `Deepstack`'s features
+    (their class swapped for a subclass: the weights' tree is untouched)."""
+    state = Deepstack()
+    for i, layer in enumerate(text_model.layers[:count]):
+        if not isinstance(layer, _DeepstackLayer):
+            base = type(layer)
+            layer.__class__ = type(f"Deepstack{base.__name__}", (_DeepstackLayer, base), {})
+        layer.deepstack, layer.deepstack_index = state, i
+    return state
 
 
 class ImageWork:

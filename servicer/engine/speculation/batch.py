@@ -14,6 +14,7 @@ import mlx.core as mx
 import servicer.engine.cache_kinds as cache_kinds
 
 from ..decode_batch import DecodeBatch, DecodeResponse
+from ..row_inputs import RowContext
 from .config import ModeClock, RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
 from .timing import StepTimer
@@ -78,10 +79,13 @@ class SpeculativeDecodeBatch(DecodeBatch):
         model: Any,
         fallback_sampler: Any,
         speculator: Speculator,
+        context: RowContext | None = None,
         grouping: Callable[[list[Any]], list[Any]] | None = None,
     ) -> SpeculativeDecodeBatch:
         """An empty batch, as the runner starts with."""
-        batch = cls.empty(model, fallback_sampler, speculator=speculator, grouping=grouping)
+        batch = cls.empty(
+            model, fallback_sampler, speculator=speculator, context=context, grouping=grouping
+        )
         assert isinstance(batch, SpeculativeDecodeBatch)
         return batch
 

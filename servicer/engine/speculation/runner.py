@@ -52,7 +52,7 @@ class SpeculativeRunner(BatchRunner):
             padding_inert=padding_inert(self.model),
         )
         self._speculating = SpeculativeDecodeBatch.start(
-            self.model, self.sampler, self._speculator, grouping
+            self.model, self.sampler, self._speculator, self.context, grouping
         )
         return self._speculating
 
