@@ -245,6 +245,13 @@ class VisionFamily:
     text_stack: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
+_LFM2_VL = processor_spec(
+    "<image>",
+    "<image>",
+    "image_token_index",
+    "mlx_vlm.models.lfm2_vl.processing_lfm2_vl:Lfm2VlProcessor",
+)
+
 FAMILIES: dict[str, VisionFamily] = {
     family.model_type: family
     for family in (
@@ -282,17 +289,9 @@ FAMILIES: dict[str, VisionFamily] = {
             "internvl_chat",
         ),
         # mlx-vlm's own processor (numpy and PIL over transformers' torch-only one), run
-        # without MLX (servicer.vlm_modules); LFM2-VL checkpoints say "lfm2-vl".
-        VisionFamily(
-            "lfm2-vl",
-            processor_spec(
-                "<image>",
-                "<image>",
-                "image_token_index",
-                "mlx_vlm.models.lfm2_vl.processing_lfm2_vl:Lfm2VlProcessor",
-            ),
-            "lfm2_vl",
-        ),
+        # without MLX (servicer.vlm_modules); older LFM2-VL checkpoints say "lfm2-vl".
+        VisionFamily("lfm2_vl", _LFM2_VL, "lfm2_vl"),
+        VisionFamily("lfm2-vl", _LFM2_VL, "lfm2_vl_dashed"),
         # mlx-vlm's own processor computes with MLX: the same patches in numpy and PIL.
         # mlx-lm 0.32's kimi_vl leaves mlx-vlm's latent attention weights (kv_b_proj)
         # unsplit: its deepseek_v3, built from text_config, splits them.

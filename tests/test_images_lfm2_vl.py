@@ -22,14 +22,14 @@ from servicer.proto import vllm_engine_pb2_grpc as vgrpc
 from servicer.server import ModelSpec
 
 pytestmark = needs_vlm
-SERVED_NAME = "mlx-grpc-worker-demo-vlm-lfm2-vl"  # --model demo:vlm:lfm2-vl's
+SERVED_NAME = "mlx-grpc-worker-demo-vlm-lfm2_vl"  # --model demo:vlm:lfm2_vl's
 
 
 @pytest.fixture(scope="module")
 def vlm_dir():
     from servicer.demos.vision import demo_vlm_path
 
-    return demo_vlm_path(family="lfm2-vl")
+    return demo_vlm_path(family="lfm2_vl")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_image_and_text_rows_batched_and_a_prefix_hit(stub, vlm_dir):
 
 @pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
 def test_through_the_router_as_media_references_answers_as_mlx_vlm_does(vlm_dir, tmp_path):
-    """Under demo:vlm:lfm2-vl's served name the router has no spec for the family: it
+    """Under demo:vlm:lfm2_vl's served name the router has no spec for the family: it
     sends the image as a media reference, one anchor in the prompt, and the answer is
     mlx-vlm's."""
     from transformers import AutoTokenizer
@@ -156,3 +156,16 @@ def test_the_handler_runs_mlx_vlms_processor_without_mlx(vlm_dir):
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.split("\n")[-2] == "7 []"
+
+
+def test_the_dashed_model_type_answers_as_mlx_vlm_does():
+    """Older LFM2-VL checkpoints say "lfm2-vl": mlx-lm loads their text model itself (the
+    "lfm2_vl" ones: its lfm2 from text_config), and the answers are mlx-vlm's all the same."""
+    from servicer.demos.vision import demo_vlm_path
+
+    vlm_dir = demo_vlm_path(family="lfm2-vl")
+    question, raw = "What do bees make?", png(80, (64, 48))
+    with served(vlm_dir) as stub:
+        done = complete(stub, image_request(router_ids(vlm_dir, question), [data_url(raw)]))
+    want, length = reference(vlm_dir, question, [raw])
+    assert done.prompt_tokens == length and list(done.output_ids) == want

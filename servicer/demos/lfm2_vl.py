@@ -1,6 +1,7 @@
-"""The ``lfm2-vl`` family of the demo vision-language model (``servicer.demos.vision``).
+"""The ``lfm2_vl`` family of the demo vision-language model (``servicer.demos.vision``).
 
-LFM2-VL (LiquidAI; config.json's model type is "lfm2-vl"): a SigLIP2 NaFlex vision tower
+LFM2-VL (LiquidAI; config.json's model type "lfm2_vl" as transformers names it, "lfm2-vl" in
+checkpoints made before: ``servicer.demos.lfm2_vl_dashed``): a SigLIP2 NaFlex vision tower
 (patches flattened, packed into rows of ``MAX_PATCHES``, position embeddings resized to each
 image's patch grid), a pixel unshuffle of 2x2 patches into one, a projector (LayerNorm,
 linear, GELU, linear) and an LFM2 text model (gated short-convolution layers and attention
@@ -20,8 +21,8 @@ itself, without MLX (``servicer.vlm_modules``). Built from the ``llama`` text de
 - the text layers are random (LFM2's differ from llama's): a short-convolution layer, then
   an attention layer (the text demo's sizes), linear layers N(0, 1/fan_in) with each
   layer's output scaled to 4x the embeddings' RMS, under ``language_model.model.``: mlx-vlm
-  runs them with its LFM2 model, the worker with mlx-lm's (mlx-lm loads "lfm2-vl" itself,
-  its vision weights dropped).
+  runs them with its LFM2 model, the worker with mlx-lm's lfm2 built from text_config (mlx-lm
+  has no "lfm2_vl"; it loads "lfm2-vl" checkpoints itself, their vision weights dropped).
 - the vision tower is a tiny SigLIP2 (4-pixel patches, 32-pixel tiles: 8x8 patches, 16
   image tokens a tile), random from a seeded numpy generator; the projector is scaled so
   that the image tokens enter the language model at the text embeddings' RMS.
@@ -127,7 +128,7 @@ def lfm2_text_layers(text: Mapping[str, Any], feature_rms: float, rng) -> dict:
 
 
 class Lfm2Vl(Family):
-    model_type = "lfm2-vl"
+    model_type = "lfm2_vl"
     architecture = "Lfm2VlForConditionalGeneration"
     text_kind = "llama"
     recipe_version = "v1"
