@@ -290,6 +290,11 @@ FAMILIES: dict[str, VisionFamily] = {
         ),
         # mlx-vlm's own processor (numpy and PIL over transformers' torch-only one), run
         # without MLX (servicer.vlm_modules); older LFM2-VL checkpoints say "lfm2-vl".
+        VisionFamily(
+            "aya_vision",
+            processor_spec("<image>", "<|IMG_PATCH|>", "image_token_index"),
+            "aya_vision",
+        ),
         VisionFamily("lfm2_vl", _LFM2_VL, "lfm2_vl"),
         VisionFamily("lfm2-vl", _LFM2_VL, "lfm2_vl_dashed"),
         # mlx-vlm's own processor computes with MLX: the same patches in numpy and PIL.
