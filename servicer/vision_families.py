@@ -277,6 +277,16 @@ FAMILIES: dict[str, VisionFamily] = {
             "smolvlm",
         ),
         VisionFamily("pixtral", _mistral3_spec, "pixtral"),
+        VisionFamily(
+            "llava_onevision",
+            processor_spec("<image>", "<image>", "image_token_index"),
+            "llava_onevision",
+        ),
+        VisionFamily(
+            "gemma4", processor_spec("<|image|>", "<|image|>"), "gemma4", refusal=_two_way_images
+        ),
+        VisionFamily("glm4v", _glm4v_spec, "glm4v", "mrope", text_stack=_glm4_text),
+        VisionFamily("glm4v_moe", _glm4v_spec, "glm4v_moe", "mrope", text_stack=_glm4_text),
         # mlx-vlm's own processor computes with MLX: the same tiling in numpy and PIL.
         VisionFamily(
             "internvl_chat",
@@ -288,13 +298,13 @@ FAMILIES: dict[str, VisionFamily] = {
             ),
             "internvl_chat",
         ),
-        # mlx-vlm's own processor (numpy and PIL over transformers' torch-only one), run
-        # without MLX (servicer.vlm_modules); older LFM2-VL checkpoints say "lfm2-vl".
         VisionFamily(
             "aya_vision",
             processor_spec("<image>", "<|IMG_PATCH|>", "image_token_index"),
             "aya_vision",
         ),
+        # mlx-vlm's own processor (numpy and PIL over transformers' torch-only one), run
+        # without MLX (servicer.vlm_modules); older LFM2-VL checkpoints say "lfm2-vl".
         VisionFamily("lfm2_vl", _LFM2_VL, "lfm2_vl"),
         VisionFamily("lfm2-vl", _LFM2_VL, "lfm2_vl_dashed"),
         # mlx-vlm's own processor computes with MLX: the same patches in numpy and PIL.
@@ -311,16 +321,6 @@ FAMILIES: dict[str, VisionFamily] = {
             "kimi_vl",
             text_stack=dict,  # text_config as it is
         ),
-        VisionFamily(
-            "llava_onevision",
-            processor_spec("<image>", "<image>", "image_token_index"),
-            "llava_onevision",
-        ),
-        VisionFamily(
-            "gemma4", processor_spec("<|image|>", "<|image|>"), "gemma4", refusal=_two_way_images
-        ),
-        VisionFamily("glm4v", _glm4v_spec, "glm4v", "mrope", text_stack=_glm4_text),
-        VisionFamily("glm4v_moe", _glm4v_spec, "glm4v_moe", "mrope", text_stack=_glm4_text),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)

@@ -292,9 +292,9 @@ def test_the_step_profile_finds_both_steps_launch_and_wait_lines() -> None:
     ("family", "text_type", "outcome"),
     [
         ("gemma3", None, "images"),
-        ("qwen3_vl", None, "text only"),  # mlx-lm has its text model; the images are refused
-        ("paligemma", "gemma", "text only"),
-        ("idefics3", None, "text or refused"),  # the checkpoint's text_config decides
+        ("idefics3", None, "images"),  # served: its own text stack type need not be mlx-lm's
+        ("paligemma", "gemma", "text only"),  # mlx-lm has its text model; the images are refused
+        ("molmo", None, "text or refused"),  # the checkpoint's text_config decides
         ("florence2", "florence2", "text or refused"),
     ],
 )

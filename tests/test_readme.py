@@ -427,6 +427,15 @@ def test_make_families_finds_its_place():
             assert families.README_BEGIN not in _text(page), page
 
 
+def test_the_readme_lists_the_served_vision_families():
+    from servicer.vision_families import SERVED_FAMILIES
+
+    text = README.read_text(encoding="utf-8")
+    listed = text.split("<!-- vision families:")[1].split("<!-- end of the vision families")[0]
+    assert re.findall(r"`([\w-]+)`", listed) == list(SERVED_FAMILIES)  # lfm2-vl: a dash
+    assert f"({len(SERVED_FAMILIES)} families)" in listed
+
+
 def test_bench_readme_has_no_changelog():
     headings = re.findall(r"^#+ +(.+)$", _text(BENCH_README), flags=re.MULTILINE)
     history = [h for h in headings if re.search(r"changelog|history|what went|changes", h, re.I)]

@@ -222,6 +222,17 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     _swap("nemotron-nas", "NemotronNASModel", "AttentionCachesOnly", "__call__", "_nemotron_nas"),
     _swap("phi3small", "Phi3Model", "BlockSparseRowMasks", "__call__", "_phi3small"),
     _swap("minimax_m3_vl", "Attention", "RowBlocks", "_block_mask", "_minimax_m3_vl"),
+    *(
+        TouchPoint(
+            Kind.CLASS_SWAP,
+            f"mlx_lm.models.{model}:{layer}",
+            ("servicer/engine/vision.py:enable_deepstack",),
+            "Qwen3-VL's deepstack: the first text layers add the tower's features of theirs "
+            "to their output (a wrapper around the layer's own __call__, which it calls)",
+            ours="servicer.engine.vision:_DeepstackLayer",
+        )
+        for model, layer in (("qwen3", "TransformerBlock"), ("qwen3_moe", "Qwen3MoeDecoderLayer"))
+    ),
     _packed("gemma3_text"),
     _packed("llama"),
     _packed("qwen2"),
