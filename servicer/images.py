@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import importlib
 import json
 import logging
 import math
@@ -236,8 +237,14 @@ def _processor(model_dir: Path, spec: VisionSpec) -> Any:
 
     if spec.anchor_text is None:
         return transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
-    if spec.processor_class is not None:
-        kind = getattr(transformers, spec.processor_class)
+    if spec.processor_class is not None:  # a transformers class, or "module:Class"
+        module, _, name = spec.processor_class.rpartition(":")
+        if module.startswith("mlx_vlm."):  # mlx-vlm's own, run without MLX
+            from .vlm_modules import mlx_vlm_module
+
+            kind = getattr(mlx_vlm_module(module), name)
+        else:
+            kind = getattr(importlib.import_module(module) if module else transformers, name)
         return kind.from_pretrained(str(model_dir), backend="pil")
     try:
         return transformers.AutoProcessor.from_pretrained(str(model_dir), backend="pil")

@@ -40,8 +40,9 @@ class VisionSpec:
     # The checkpoint's own processor expands the anchor, image by image: each image's run is
     # what it makes of `anchor_text` (tiles, row markers and all); `before`/`after` are empty.
     anchor_text: str | None = None
-    # The transformers processor class run in place of the checkpoint's own (None: its own),
-    # where that one needs what the handler side lacks (a torch video processor).
+    # The processor class run in place of the checkpoint's own (None: its own), where that
+    # one needs what the handler side lacks (a torch video processor, MLX): a transformers
+    # class name, or "module:Class".
     processor_class: str | None = None
 
     def run(self, n: int) -> list[int]:
@@ -238,10 +239,18 @@ class VisionFamily:
     router_image_token: str | None = None
     # Why a checkpoint of the family is served as text only (None: it is not).
     refusal: Callable[[dict[str, Any]], str | None] | None = None
-    # The checkpoint's text_config as mlx-lm's text model takes it, where its model_type is
-    # one mlx-lm lacks (engine/model.py's text stack).
+    # The checkpoint's text_config as mlx-lm's text model takes it: the worker builds its text
+    # model from that (engine/model.py's text stack), where mlx-lm lacks its model_type or has
+    # a module for it that cannot load mlx-vlm's weights.
     text_stack: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
+
+_LFM2_VL = processor_spec(
+    "<image>",
+    "<image>",
+    "image_token_index",
+    "mlx_vlm.models.lfm2_vl.processing_lfm2_vl:Lfm2VlProcessor",
+)
 
 FAMILIES: dict[str, VisionFamily] = {
     family.model_type: family
@@ -278,6 +287,40 @@ FAMILIES: dict[str, VisionFamily] = {
         ),
         VisionFamily("glm4v", _glm4v_spec, "glm4v", "mrope", text_stack=_glm4_text),
         VisionFamily("glm4v_moe", _glm4v_spec, "glm4v_moe", "mrope", text_stack=_glm4_text),
+        # mlx-vlm's own processor computes with MLX: the same tiling in numpy and PIL.
+        VisionFamily(
+            "internvl_chat",
+            processor_spec(
+                "<image>",
+                "<IMG_CONTEXT>",
+                "image_token_index",
+                "servicer.numpy_processors:DynamicTilesProcessor",
+            ),
+            "internvl_chat",
+        ),
+        VisionFamily(
+            "aya_vision",
+            processor_spec("<image>", "<|IMG_PATCH|>", "image_token_index"),
+            "aya_vision",
+        ),
+        # mlx-vlm's own processor (numpy and PIL over transformers' torch-only one), run
+        # without MLX (servicer.vlm_modules); older LFM2-VL checkpoints say "lfm2-vl".
+        VisionFamily("lfm2_vl", _LFM2_VL, "lfm2_vl"),
+        VisionFamily("lfm2-vl", _LFM2_VL, "lfm2_vl_dashed"),
+        # mlx-vlm's own processor computes with MLX: the same patches in numpy and PIL.
+        # mlx-lm 0.32's kimi_vl leaves mlx-vlm's latent attention weights (kv_b_proj)
+        # unsplit: its deepseek_v3, built from text_config, splits them.
+        VisionFamily(
+            "kimi_vl",
+            processor_spec(
+                "<|media_pad|>",
+                "<|media_pad|>",
+                "media_placeholder_token_id",
+                "servicer.numpy_processors:NativePatchesProcessor",
+            ),
+            "kimi_vl",
+            text_stack=dict,  # text_config as it is
+        ),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)
@@ -298,6 +341,12 @@ def text_stack_config(config: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(text, dict) or family is None or family.text_stack is None:
         return text if isinstance(text, dict) else None
     return family.text_stack(text)
+
+
+def text_stack_only(config: dict[str, Any]) -> bool:
+    """Whether the worker builds the checkpoint's text model from its text_config alone."""
+    family = FAMILIES.get(config.get("model_type", ""))
+    return family is not None and family.text_stack is not None
 
 
 def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:

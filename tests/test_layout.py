@@ -25,6 +25,8 @@ HANDLER_SIDE = [
     "servicer.engine_config",
     "servicer.grammar",
     "servicer.media",
+    "servicer.numpy_processors",
+    "servicer.vlm_modules",
     "servicer.engine.prefix.keys",
     "servicer.engine.prefix.index",
     "servicer.engine.prefix.snapshots",

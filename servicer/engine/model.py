@@ -24,6 +24,7 @@ from mlx_lm.utils import (
 
 from ..model_files import ModelLoadError
 from ..vision_families import text_stack_config as _text_config
+from ..vision_families import text_stack_only
 from .arch_fixes import UnservableModel, fix_for_batching
 
 log = logging.getLogger(__name__)
@@ -67,12 +68,11 @@ def load_model(
 
 
 # The text stack of a vision-language checkpoint whose model type mlx-lm has no module for
-# (nor a remapping to one), but whose text_config names a text model type it has: that model
-# is built from text_config and takes the checkpoint's language_model.* weights, its vision
-# tower and projector left out. Meant for the LLaVA-style families mlx-lm lacks, as mlx-vlm
-# writes them (llava_next, llava_onevision: text only, their images are refused at start,
-# vision_families.vision_refusal). llava itself mlx-lm loads (its remapping to mistral3 wraps
-# the same llama model), images included; tests/test_demo_vlm.py checks this loader on it too.
+# (nor a remapping to one), or one that cannot take mlx-vlm's weights (the registry's
+# `text_stack`), whose text_config names a text model type mlx-lm has: that model is built
+# from text_config and takes the checkpoint's language_model.* weights, its vision tower and
+# projector left out (llava_next: text only, vision_families.vision_refusal). llava itself
+# mlx-lm loads (its remapping to mistral3 wraps the same llama model), images included.
 def _mlx_lm_knows(model_type: Any) -> bool:
     if not isinstance(model_type, str) or not model_type:
         return False
@@ -84,14 +84,14 @@ def _mlx_lm_knows(model_type: Any) -> bool:
 
 
 def text_stack_config(model_dir: Path) -> dict[str, Any] | None:
-    """The checkpoint's text_config where only its text stack can load with mlx-lm (above);
-    None where mlx-lm loads the checkpoint itself (or nothing can)."""
+    """The checkpoint's text_config where mlx-lm loads only its text stack (above); else None."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
     text = _text_config(config) if isinstance(config, dict) else None
-    if not isinstance(text, dict) or _mlx_lm_knows(config.get("model_type")):
+    whole = _mlx_lm_knows(config.get("model_type")) and not text_stack_only(config)
+    if not isinstance(text, dict) or whole:
         return None
     return text if _mlx_lm_knows(text.get("model_type")) else None
 
