@@ -201,7 +201,7 @@ class Batch:
         if not self._book.prefilling:
             prompt_progress, responses = runner.next(self._chunk, self._catch_up)
             catch_up = runner.caught_up
-            self.cost.observe_decode(decoding, time.perf_counter() - started - catch_up[1])
+            self.cost.decode.observe(decoding, time.perf_counter() - started - catch_up[1])
             self._track_prefill(prompt_progress)
             events = self._collect(responses, out)
             return StepReport(events, None, catch_up=catch_up)

@@ -359,7 +359,7 @@ class EngineLoop:
                     plan.budget_s,
                     batch.decode_step_s,
                 )
-            self.cost.observe_prefill(sample)
+            self.cost.prefill.observe(sample)
             if decoding and scheduler.over_budget(sample, plan):
                 out.over_budget += 1
             out.widened_steps += plan.widened
@@ -421,20 +421,8 @@ def _new_batch(
 ) -> Batch:
     """The engine's batch (its runner built anew should a step fail; speculation's `counters`
     go on across runners). Only rank 0 (`leads`) sends logprobs anywhere."""
-    runner = functools.partial(
-        new_runner,
-        parts.loaded.model,
-        config,
-        stream,
-        parts.speculation,
-        counters,
-        parts.fused_prefill,
-        parts.group_rows,
-        parts.vision,
-        parts.adapters,
-    )
     return Batch(
-        runner,
+        functools.partial(new_runner, parts, config, stream, counters),
         parts.sampling,
         parts.prefix,
         config.faults,

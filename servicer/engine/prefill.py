@@ -191,12 +191,6 @@ class StepCost:
             return MIN_CATCH_UP
         return max(int(budget_s / self._catch_up_rate), 0)
 
-    def observe_prefill(self, sample: PrefillSample) -> None:
-        self.prefill.observe(sample)
-
-    def observe_decode(self, rows: int, seconds: float) -> None:
-        self.decode.observe(rows, seconds)
-
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
