@@ -446,7 +446,6 @@ class NoPrefixStore:
     """The prompt cache turned off (`--prompt-cache-size 0`, or not possible): every lookup
     a miss, nothing kept, nothing to load."""
 
-    block_size = 0
     loading = False
 
     def match(self, request: GenerationRequest) -> Match:
@@ -460,9 +459,6 @@ class NoPrefixStore:
 
     def snapshot_points(self, request: GenerationRequest, start: int) -> list[int]:
         return []
-
-    def keep(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
-        pass
 
     def keep_later(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
         pass
