@@ -47,7 +47,6 @@ class _Verified:
     fed: list[list[int]]  # what each row fed the forward: its pending token and drafts
     chosen: list[list[int]]  # the target's draw at each of the row's positions
     logprobs: mx.array  # (B, S, V), the target's, at every verified position
-    width: int  # S
     used_keys: list[int] = field(default_factory=list)  # draws each row kept
 
 
@@ -245,7 +244,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
         samplers = [self._sampler(i) for i in range(len(self.uids))]
         chosen = choose(logprobs, samplers, [1 + len(d) for d in drafts])
         mx.eval(chosen, logprobs, contexts)
-        step = _Verified(pending, drafts, fed, [c.tolist() for c in chosen], logprobs, width)
+        step = _Verified(pending, drafts, fed, [c.tolist() for c in chosen], logprobs)
         return self._settle(step, samplers)
 
     def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
