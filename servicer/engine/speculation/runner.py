@@ -37,7 +37,7 @@ class SpeculativeRunner(BatchRunner):
         self._source, self._config = source, speculation or SpeculationConfig()
         self._counters = counters or SpeculationCounters()
         super().__init__(model, **kwargs)
-        supported, reason = speculation_supported(model, self.max_kv_size)
+        supported, reason = speculation_supported(model)
         if not supported:
             self.close()
             raise ValueError(f"speculative decoding is not supported: {reason}")
