@@ -24,7 +24,6 @@ from ..ratelimit import RateLimitedLog
 from ..text import TextTracker
 from .adapters import AdapterSet
 from .constraints import GrammarProcessor
-from .lockstep import LockstepBroken
 from .prefill import PrefillSample, StepCost
 from .prefix.store import AnyPrefixStore, Hit
 from .row_inputs import RowInputs
@@ -331,12 +330,6 @@ def _stop_string(text: TextTracker, token: int) -> bool:
     """Whether `token` completes one of the row's stop strings."""
     text.add((token,))
     return text.matched is not None
-
-
-def check_same_prefix(cached: int, expected: int) -> None:
-    """A follower's prefix lookup must agree with rank 0's."""
-    if cached != expected:
-        raise LockstepBroken("the ranks' prefix caches disagree")
 
 
 @dataclass(slots=True)
