@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
@@ -129,7 +129,8 @@ class DecodeBatch:
             self._step()
 
     @classmethod
-    def empty(cls, model: Any, fallback_sampler: Any, **kwargs: Any) -> DecodeBatch:
+    def empty(cls, model: Any, fallback_sampler: Any, **kwargs: Any) -> Self:
+        """An empty batch, as the runner starts with."""
         return cls(
             model=model,
             uids=[],

@@ -51,8 +51,12 @@ class SpeculativeRunner(BatchRunner):
             modes=ModeClock(window=config.mode_window, first_gap=config.mode_gap),
             padding_inert=padding_inert(self.model),
         )
-        self._speculating = SpeculativeDecodeBatch.start(
-            self.model, self.sampler, self._speculator, self.context, grouping
+        self._speculating = SpeculativeDecodeBatch.empty(
+            self.model,
+            self.sampler,
+            speculator=self._speculator,
+            context=self.context,
+            grouping=grouping,
         )
         return self._speculating
 
