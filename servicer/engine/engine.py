@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 import mlx.core as mx
@@ -448,19 +448,16 @@ def _new_scheduler(
         max_rows=prefill_rows(model_type, config.prefill_batch_size),
         max_widen=config.max_prefill_stall_widen,
     )
-    store = parts.prefix
+
+    def ready(request: GenerationRequest) -> bool:
+        """Its prefix is read (from disk, if it was there) and its images are encoded."""
+        return parts.prefix.ready(request) and (encodes is None or encodes.ready(request))
+
     return Scheduler(
         parts.admission,
         policy,
         reusable=lookups,
-        ready=store.ready if encodes is None else _both(store.ready, encodes.ready),
+        ready=ready,
         max_rows=config.completion_batch_size,
         cost=cost,
     )
-
-
-def _both(
-    first: Callable[[GenerationRequest], bool], second: Callable[[GenerationRequest], bool]
-) -> Callable[[GenerationRequest], bool]:
-    """A request is ready when its prefix is read (`first`) and its images encoded (`second`)."""
-    return lambda request: first(request) and second(request)
