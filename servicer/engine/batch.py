@@ -101,20 +101,16 @@ class Batch:
 
     @property
     def starting(self) -> int:
-        """Rows whose first token is not out yet."""
         return self._book.starting
 
     @property
     def admitted_prompt(self) -> int:
-        """Prompt tokens of every row admitted so far."""
         return self._book.admitted_prompt
 
     def tickets(self) -> set[int]:
-        """The tickets of the requests in the batch."""
         return self._book.tickets()
 
     def handed_over(self) -> None:
-        """Every row's events so far went to the handlers."""
         self._book.handed_over()
 
     def set_plan(self, plan: Plan) -> None:

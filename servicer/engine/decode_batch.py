@@ -192,7 +192,6 @@ class DecodeBatch:
         self._matchers = [self._matchers[i] for i in keep]
 
     def extract_cache(self, i: int) -> list[Any]:
-        """Row i's caches on their own."""
         return [cache.extract(i) for cache in self.prompt_cache]
 
     @property

@@ -75,7 +75,6 @@ class BatchRunner:
 
     @property
     def prefilling(self) -> bool:
-        """Whether prompts are in prefill."""
         return len(self.prefill) > 0
 
     def close(self) -> None:
@@ -205,7 +204,6 @@ class BatchRunner:
         return responses
 
     def _step_decoding(self) -> list[DecodeResponse]:
-        """The decoding rows' step."""
         return self.decoding.next()
 
     # ----- a prompt's chunk in the decoding rows' forward -----

@@ -203,7 +203,6 @@ class DiskLink:
         return loading is not None
 
     def on_done(self, wake: Callable[[], None]) -> None:
-        """`wake` is called (from a disk thread) whenever a write or a load finishes."""
         self.disk.on_done(wake)
 
 

@@ -348,12 +348,6 @@ class RaggedQuantizedKVCache(QuantizedAttention, RaggedKVCache):
         start, end = layer.left_padding.tolist(), [layer._idx] * rows
         return cls(layer.keys, layer.values, start, end, layer.kv_bits, layer.kv_group_size)
 
-    def _quantize(self, keys: mx.array, values: mx.array) -> tuple[KV, KV]:
-        def q(x: mx.array) -> KV:
-            return tuple(mx.quantize(x, group_size=self.kv_group_size, bits=self.kv_bits))
-
-        return q(keys), q(values)
-
     def _empty_row(self) -> Any:
         return self.row_class(group_size=self.kv_group_size, bits=self.kv_bits)
 
