@@ -24,14 +24,15 @@ from ..ratelimit import RateLimitedLog
 from ..text import TextTracker
 from .adapters import AdapterSet
 from .constraints import GrammarProcessor
+from .parts import EngineParts
 from .prefill import PrefillSample, StepCost
-from .prefix.store import AnyPrefixStore, Hit
+from .prefix.store import Hit
 from .row_inputs import RowInputs
 from .rows import Row, RowBook
 from .runner import BatchRunner
-from .sampling import SamplingFactory, gather_logprobs
+from .sampling import gather_logprobs
 from .scheduler import Admit, BatchView, Plan
-from .vision import ImageWork, VisionEncoder
+from .vision import ImageWork
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,24 +56,21 @@ class Batch:
     def __init__(
         self,
         new_runner: Callable[[], BatchRunner],
-        sampling: SamplingFactory,
-        prefix: AnyPrefixStore,
+        parts: EngineParts,
         faults: FaultPlan | None = None,
         wants_logprobs: bool = True,
-        new_row: Callable[[], list[Any]] | None = None,
         cost: StepCost | None = None,
-        vision: VisionEncoder | None = None,
-        adapters: AdapterSet | None = None,
     ) -> None:
-        """`new_row`: a request's empty caches (quantized ones with --kv-bits); None: the
-        runner makes mlx-lm's. `adapters`: the LoRA adapters requests name (by name)."""
-        self._new_row = new_row
-        self._adapters = adapters
-        self._images = ImageWork(vision)  # a vision model's images, encoded as rows join
+        """`parts`: the model's sampling, prefix store, a request's empty caches (`new_row`:
+        quantized ones with --kv-bits; None: the runner makes mlx-lm's), its vision encoder
+        and the LoRA adapters requests name (by name)."""
+        self._new_row = parts.new_row
+        self._adapters = parts.adapters
+        self._images = ImageWork(parts.vision)  # a vision model's images, encoded as rows join
         self._new_runner = new_runner
         self._runner = new_runner()
-        self._sampling = sampling
-        self._prefix = prefix
+        self._sampling = parts.sampling
+        self._prefix = parts.prefix
         self._faults = faults
         self._wants_logprobs = wants_logprobs  # only rank 0 sends them anywhere
         self._errors = RateLimitedLog(log, 10.0)

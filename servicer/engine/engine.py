@@ -230,7 +230,10 @@ class EngineLoop:
         self.store = parts.prefix
         self.speculation = SpeculationCounters()  # across runners, should one be replaced
         self.cost = StepCost()  # every part of a step, learned: the scheduler plans with it
-        self.batch = _new_batch(parts, config, stream, self.speculation, self._leads, self.cost)
+        # The runner is built anew should a step fail (speculation's counters go on across
+        # runners); only rank 0 (`leads`) sends logprobs anywhere.
+        runner = functools.partial(new_runner, parts, config, stream, self.speculation)
+        self.batch = Batch(runner, parts, config.faults, self._leads, self.cost)
         if config.warmup:
             warm_up(self.batch.runner, info.bos_token_id or 0, parts.new_row)
         self.store.on_disk_done(inbox.nudge)
@@ -409,29 +412,6 @@ class EngineLoop:
         tickets = self.scheduler.drain() + [r.ticket for r in self._inbox.drop_samples()]
         out.events.extend(RowEvent(ticket, None, FINISH_ABORT) for ticket in tickets)
         self.batch.end_all(out)
-
-
-def _new_batch(
-    parts: EngineParts,
-    config: EngineConfig,
-    stream: mx.Stream,
-    counters: SpeculationCounters,
-    leads: bool,
-    cost: StepCost,
-) -> Batch:
-    """The engine's batch (its runner built anew should a step fail; speculation's `counters`
-    go on across runners). Only rank 0 (`leads`) sends logprobs anywhere."""
-    return Batch(
-        functools.partial(new_runner, parts, config, stream, counters),
-        parts.sampling,
-        parts.prefix,
-        config.faults,
-        wants_logprobs=leads,
-        new_row=parts.new_row,
-        cost=cost,
-        vision=parts.vision,
-        adapters=parts.adapters,
-    )
 
 
 def _new_scheduler(
