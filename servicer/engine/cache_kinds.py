@@ -222,6 +222,8 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
 
 # A class with no named base: what one token made it hold is counted per token.
 UNFAMILIAR = CacheKind("a cache this table does not name")
+# What an unnamed subclass does not inherit from its named base (see the module docstring).
+_PROMISES = ("attention_kv", "quantize", "speculates", "drafts", "groups_rows")
 
 
 def kind_of(cache: Any) -> CacheKind:
@@ -232,14 +234,7 @@ def kind_of(cache: Any) -> CacheKind:
         if kind is not None:
             if base is cls:
                 return kind
-            return replace(
-                kind,
-                attention_kv=False,
-                quantize=False,
-                speculates=False,
-                drafts=False,
-                groups_rows=False,
-            )
+            return replace(kind, **dict.fromkeys(_PROMISES, False))
     return UNFAMILIAR
 
 

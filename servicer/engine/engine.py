@@ -42,7 +42,7 @@ from .encoding import ImageEncodes
 from .figures import FiguresPublisher
 from .inbox import Inbox
 from .lockstep import Lockstep
-from .parts import EngineParts, build_parts, new_runner, warm_up
+from .parts import build_parts, new_runner, warm_up
 from .planner import Planner, PrefixLookups
 from .prefill import PrefillPolicy, StepCost
 from .prefix.store import Hit
@@ -239,9 +239,7 @@ class EngineLoop:
         self.store.on_disk_done(inbox.nudge)
         lookups = PrefixLookups(self.store, config)
         self.encodes = ImageEncodes(parts.vision, lookups) if parts.vision is not None else None
-        self.scheduler = _new_scheduler(
-            parts, config, info.model_type, self.cost, self.encodes, lookups
-        )
+        self.scheduler = self._new_scheduler(info.model_type, lookups)
         self.embedder = Embedder.of(
             parts.loaded.model, self._lockstep is not None, config.prefill_step_size
         )
@@ -396,10 +394,9 @@ class EngineLoop:
         self._sink.put(out, due=True)
 
     def _send(self, out: StepOutput, due: bool) -> None:
-        """Hand the output over; the loop wakes only once the output rule
-        (`outbox.output_due`) says some handler needs it. Then the step's
-        finished and prefilled blocks are kept (their block events go with the next output,
-        at once when nothing runs)."""
+        """Hand the output over; the loop wakes only once the output rule (`outbox.output_due`)
+        says some handler needs it. Then the step's finished and prefilled blocks are kept
+        (their block events go with the next output, at once when nothing runs)."""
         if out:
             due = output_due(out, due, bool(self.batch.rows))
             if due:
@@ -413,31 +410,24 @@ class EngineLoop:
         out.events.extend(RowEvent(ticket, None, FINISH_ABORT) for ticket in tickets)
         self.batch.end_all(out)
 
+    def _new_scheduler(self, model_type: str, lookups: PrefixLookups) -> Scheduler:
+        config, store, encodes = self.config, self.store, self.encodes
+        policy = PrefillPolicy(
+            max_stall_s=config.max_prefill_stall_ms / 1000,
+            step_tokens=config.prefill_step_size,
+            max_rows=prefill_rows(model_type, config.prefill_batch_size),
+            max_widen=config.max_prefill_stall_widen,
+        )
 
-def _new_scheduler(
-    parts: EngineParts,
-    config: EngineConfig,
-    model_type: str,
-    cost: StepCost,
-    encodes: ImageEncodes | None,
-    lookups: PrefixLookups,
-) -> Scheduler:
-    policy = PrefillPolicy(
-        max_stall_s=config.max_prefill_stall_ms / 1000,
-        step_tokens=config.prefill_step_size,
-        max_rows=prefill_rows(model_type, config.prefill_batch_size),
-        max_widen=config.max_prefill_stall_widen,
-    )
+        def ready(request: GenerationRequest) -> bool:
+            """Its prefix is read (from disk, if it was there) and its images are encoded."""
+            return store.ready(request) and (encodes is None or encodes.ready(request))
 
-    def ready(request: GenerationRequest) -> bool:
-        """Its prefix is read (from disk, if it was there) and its images are encoded."""
-        return parts.prefix.ready(request) and (encodes is None or encodes.ready(request))
-
-    return Scheduler(
-        parts.admission,
-        policy,
-        reusable=lookups,
-        ready=ready,
-        max_rows=config.completion_batch_size,
-        cost=cost,
-    )
+        return Scheduler(
+            self.parts.admission,
+            policy,
+            reusable=lookups,
+            ready=ready,
+            max_rows=config.completion_batch_size,
+            cost=self.cost,
+        )
