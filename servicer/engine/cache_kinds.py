@@ -128,11 +128,9 @@ def _rows_merged(layer: Any) -> Any:
 
 def _batch(description: str, ragged: type) -> CacheKind:
     """mlx-lm's batch of full-attention rows, which a speculating batch adopts as `ragged`."""
-
-    def adopt(layer: Any, extra: int, padding_inert: bool) -> Any:
-        return ragged.adopt(layer)
-
-    return CacheKind(description, groups_rows=True, adopt=adopt)
+    return CacheKind(
+        description, groups_rows=True, adopt=lambda layer, extra, inert: ragged.adopt(layer)
+    )
 
 
 def _ragged(description: str) -> CacheKind:

@@ -273,14 +273,12 @@ class DecodeBatch:
         keep, responses = [], []
         for i, uid in enumerate(self.uids):
             finish = self._advance(i, tokens[i])
+            cache = row_tokens = None  # a finished row's last response carries them
             if finish is None:
                 keep.append(i)
-                responses.append(DecodeResponse(uid, tokens[i], logprobs[i], None, None, None))
             else:
                 cache, row_tokens = self.extract_cache(i), self.tokens[i]
-                responses.append(
-                    DecodeResponse(uid, tokens[i], logprobs[i], finish, cache, row_tokens)
-                )
+            responses.append(DecodeResponse(uid, tokens[i], logprobs[i], finish, cache, row_tokens))
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses

@@ -214,21 +214,10 @@ def _quantized_rows(config: EngineConfig, loaded: LoadedModel) -> Callable[[], l
         _dry_run(model, make_row_cache(model, bits, group_size, dequantize))
     except Exception as exc:
         raise ModelLoadError(f"--kv-bits {bits} --kv-group-size {group_size}: {exc}") from exc
+    how = "attention on the quantized data (QuantizedRowCache)"
     if dequantize:
-        log.info(
-            "KV cache quantized: %d bits, groups of %d, stored quantized and dequantized for "
-            "attention (DequantizingRowCache): %s",
-            bits,
-            group_size,
-            why,
-        )
-    else:
-        log.info(
-            "KV cache quantized: %d bits, groups of %d, attention on the quantized data "
-            "(QuantizedRowCache)",
-            bits,
-            group_size,
-        )
+        how = f"stored quantized and dequantized for attention (DequantizingRowCache): {why}"
+    log.info("KV cache quantized: %d bits, groups of %d, %s", bits, group_size, how)
     return lambda: make_row_cache(model, bits, group_size, dequantize)
 
 

@@ -55,10 +55,7 @@ class PrefillSample:
     context: int
     seconds: float
     starting: int = 0
-
-    @property
-    def any(self) -> bool:
-        return self.rows * self.chunk > 0 or self.starting > 0
+    any = PrefillWork.any  # the same rule as the work it measures
 
 
 def _features(rows: int, chunk: int, context: int, starting: int) -> np.ndarray:

@@ -242,16 +242,12 @@ class RaggedKVCache(_RowEnds, _BaseCache):
                     return kv
                 return tree_map(lambda x: mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]), kv)
 
-            self.keys = tree_map(
-                lambda a, b: mx.concatenate([a, b]),
-                fit(self, self.keys, like),
-                fit(other, other.keys, like),
-            )
-            self.values = tree_map(
-                lambda a, b: mx.concatenate([a, b]),
-                fit(self, self.values, like_v),
-                fit(other, other.values, like_v),
-            )
+            def joined(mine: KV, theirs: KV, template: KV) -> KV:
+                parts = fit(self, mine, template), fit(other, theirs, template)
+                return tree_map(lambda a, b: mx.concatenate([a, b]), *parts)
+
+            self.keys = joined(self.keys, other.keys, like)
+            self.values = joined(self.values, other.values, like_v)
         self._start += other._start
         self._end += other._end
         self._mark = list(self._end)
