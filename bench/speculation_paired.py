@@ -77,19 +77,8 @@ def measure(parts: Any, config: Any, prompts: list[list[int]], chunks: int, gain
     seconds: dict[str, list[float]] = {"off": [], "on": []}
     with mx.stream(stream):
         rows = {
-            name: Rows(
-                new_runner(
-                    parts.loaded.model,
-                    config,
-                    stream,
-                    speculation,
-                    SpeculationCounters(),
-                    parts.fused_prefill,
-                    parts.group_rows,
-                ),
-                prompts,
-            )
-            for name, speculation in (("off", None), ("on", parts.speculation))
+            name: Rows(new_runner(parts, config, stream, SpeculationCounters(), speculate), prompts)
+            for name, speculate in (("off", False), ("on", True))
         }
         for each in rows.values():
             each.gain(3 * gain)  # the prompts' prefill, and the clocks' first windows

@@ -93,15 +93,7 @@ def test_a_plain_decode_step_launches_the_raw_engines_operations(
 
     parts = build_parts(config, prepare_model_files(ModelSpec(str(path))).info)
     assert parts.speculation is not None  # speculation is on by default
-    ours = new_runner(
-        parts.loaded.model,
-        config,
-        stream,
-        parts.speculation if speculate else None,
-        None,
-        parts.fused_prefill,
-        parts.group_rows,
-    )
+    ours = new_runner(parts, config, stream, speculate=speculate)
     served = _step_graphs(ours, rows, parts.new_row, monkeypatch, "servicer.engine.decode_batch")
     assert len(raw) == len(served) == 3
     for raw_graph, served_graph in zip(raw, served, strict=True):

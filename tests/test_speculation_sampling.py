@@ -36,7 +36,7 @@ def first_tokens(model: Any, prompt: list[int], source: Any, seed: int) -> tuple
     batch = replicated_batch(model, prompt, SAMPLES, sampler, max_tokens=4)
     if source is not None:
         speculator = Speculator(source, SpeculationConfig(max_rows=SAMPLES, k_max=2, costed=False))
-        spec = SpeculativeDecodeBatch.start(model, greedy_sampler, speculator)
+        spec = SpeculativeDecodeBatch.empty(model, greedy_sampler, speculator=speculator)
         spec.extend(batch)
         batch = spec
     tokens: dict[int, list[int]] = {}

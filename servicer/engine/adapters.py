@@ -127,21 +127,7 @@ class AdapterSet:
 
     def set(self, rows: Sequence[int]) -> None:
         """The next forward's adapter per row (batch axis), 0 for the base."""
-        self._install(np.asarray(list(rows), dtype=np.int64).reshape(-1, 1))
-
-    def clear(self) -> None:
-        self._rows, self._masks = 0, ()
-
-    @contextmanager
-    def forward(self, rows: Sequence[int]) -> Iterator[None]:
-        """`set(rows)` for the forwards run inside, cleared on leaving."""
-        self.set(rows)
-        try:
-            yield
-        finally:
-            self.clear()
-
-    def _install(self, ids: np.ndarray) -> None:
+        ids = np.asarray(list(rows), dtype=np.int64).reshape(-1, 1)
         bad = sorted({int(i) for i in ids.flat if not 0 <= i <= len(self.names)})
         if bad:
             raise ValueError(f"adapter indices {bad} are not loaded (0 to {len(self.names)})")
@@ -155,6 +141,18 @@ class AdapterSet:
             masks.append((index, None if hit.all() else mx.array(hit)[..., None]))
         self._rows = int(ids.shape[0])
         self._masks = tuple(masks)
+
+    def clear(self) -> None:
+        self._rows, self._masks = 0, ()
+
+    @contextmanager
+    def forward(self, rows: Sequence[int]) -> Iterator[None]:
+        """`set(rows)` for the forwards run inside, cleared on leaving."""
+        self.set(rows)
+        try:
+            yield
+        finally:
+            self.clear()
 
     def masks(self, x: mx.array) -> tuple[tuple[int, mx.array | None], ...]:
         """The adapters present in this forward, each with the rows (rows, tokens, 1) it takes
@@ -234,9 +232,7 @@ class MultiLoRALinear(nn.Module):
 
     def _dora(self, x: mx.array, plain: mx.array, update: LowRank) -> mx.array:
         """mlx-lm's DoRALinear.__call__, from its x @ Wᵀ (`plain`)."""
-        z = (x @ update.lora_a) @ update.lora_b
-        out = plain + (update.scale * z).astype(x.dtype)
-        out = update.norm_scale.astype(x.dtype) * out
+        out = update.norm_scale.astype(x.dtype) * self._lora(x, plain, update)
         if "bias" in self.linear:
             out = out + self.linear.bias
         return out

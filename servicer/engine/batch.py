@@ -24,15 +24,15 @@ from ..ratelimit import RateLimitedLog
 from ..text import TextTracker
 from .adapters import AdapterSet
 from .constraints import GrammarProcessor
-from .lockstep import LockstepBroken
+from .parts import EngineParts
 from .prefill import PrefillSample, StepCost
-from .prefix.store import AnyPrefixStore, Hit
+from .prefix.store import Hit
 from .row_inputs import RowInputs
 from .rows import Row, RowBook
 from .runner import BatchRunner
-from .sampling import SamplingFactory, gather_logprobs
+from .sampling import gather_logprobs
 from .scheduler import Admit, BatchView, Plan
-from .vision import ImageWork, VisionEncoder
+from .vision import ImageWork
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,24 +56,21 @@ class Batch:
     def __init__(
         self,
         new_runner: Callable[[], BatchRunner],
-        sampling: SamplingFactory,
-        prefix: AnyPrefixStore,
+        parts: EngineParts,
         faults: FaultPlan | None = None,
         wants_logprobs: bool = True,
-        new_row: Callable[[], list[Any]] | None = None,
         cost: StepCost | None = None,
-        vision: VisionEncoder | None = None,
-        adapters: AdapterSet | None = None,
     ) -> None:
-        """`new_row`: a request's empty caches (quantized ones with --kv-bits); None: the
-        runner makes mlx-lm's. `adapters`: the LoRA adapters requests name (by name)."""
-        self._new_row = new_row
-        self._adapters = adapters
-        self._images = ImageWork(vision)  # a vision model's images, encoded as rows join
+        """`parts`: the model's sampling, prefix store, a request's empty caches (`new_row`:
+        quantized ones with --kv-bits; None: the runner makes mlx-lm's), its vision encoder
+        and the LoRA adapters requests name (by name)."""
+        self._new_row = parts.new_row
+        self._adapters = parts.adapters
+        self._images = ImageWork(parts.vision)  # a vision model's images, encoded as rows join
         self._new_runner = new_runner
         self._runner = new_runner()
-        self._sampling = sampling
-        self._prefix = prefix
+        self._sampling = parts.sampling
+        self._prefix = parts.prefix
         self._faults = faults
         self._wants_logprobs = wants_logprobs  # only rank 0 sends them anywhere
         self._errors = RateLimitedLog(log, 10.0)
@@ -102,20 +99,16 @@ class Batch:
 
     @property
     def starting(self) -> int:
-        """Rows whose first token is not out yet."""
         return self._book.starting
 
     @property
     def admitted_prompt(self) -> int:
-        """Prompt tokens of every row admitted so far."""
         return self._book.admitted_prompt
 
     def tickets(self) -> set[int]:
-        """The tickets of the requests in the batch."""
         return self._book.tickets()
 
     def handed_over(self) -> None:
-        """Every row's events so far went to the handlers."""
         self._book.handed_over()
 
     def set_plan(self, plan: Plan) -> None:
@@ -201,7 +194,7 @@ class Batch:
         if not self._book.prefilling:
             prompt_progress, responses = runner.next(self._chunk, self._catch_up)
             catch_up = runner.caught_up
-            self.cost.observe_decode(decoding, time.perf_counter() - started - catch_up[1])
+            self.cost.decode.observe(decoding, time.perf_counter() - started - catch_up[1])
             self._track_prefill(prompt_progress)
             events = self._collect(responses, out)
             return StepReport(events, None, catch_up=catch_up)
@@ -331,12 +324,6 @@ def _stop_string(text: TextTracker, token: int) -> bool:
     """Whether `token` completes one of the row's stop strings."""
     text.add((token,))
     return text.matched is not None
-
-
-def check_same_prefix(cached: int, expected: int) -> None:
-    """A follower's prefix lookup must agree with rank 0's."""
-    if cached != expected:
-        raise LockstepBroken("the ranks' prefix caches disagree")
 
 
 @dataclass(slots=True)

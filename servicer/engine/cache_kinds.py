@@ -128,11 +128,9 @@ def _rows_merged(layer: Any) -> Any:
 
 def _batch(description: str, ragged: type) -> CacheKind:
     """mlx-lm's batch of full-attention rows, which a speculating batch adopts as `ragged`."""
-
-    def adopt(layer: Any, extra: int, padding_inert: bool) -> Any:
-        return ragged.adopt(layer)
-
-    return CacheKind(description, groups_rows=True, adopt=adopt)
+    return CacheKind(
+        description, groups_rows=True, adopt=lambda layer, extra, inert: ragged.adopt(layer)
+    )
 
 
 def _ragged(description: str) -> CacheKind:
@@ -222,6 +220,8 @@ KINDS: Mapping[type, CacheKind] = MappingProxyType(
 
 # A class with no named base: what one token made it hold is counted per token.
 UNFAMILIAR = CacheKind("a cache this table does not name")
+# What an unnamed subclass does not inherit from its named base (see the module docstring).
+_PROMISES = ("attention_kv", "quantize", "speculates", "drafts", "groups_rows")
 
 
 def kind_of(cache: Any) -> CacheKind:
@@ -232,14 +232,7 @@ def kind_of(cache: Any) -> CacheKind:
         if kind is not None:
             if base is cls:
                 return kind
-            return replace(
-                kind,
-                attention_kv=False,
-                quantize=False,
-                speculates=False,
-                drafts=False,
-                groups_rows=False,
-            )
+            return replace(kind, **dict.fromkeys(_PROMISES, False))
     return UNFAMILIAR
 
 

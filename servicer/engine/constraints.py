@@ -89,7 +89,6 @@ class GrammarFactory:
     def __init__(
         self, hf_tokenizer: object, vocab_size: int, eos: int, build_at_load: bool = False
     ) -> None:
-        self._hf_tokenizer = hf_tokenizer
         self.hf_tokenizer = hf_tokenizer  # the model's (stop strings decode with it too)
         self._vocab_size = vocab_size
         self._eos = eos
@@ -109,7 +108,7 @@ class GrammarFactory:
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self._checker is None:
-            self._checker = GrammarChecker(self._hf_tokenizer, self._vocab_size, self._eos)
+            self._checker = GrammarChecker(self.hf_tokenizer, self._vocab_size, self._eos)
         tokenizer = self._checker.tokenizer
         if tokenizer is None:
             raise ValueError(self._checker.unavailable)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
@@ -129,7 +129,8 @@ class DecodeBatch:
             self._step()
 
     @classmethod
-    def empty(cls, model: Any, fallback_sampler: Any, **kwargs: Any) -> DecodeBatch:
+    def empty(cls, model: Any, fallback_sampler: Any, **kwargs: Any) -> Self:
+        """An empty batch, as the runner starts with."""
         return cls(
             model=model,
             uids=[],
@@ -191,7 +192,6 @@ class DecodeBatch:
         self._matchers = [self._matchers[i] for i in keep]
 
     def extract_cache(self, i: int) -> list[Any]:
-        """Row i's caches on their own."""
         return [cache.extract(i) for cache in self.prompt_cache]
 
     @property
@@ -273,14 +273,12 @@ class DecodeBatch:
         keep, responses = [], []
         for i, uid in enumerate(self.uids):
             finish = self._advance(i, tokens[i])
+            cache = row_tokens = None  # a finished row's last response carries them
             if finish is None:
                 keep.append(i)
-                responses.append(DecodeResponse(uid, tokens[i], logprobs[i], None, None, None))
             else:
                 cache, row_tokens = self.extract_cache(i), self.tokens[i]
-                responses.append(
-                    DecodeResponse(uid, tokens[i], logprobs[i], finish, cache, row_tokens)
-                )
+            responses.append(DecodeResponse(uid, tokens[i], logprobs[i], finish, cache, row_tokens))
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses

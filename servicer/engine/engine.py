@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 import mlx.core as mx
@@ -42,7 +42,7 @@ from .encoding import ImageEncodes
 from .figures import FiguresPublisher
 from .inbox import Inbox
 from .lockstep import Lockstep
-from .parts import EngineParts, build_parts, new_runner, warm_up
+from .parts import build_parts, new_runner, warm_up
 from .planner import Planner, PrefixLookups
 from .prefill import PrefillPolicy, StepCost
 from .prefix.store import Hit
@@ -230,15 +230,16 @@ class EngineLoop:
         self.store = parts.prefix
         self.speculation = SpeculationCounters()  # across runners, should one be replaced
         self.cost = StepCost()  # every part of a step, learned: the scheduler plans with it
-        self.batch = _new_batch(parts, config, stream, self.speculation, self._leads, self.cost)
+        # The runner is built anew should a step fail (speculation's counters go on across
+        # runners); only rank 0 (`leads`) sends logprobs anywhere.
+        runner = functools.partial(new_runner, parts, config, stream, self.speculation)
+        self.batch = Batch(runner, parts, config.faults, self._leads, self.cost)
         if config.warmup:
             warm_up(self.batch.runner, info.bos_token_id or 0, parts.new_row)
         self.store.on_disk_done(inbox.nudge)
         lookups = PrefixLookups(self.store, config)
         self.encodes = ImageEncodes(parts.vision, lookups) if parts.vision is not None else None
-        self.scheduler = _new_scheduler(
-            parts, config, info.model_type, self.cost, self.encodes, lookups
-        )
+        self.scheduler = self._new_scheduler(info.model_type, lookups)
         self.embedder = Embedder.of(
             parts.loaded.model, self._lockstep is not None, config.prefill_step_size
         )
@@ -359,7 +360,7 @@ class EngineLoop:
                     plan.budget_s,
                     batch.decode_step_s,
                 )
-            self.cost.observe_prefill(sample)
+            self.cost.prefill.observe(sample)
             if decoding and scheduler.over_budget(sample, plan):
                 out.over_budget += 1
             out.widened_steps += plan.widened
@@ -393,10 +394,9 @@ class EngineLoop:
         self._sink.put(out, due=True)
 
     def _send(self, out: StepOutput, due: bool) -> None:
-        """Hand the output over; the loop wakes only once the output rule
-        (`outbox.output_due`) says some handler needs it. Then the step's
-        finished and prefilled blocks are kept (their block events go with the next output,
-        at once when nothing runs)."""
+        """Hand the output over; the loop wakes only once the output rule (`outbox.output_due`)
+        says some handler needs it. Then the step's finished and prefilled blocks are kept
+        (their block events go with the next output, at once when nothing runs)."""
         if out:
             due = output_due(out, due, bool(self.batch.rows))
             if due:
@@ -410,69 +410,24 @@ class EngineLoop:
         out.events.extend(RowEvent(ticket, None, FINISH_ABORT) for ticket in tickets)
         self.batch.end_all(out)
 
+    def _new_scheduler(self, model_type: str, lookups: PrefixLookups) -> Scheduler:
+        config, store, encodes = self.config, self.store, self.encodes
+        policy = PrefillPolicy(
+            max_stall_s=config.max_prefill_stall_ms / 1000,
+            step_tokens=config.prefill_step_size,
+            max_rows=prefill_rows(model_type, config.prefill_batch_size),
+            max_widen=config.max_prefill_stall_widen,
+        )
 
-def _new_batch(
-    parts: EngineParts,
-    config: EngineConfig,
-    stream: mx.Stream,
-    counters: SpeculationCounters,
-    leads: bool,
-    cost: StepCost,
-) -> Batch:
-    """The engine's batch (its runner built anew should a step fail; speculation's `counters`
-    go on across runners). Only rank 0 (`leads`) sends logprobs anywhere."""
-    runner = functools.partial(
-        new_runner,
-        parts.loaded.model,
-        config,
-        stream,
-        parts.speculation,
-        counters,
-        parts.fused_prefill,
-        parts.group_rows,
-        parts.vision,
-        parts.adapters,
-    )
-    return Batch(
-        runner,
-        parts.sampling,
-        parts.prefix,
-        config.faults,
-        wants_logprobs=leads,
-        new_row=parts.new_row,
-        cost=cost,
-        vision=parts.vision,
-        adapters=parts.adapters,
-    )
+        def ready(request: GenerationRequest) -> bool:
+            """Its prefix is read (from disk, if it was there) and its images are encoded."""
+            return store.ready(request) and (encodes is None or encodes.ready(request))
 
-
-def _new_scheduler(
-    parts: EngineParts,
-    config: EngineConfig,
-    model_type: str,
-    cost: StepCost,
-    encodes: ImageEncodes | None,
-    lookups: PrefixLookups,
-) -> Scheduler:
-    policy = PrefillPolicy(
-        max_stall_s=config.max_prefill_stall_ms / 1000,
-        step_tokens=config.prefill_step_size,
-        max_rows=prefill_rows(model_type, config.prefill_batch_size),
-        max_widen=config.max_prefill_stall_widen,
-    )
-    store = parts.prefix
-    return Scheduler(
-        parts.admission,
-        policy,
-        reusable=lookups,
-        ready=store.ready if encodes is None else _both(store.ready, encodes.ready),
-        max_rows=config.completion_batch_size,
-        cost=cost,
-    )
-
-
-def _both(
-    first: Callable[[GenerationRequest], bool], second: Callable[[GenerationRequest], bool]
-) -> Callable[[GenerationRequest], bool]:
-    """A request is ready when its prefix is read (`first`) and its images encoded (`second`)."""
-    return lambda request: first(request) and second(request)
+        return Scheduler(
+            self.parts.admission,
+            policy,
+            reusable=lookups,
+            ready=ready,
+            max_rows=config.completion_batch_size,
+            cost=self.cost,
+        )

@@ -138,9 +138,6 @@ class Inbox:
             self._stopping = True
             self._cond.notify()
 
-    def __len__(self) -> int:
-        return len(self._requests)
-
     def take(
         self,
         *,

@@ -233,10 +233,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
         )
         for model, layer in (("qwen3", "TransformerBlock"), ("qwen3_moe", "Qwen3MoeDecoderLayer"))
     ),
-    _packed("gemma3_text"),
-    _packed("llama"),
-    _packed("qwen2"),
-    _packed("qwen3"),
+    *(_packed(model) for model in ("gemma3_text", "llama", "qwen2", "qwen3")),
     # ----- copied forwards: each method a class swap overrides
     _copied(
         "gemma2",
@@ -329,33 +326,20 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
         "6a1b3e739338c3fd",
         "copied: the indexer's key blocks cut at each row's positions",
     ),
-    _copied(
-        "gemma3_text",
-        "Attention.__call__",
-        "PackedAttention._segment",
-        "a293df9f54178d8a",
-        "reproduced: the standard attention after its projections, per segment / row group",
-    ),
-    _copied(
-        "llama",
-        "Attention.__call__",
-        "PackedAttention._segment",
-        "3b9b8774b647f7a4",
-        "reproduced: the standard attention after its projections, per segment / row group",
-    ),
-    _copied(
-        "qwen2",
-        "Attention.__call__",
-        "PackedAttention._segment",
-        "0d02f6cbda3a89f1",
-        "reproduced: the standard attention after its projections, per segment / row group",
-    ),
-    _copied(
-        "qwen3",
-        "Attention.__call__",
-        "PackedAttention._segment",
-        "789af9d8868081c1",
-        "reproduced: the standard attention after its projections, per segment / row group",
+    *(
+        _copied(
+            model,
+            "Attention.__call__",
+            "PackedAttention._segment",
+            sha,
+            "reproduced: the standard attention after its projections, per segment / row group",
+        )
+        for model, sha in (
+            ("gemma3_text", "a293df9f54178d8a"),
+            ("llama", "3b9b8774b647f7a4"),
+            ("qwen2", "0d02f6cbda3a89f1"),
+            ("qwen3", "789af9d8868081c1"),
+        )
     ),
     # ----- source text
     TouchPoint(

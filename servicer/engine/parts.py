@@ -214,21 +214,10 @@ def _quantized_rows(config: EngineConfig, loaded: LoadedModel) -> Callable[[], l
         _dry_run(model, make_row_cache(model, bits, group_size, dequantize))
     except Exception as exc:
         raise ModelLoadError(f"--kv-bits {bits} --kv-group-size {group_size}: {exc}") from exc
+    how = "attention on the quantized data (QuantizedRowCache)"
     if dequantize:
-        log.info(
-            "KV cache quantized: %d bits, groups of %d, stored quantized and dequantized for "
-            "attention (DequantizingRowCache): %s",
-            bits,
-            group_size,
-            why,
-        )
-    else:
-        log.info(
-            "KV cache quantized: %d bits, groups of %d, attention on the quantized data "
-            "(QuantizedRowCache)",
-            bits,
-            group_size,
-        )
+        how = f"stored quantized and dequantized for attention (DequantizingRowCache): {why}"
+    log.info("KV cache quantized: %d bits, groups of %d, %s", bits, group_size, how)
     return lambda: make_row_cache(model, bits, group_size, dequantize)
 
 
@@ -420,25 +409,20 @@ def batch_generator_settings(config: EngineConfig, stream: mx.Stream) -> dict[st
 
 
 def new_runner(
-    model: nn.Module,
+    parts: EngineParts,
     config: EngineConfig,
     stream: mx.Stream,
-    speculation: Speculation | None = None,
     counters: SpeculationCounters | None = None,
-    fuse_prefill: bool = False,
-    group_rows: bool = False,
-    vision: VisionEncoder | None = None,
-    adapters: AdapterSet | None = None,
+    speculate: bool = True,
 ) -> BatchRunner:
-    """The engine's batch runner, speculating when `speculation` says so (its `counters` go
-    on across runners), putting a prefill chunk into the decoding rows' forward with
-    `fuse_prefill`, and decoding rows of very different lengths in attention groups with
-    `group_rows` (a model `enable_fused_prefill` covers, both); `adapters`: the LoRA adapters
-    loaded on `model`, if any."""
+    """The engine's batch runner for `parts`, speculating when `parts.speculation` says so
+    and `speculate` (its `counters` go on across runners)."""
     kwargs = runner_settings(config, stream)
-    kwargs["vision"], kwargs["adapters"] = vision, adapters
-    kwargs["fuse_prefill"], kwargs["grouping"] = fuse_prefill, grouped if group_rows else None
-    if speculation is None:
+    kwargs["vision"], kwargs["adapters"] = parts.vision, parts.adapters
+    kwargs["fuse_prefill"] = parts.fused_prefill
+    kwargs["grouping"] = grouped if parts.group_rows else None
+    model, speculation = parts.loaded.model, parts.speculation
+    if speculation is None or not speculate:
         return BatchRunner(model, **kwargs)
     return SpeculativeRunner(
         model,

@@ -20,7 +20,7 @@ from ..messages import (
     RowFailure,
     StepOutput,
 )
-from .batch import Batch, check_same_prefix
+from .batch import Batch
 from .embedding import Embedder
 from .encoding import ImageEncodes
 from .inbox import Inbox, InboxTake
@@ -143,7 +143,8 @@ class Planner:
     def _follower_hit(self, admit: Admit) -> Hit | None:
         """A follower's own copy of the prefix rank 0 found for `admit`."""
         hit = self._store.fetch(admit.request)
-        check_same_prefix(_length(hit), admit.cached_tokens)
+        if _length(hit) != admit.cached_tokens:
+            raise LockstepBroken("the ranks' prefix caches disagree")
         return hit
 
 

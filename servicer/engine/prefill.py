@@ -55,10 +55,7 @@ class PrefillSample:
     context: int
     seconds: float
     starting: int = 0
-
-    @property
-    def any(self) -> bool:
-        return self.rows * self.chunk > 0 or self.starting > 0
+    any = PrefillWork.any  # the same rule as the work it measures
 
 
 def _features(rows: int, chunk: int, context: int, starting: int) -> np.ndarray:
@@ -190,12 +187,6 @@ class StepCost:
         if self._catch_up_rate == 0:
             return MIN_CATCH_UP
         return max(int(budget_s / self._catch_up_rate), 0)
-
-    def observe_prefill(self, sample: PrefillSample) -> None:
-        self.prefill.observe(sample)
-
-    def observe_decode(self, rows: int, seconds: float) -> None:
-        self.decode.observe(rows, seconds)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:

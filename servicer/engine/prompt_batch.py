@@ -148,10 +148,7 @@ class PromptBatch:
             images = [row.images for row in given]
             embeddings, deepstack = chunk_embeddings(self.vision, inputs, starts, lengths, images)
         with self.context.forward(given, list(zip(starts, lengths, strict=True))), deepstack:
-            if embeddings is None:
-                self.model(inputs, cache=self.prompt_cache)
-            else:
-                self.model(inputs, cache=self.prompt_cache, **embeddings)
+            self.model(inputs, cache=self.prompt_cache, **(embeddings or {}))
         for row in self.rows:
             row.inputs.prefilled_to(len(row.tokens))
         mx.eval([c.state for c in self.prompt_cache])

@@ -124,6 +124,12 @@ class QuantizedAttention:
     bits = _KvSetting(readable=True)
     group_size = _KvSetting(readable=True)
 
+    def _quantize(self, keys: mx.array, values: mx.array) -> KV:
+        return (
+            _quantize(keys, self.kv_group_size, self.kv_bits),
+            _quantize(values, self.kv_group_size, self.kv_bits),
+        )
+
 
 class Dequantizing:
     """What the dequantizing kinds add to the quantized ones: no ``bits`` / ``group_size`` to
@@ -146,10 +152,8 @@ class QuantizedRowCache(QuantizedAttention, QuantizedKVCache):
     (``size``, a ``merge`` that builds the batch cache, a state holding only the filled part)."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
-        q_keys = _quantize(keys, self.kv_group_size, self.kv_bits)
-        q_values = _quantize(values, self.kv_group_size, self.kv_bits)
         held = None if self.keys is None else (self.keys, self.values)
-        self.keys, self.values = _store(held, self.offset, (q_keys, q_values), self.step)
+        self.keys, self.values = _store(held, self.offset, self._quantize(keys, values), self.step)
         self.offset += keys.shape[2]
         return self.keys_and_values()
 
@@ -231,10 +235,8 @@ class BatchQuantizedKVCache(QuantizedAttention, _BaseCache):
     # ------------------------------------------------------------------ writing
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
-        q_keys = _quantize(keys, self.kv_group_size, self.kv_bits)
-        q_values = _quantize(values, self.kv_group_size, self.kv_bits)
         held = None if self.keys is None else (self.keys, self.values)
-        self.keys, self.values = _store(held, self._idx, (q_keys, q_values), self.step)
+        self.keys, self.values = _store(held, self._idx, self._quantize(keys, values), self.step)
         n = keys.shape[2]
         self._idx += n
         self.offset = self.offset + n

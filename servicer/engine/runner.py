@@ -43,7 +43,6 @@ class BatchRunner:
         *,
         prefill_step_size: int = 2048,
         stream: mx.Stream | None = None,
-        max_kv_size: int | None = None,
         sampler: Any = None,
         vision: VisionEncoder | None = None,
         adapters: AdapterSet | None = None,
@@ -58,7 +57,6 @@ class BatchRunner:
         self.adapters = adapters  # the LoRA adapters loaded on the model, if any
         self.sampler = sampler or greedy_sampler
         self.prefill_step_size = prefill_step_size  # a step's chunk unless `next` is told one
-        self.max_kv_size = max_kv_size
         self._stream = stream or mx.new_stream(mx.default_device())
         self._next_uid = 0
         self.context = RowContext(vision.rope if vision is not None else None, adapters)
@@ -76,12 +74,7 @@ class BatchRunner:
         return DecodeBatch.empty(self.model, self.sampler, context=self.context, grouping=grouping)
 
     @property
-    def stream(self) -> mx.Stream:
-        return self._stream
-
-    @property
     def prefilling(self) -> bool:
-        """Whether prompts are in prefill."""
         return len(self.prefill) > 0
 
     def close(self) -> None:
@@ -211,7 +204,6 @@ class BatchRunner:
         return responses
 
     def _step_decoding(self) -> list[DecodeResponse]:
-        """The decoding rows' step."""
         return self.decoding.next()
 
     # ----- a prompt's chunk in the decoding rows' forward -----
@@ -258,7 +250,7 @@ def _prompt_row(
         parts[-2] = parts[-2][:-1]
     cache = given["caches"]
     if cache is None:
-        cache = make_prompt_cache(runner.model, runner.max_kv_size)
+        cache = make_prompt_cache(runner.model)
     sampler = given["samplers"]
     return PromptRow(
         uid,

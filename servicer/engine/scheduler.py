@@ -41,10 +41,6 @@ _MEMORY_FULL = object()
 BULK_MIN_WAITING = 2  # a lone arrival never stalls the decoding rows past the budget
 
 
-def _describe(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 class Admit(Wire, frozen=True):
     request: GenerationRequest
     reserved: int  # bytes of cache state set aside for it
@@ -196,7 +192,8 @@ class Scheduler:
                 looked = self._look(request, reserved, occupied=bool(batch.rows or admits))
             except Exception as exc:  # planning this one request failed: it fails alone
                 self._leave_line(request)
-                failed.append((request, f"planning the request failed: {_describe(exc)}"))
+                why = f"planning the request failed: {type(exc).__name__}: {exc}"
+                failed.append((request, why))
                 continue
             if looked is _MEMORY_FULL:
                 break  # it waits for running requests to finish; so do the ones behind it

@@ -202,11 +202,7 @@ class DiskLink:
             self.index.unpin(loading[0])
         return loading is not None
 
-    def forget(self, ticket: int) -> None:
-        self.admitted(ticket)
-
     def on_done(self, wake: Callable[[], None]) -> None:
-        """`wake` is called (from a disk thread) whenever a write or a load finishes."""
         self.disk.on_done(wake)
 
 

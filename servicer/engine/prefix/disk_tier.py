@@ -301,7 +301,7 @@ class DiskTier:
     def delete(self, entry: DiskEntry) -> None:
         if self.usable:
             try:
-                self._writes.put_nowait(("delete", entry.path, None))
+                self._writes.put_nowait(("delete", [entry.path], None))
             except queue.Full:
                 _unlink(entry.path)  # small and rare: do it here rather than leak it
 
@@ -311,7 +311,7 @@ class DiskTier:
         if not self.usable:
             return
         try:
-            self._writes.put(("delete_many", paths, None), timeout=wait_s)
+            self._writes.put(("delete", paths, None), timeout=wait_s)
         except queue.Full:
             for path in paths:
                 _unlink(path)
@@ -361,9 +361,6 @@ class DiskTier:
         while (job := self._writes.get()) is not None:
             kind, target, arrays = job
             if kind == "delete":
-                _unlink(target)
-                continue
-            if kind == "delete_many":
                 for path in target:
                     _unlink(path)
                 continue

@@ -103,9 +103,6 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self._nodes)
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._nodes
-
     def get(self, key: bytes) -> Node | None:
         return self._nodes.get(key)
 

@@ -66,8 +66,6 @@ def message_ends(
     # began after some content (a run at the prompt's start is no message end).
     run_ends = np.flatnonzero(special[:-1] & ~special[1:]) + 1
     content_seen = np.cumsum(~special)
-    ends = [int(i) + start for i in run_ends if content_seen[i - 1] > 0]
-    if start > 0:
-        ends = [p for p in ends if p > start]
+    ends = [int(i) + start for i in run_ends if content_seen[i - 1] > 0]  # each past `start`
     chosen = {*ends[:1], *ends[-LAST_MESSAGE_ENDS:]}
     return sorted(chosen)

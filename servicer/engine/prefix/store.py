@@ -143,59 +143,7 @@ class Hit:
         self.pins.release()
 
 
-class DiskRequests:
-    """The store's side of its disk tier (none: every answer is the RAM tier's)."""
-
-    _link: DiskLink | None
-
-    def match(self, request: GenerationRequest) -> Match:
-        raise NotImplementedError
-
-    def fetch(self, request: GenerationRequest, from_disk: bool = False) -> Hit | None:
-        raise NotImplementedError
-
-    def enforce_budget(self) -> None:
-        raise NotImplementedError
-
-    def collect(self) -> list[float]:
-        """What the disk threads finished; returns the disk load times since the last call."""
-        if self._link is None:
-            return []
-        self._link.collect()
-        self.enforce_budget()
-        return self._link.take_load_seconds()
-
-    def close(self) -> None:
-        if self._link is not None:
-            self._link.close()
-
-    def ready(self, request: GenerationRequest) -> bool:
-        """Whether `request` may join the batch now (its blocks on disk are loaded, or there
-        is nothing to load, or the load took too long); the first call starts the load."""
-        return self._link is None or self._link.ready(request, lambda: self.match(request))
-
-    @property
-    def loading(self) -> bool:
-        """Some waiting request's blocks are being loaded from disk."""
-        return self._link is not None and self._link.loading
-
-    def fetch_admitted(self, request: GenerationRequest) -> Hit | None:
-        """`fetch` for a request that joins the batch now (the disk load's pins end)."""
-        from_disk = self._link is not None and self._link.admitted(request.ticket)
-        return self.fetch(request, from_disk)
-
-    def forget(self, ticket: int) -> None:
-        """A waiting request left (aborted or failed): its disk load's pins end."""
-        if self._link is not None:
-            self._link.forget(ticket)
-
-    def on_disk_done(self, wake: Callable[[], None]) -> None:
-        """`wake` is called (from a disk thread) whenever a write or a load finishes."""
-        if self._link is not None:
-            self._link.on_done(wake)
-
-
-class PrefixStore(DiskRequests):
+class PrefixStore:
     def __init__(
         self,
         layout: CacheLayout,
@@ -403,6 +351,45 @@ class PrefixStore(DiskRequests):
         self.counters.faults += 1
         self._log.warning(kind, "%s: %s: %s", message, type(exc).__name__, exc, exc_info=exc)
 
+    # ----- the disk tier (none: every answer is the RAM tier's) -----
+
+    def collect(self) -> list[float]:
+        """What the disk threads finished; returns the disk load times since the last call."""
+        if self._link is None:
+            return []
+        self._link.collect()
+        self.enforce_budget()
+        return self._link.take_load_seconds()
+
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
+
+    def ready(self, request: GenerationRequest) -> bool:
+        """Whether `request` may join the batch now (its blocks on disk are loaded, or there
+        is nothing to load, or the load took too long); the first call starts the load."""
+        return self._link is None or self._link.ready(request, lambda: self.match(request))
+
+    @property
+    def loading(self) -> bool:
+        """Some waiting request's blocks are being loaded from disk."""
+        return self._link is not None and self._link.loading
+
+    def fetch_admitted(self, request: GenerationRequest) -> Hit | None:
+        """`fetch` for a request that joins the batch now (the disk load's pins end)."""
+        from_disk = self._link is not None and self._link.admitted(request.ticket)
+        return self.fetch(request, from_disk)
+
+    def forget(self, ticket: int) -> None:
+        """A waiting request left (aborted or failed): its disk load's pins end."""
+        if self._link is not None:
+            self._link.admitted(ticket)
+
+    def on_disk_done(self, wake: Callable[[], None]) -> None:
+        """`wake` is called (from a disk thread) whenever a write or a load finishes."""
+        if self._link is not None:
+            self._link.on_done(wake)
+
     # ----- flushing, and what changed -----
 
     def flush(self) -> None:
@@ -446,7 +433,6 @@ class NoPrefixStore:
     """The prompt cache turned off (`--prompt-cache-size 0`, or not possible): every lookup
     a miss, nothing kept, nothing to load."""
 
-    block_size = 0
     loading = False
 
     def match(self, request: GenerationRequest) -> Match:
@@ -460,9 +446,6 @@ class NoPrefixStore:
 
     def snapshot_points(self, request: GenerationRequest, start: int) -> list[int]:
         return []
-
-    def keep(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
-        pass
 
     def keep_later(self, tokens: list[int], cache: list[Any], snapshot: bool) -> None:
         pass

@@ -14,11 +14,11 @@ import mlx.core as mx
 import servicer.engine.cache_kinds as cache_kinds
 
 from ..decode_batch import DecodeBatch, DecodeResponse
-from ..row_inputs import RowContext
+from ..prefix.children import common_length
 from .config import ModeClock, RowPace, SpeculationConfig, SpeculationCounters, StepClock
 from .drafts import DraftSource
 from .timing import StepTimer
-from .verify import accepted_prefix, can_speculate, choose
+from .verify import can_speculate, choose
 
 # Steps without drafts per shadow lookup: the promise it feeds is an average, which a sample
 # of the steps reads as well (a lookup costs ~5-10 us a row on a slow CPU, a demo model's
@@ -47,7 +47,6 @@ class _Verified:
     fed: list[list[int]]  # what each row fed the forward: its pending token and drafts
     chosen: list[list[int]]  # the target's draw at each of the row's positions
     logprobs: mx.array  # (B, S, V), the target's, at every verified position
-    width: int  # S
     used_keys: list[int] = field(default_factory=list)  # draws each row kept
 
 
@@ -72,22 +71,6 @@ class SpeculativeDecodeBatch(DecodeBatch):
         if self.uids:
             speculator.source.extend(self.tokens)
             self._paces = [RowPace() for _ in self.uids]
-
-    @classmethod
-    def start(
-        cls,
-        model: Any,
-        fallback_sampler: Any,
-        speculator: Speculator,
-        context: RowContext | None = None,
-        grouping: Callable[[list[Any]], list[Any]] | None = None,
-    ) -> SpeculativeDecodeBatch:
-        """An empty batch, as the runner starts with."""
-        batch = cls.empty(
-            model, fallback_sampler, speculator=speculator, context=context, grouping=grouping
-        )
-        assert isinstance(batch, SpeculativeDecodeBatch)
-        return batch
 
     def extend(self, batch: DecodeBatch) -> None:
         speculator = self.speculator
@@ -245,7 +228,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
         samplers = [self._sampler(i) for i in range(len(self.uids))]
         chosen = choose(logprobs, samplers, [1 + len(d) for d in drafts])
         mx.eval(chosen, logprobs, contexts)
-        step = _Verified(pending, drafts, fed, [c.tolist() for c in chosen], logprobs, width)
+        step = _Verified(pending, drafts, fed, [c.tolist() for c in chosen], logprobs)
         return self._settle(step, samplers)
 
     def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
@@ -266,7 +249,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
         drafted = accepted = 0
         for i, uid in enumerate(self.uids):
             drafts, chosen = step.drafts[i], step.chosen[i]
-            n = accepted_prefix(drafts, chosen)
+            n = common_length(drafts, chosen)  # the drafts equal to the target's draws
             tokens = [step.pending[i], *drafts[:n]]
             logprobs = [self._next_logprobs[i], *(step.logprobs[i, j] for j in range(n))]
             finish, used = self._count(i, tokens)

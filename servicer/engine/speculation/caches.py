@@ -242,16 +242,12 @@ class RaggedKVCache(_RowEnds, _BaseCache):
                     return kv
                 return tree_map(lambda x: mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]), kv)
 
-            self.keys = tree_map(
-                lambda a, b: mx.concatenate([a, b]),
-                fit(self, self.keys, like),
-                fit(other, other.keys, like),
-            )
-            self.values = tree_map(
-                lambda a, b: mx.concatenate([a, b]),
-                fit(self, self.values, like_v),
-                fit(other, other.values, like_v),
-            )
+            def joined(mine: KV, theirs: KV, template: KV) -> KV:
+                parts = fit(self, mine, template), fit(other, theirs, template)
+                return tree_map(lambda a, b: mx.concatenate([a, b]), *parts)
+
+            self.keys = joined(self.keys, other.keys, like)
+            self.values = joined(self.values, other.values, like_v)
         self._start += other._start
         self._end += other._end
         self._mark = list(self._end)
@@ -286,8 +282,11 @@ class RaggedKVCache(_RowEnds, _BaseCache):
             lambda x: mx.contiguous(x[idx : idx + 1, :, start:end, :]), (self.keys, self.values)
         )
 
+    def _empty_row(self) -> Any:
+        return KVCache()
+
     def extract(self, idx: int) -> Any:
-        cache = KVCache()
+        cache = self._empty_row()
         if self.keys is not None:
             cache.keys, cache.values = self._row(idx)
             cache.offset = self._end[idx] - self._start[idx]
@@ -342,27 +341,11 @@ class RaggedQuantizedKVCache(QuantizedAttention, RaggedKVCache):
     @classmethod
     def adopt(cls, layer: BatchQuantizedKVCache) -> RaggedQuantizedKVCache:  # type: ignore[override]
         rows = int(layer.offset.shape[0])
-        return cls(
-            layer.keys,
-            layer.values,
-            layer.left_padding.tolist(),
-            [layer._idx] * rows,
-            layer.kv_bits,
-            layer.kv_group_size,
-        )
+        start, end = layer.left_padding.tolist(), [layer._idx] * rows
+        return cls(layer.keys, layer.values, start, end, layer.kv_bits, layer.kv_group_size)
 
-    def _quantize(self, keys: mx.array, values: mx.array) -> tuple[KV, KV]:
-        def q(x: mx.array) -> KV:
-            return tuple(mx.quantize(x, group_size=self.kv_group_size, bits=self.kv_bits))
-
-        return q(keys), q(values)
-
-    def extract(self, idx: int) -> Any:
-        cache = self.row_class(group_size=self.kv_group_size, bits=self.kv_bits)
-        if self.keys is not None:
-            cache.keys, cache.values = self._row(idx)
-            cache.offset = self._end[idx] - self._start[idx]
-        return cache
+    def _empty_row(self) -> Any:
+        return self.row_class(group_size=self.kv_group_size, bits=self.kv_bits)
 
     @property
     def nbytes(self) -> int:

@@ -37,7 +37,7 @@ class SpeculativeRunner(BatchRunner):
         self._source, self._config = source, speculation or SpeculationConfig()
         self._counters = counters or SpeculationCounters()
         super().__init__(model, **kwargs)
-        supported, reason = speculation_supported(model, self.max_kv_size)
+        supported, reason = speculation_supported(model)
         if not supported:
             self.close()
             raise ValueError(f"speculative decoding is not supported: {reason}")
@@ -51,8 +51,12 @@ class SpeculativeRunner(BatchRunner):
             modes=ModeClock(window=config.mode_window, first_gap=config.mode_gap),
             padding_inert=padding_inert(self.model),
         )
-        self._speculating = SpeculativeDecodeBatch.start(
-            self.model, self.sampler, self._speculator, self.context, grouping
+        self._speculating = SpeculativeDecodeBatch.empty(
+            self.model,
+            self.sampler,
+            speculator=self._speculator,
+            context=self.context,
+            grouping=grouping,
         )
         return self._speculating
 

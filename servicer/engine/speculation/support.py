@@ -16,11 +16,9 @@ import servicer.engine.cache_kinds as cache_kinds
 from ..decode_batch import merge_caches
 
 
-def speculation_supported(model: Any, max_kv_size: int | None = None) -> tuple[bool, str]:
+def speculation_supported(model: Any) -> tuple[bool, str]:
     """(True, "") when every layer's batched cache rolls back per row (caches.py: full
     attention, sliding window, recurrent state); otherwise the kinds that cannot, named."""
-    if max_kv_size is not None:
-        return False, "max_kv_size keeps attention sink tokens, which the batch cannot roll back"
     caches = make_prompt_cache(model)
     kinds = sorted({type(c).__name__ for c in caches if not cache_kinds.speculates(c)})
     if kinds:

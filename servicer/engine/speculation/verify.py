@@ -12,15 +12,11 @@ kept), a seeded row emits the very tokens it emits without speculation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
-
-from ..prefix.children import common_length
-
-Sampler = Callable[[mx.array], mx.array]
 
 
 def can_speculate(sampler: Any) -> bool:
@@ -61,8 +57,3 @@ def _draw(sampler: Any, logprobs: mx.array) -> mx.array:
     if width != 1:
         raise ValueError("a sampler that cannot speculate verifies no drafts")
     return sampler(logprobs[:, 0])[:, None]
-
-
-def accepted_prefix(drafts: Sequence[int], chosen: Sequence[int]) -> int:
-    """How many drafts in a row equal the target's draws."""
-    return common_length(drafts, chosen)
