@@ -88,8 +88,10 @@ def ref(family: str) -> Reference:
 
 
 EVERY_FAMILY = [pytest.param(family, id=family) for family in SERVED_FAMILIES]
-# Families whose batched, prefix and two-image paths other files check in `make test` (the
-# dashed LFM2-VL: lfm2_vl's processor and tower, here): those cases here are `make test-slow`'s.
+# Families whose batched and prefix paths other files check in `make test` (the dashed
+# LFM2-VL: lfm2_vl's processor and tower, here): their batched, prefix and two-in-a-prompt cases
+# here are `make test-slow`'s (two in a prompt is in `make test` elsewhere for qwen2_vl and
+# llava only).
 COVERED_ELSEWHERE = {
     "gemma3": "test_images.py",
     "qwen2_vl": "test_images_qwen2.py",
