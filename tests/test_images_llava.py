@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import demo_config
-from support import SMG, Router, ServerThread
+from support import SMG, ServerThread
 from test_images import complete, data_url, image_request, needs_vlm, png
-from vlm_support import chat_text, loaded, routed_image_chat, router_ids, served
+from vlm_support import chat_text, chat_through_a_router, loaded, router_ids, served
 
 from servicer.demos.llava import TOKENS_PER_IMAGE
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
@@ -146,11 +146,7 @@ def test_through_the_router_as_llava_1_5_answers_as_mlx_vlm_does(vlm_dir, tmp_pa
     model = ModelSpec(str(vlm_dir), "llava-1.5-demo")
     config = dataclasses.replace(demo_config(vlm_dir), protocols=("vllm",), model=model)
     with ServerThread(config) as running:
-        router = Router([running.address], tmp_path / "smg.log")
-        try:
-            response = routed_image_chat(router, question, data_url(raw))
-        finally:
-            router.close()
+        response = chat_through_a_router(running, tmp_path / "smg.log", question, data_url(raw))
         registry = running.server.metrics.registry
         by_router = registry.get_sample_value(
             "mlx_worker_image_requests_total", {"processed_by": "router"}

@@ -16,10 +16,16 @@ from pathlib import Path
 
 import pytest
 from conftest import demo_config
-from support import SMG, Router, ServerThread
+from support import SMG, ServerThread
 from test_images import complete, data_url, image_request, needs_vlm, png
 from test_images_qwen2 import router_request
-from vlm_support import processed_chat, routed_image_chat, router_ids, served
+from vlm_support import (
+    chat_through_a_router,
+    processed_chat,
+    router_ids,
+    served,
+    what_the_worker_gets,
+)
 
 from servicer.model_files import ModelSpec
 from servicer.proto import vllm_engine_pb2_grpc as vgrpc
@@ -139,21 +145,8 @@ def test_through_the_router_answers_as_mlx_vlm_does(vlm_dir, tmp_path):
     config = dataclasses.replace(
         config, protocols=("vllm",), model=ModelSpec(str(vlm_dir), "demo-model")
     )
-    sent = []
-    with ServerThread(config) as running:
-        preparer = running.server.servicer.images
-        prepare = preparer.prepare
-
-        async def spy(request):
-            sent.append((len(request.media_refs.items), request.mm_inputs.ByteSize()))
-            return await prepare(request)
-
-        preparer.prepare = spy
-        router = Router([running.address], tmp_path / "smg.log")
-        try:
-            response = routed_image_chat(router, question, data_url(raw))
-        finally:
-            router.close()
+    with ServerThread(config) as running, what_the_worker_gets(running) as sent:
+        response = chat_through_a_router(running, tmp_path / "smg.log", question, data_url(raw))
     assert response.status_code == 200, response.text
     assert sent == [(1, 0)]  # one media reference, no mm_inputs
     tokens, _ = reference(vlm_dir, question, [raw])
