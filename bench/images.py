@@ -2,6 +2,7 @@
 
     python bench/images.py                                  # the demo VLM (~2 minutes)
     python bench/images.py --model shape                    # a VLM of real shape (~15 min)
+    python bench/images.py --model shape-qwen3_vl           # Qwen3-VL-2B's shape instead
     python bench/images.py --model demo --model shape --levels 1,8 --rounds 3
     python bench/images.py --render bench/results/images-STAMP.json    # a saved run's tables
 
@@ -731,20 +732,27 @@ async def stall_phase(
 # --------------------------------------------------------------------------- models
 
 
-def resolve(model: str, image_size: int, bits: int) -> tuple[str, Path, str]:
-    """(kind, directory, name) for `demo`, `shape` or a directory."""
+def resolve(
+    model: str, image_size: int, bits: int, image_tokens: int = 256
+) -> tuple[str, Path, str]:
+    """(kind, directory, name) for `demo`, `shape` (gemma3's), `shape-FAMILY` or a directory."""
     if model == "demo":
         from servicer.demos.vision import demo_vlm_path
 
         return "demo", demo_vlm_path(family="gemma3"), "demo:vlm (gemma3)"
-    if model == "shape":
-        from vlm_shape import vlm_shape_path
+    if model == "shape" or model.startswith("shape-"):
+        from vlm_shape import FAMILIES, vlm_shape_path
 
-        path = vlm_shape_path(image_size, bits)
+        family = model.partition("-")[2] or "gemma3"
+        if family not in FAMILIES:
+            raise SystemExit(f"--model {model}: shape families are {', '.join(FAMILIES)}")
+        path = vlm_shape_path(image_size, bits, family=family, image_tokens=image_tokens)
         return "shape", path, f"real shape ({path.name})"
     path = Path(model).expanduser().resolve()
     if not (path / "config.json").exists():
-        raise SystemExit(f"--model {model}: no config.json there (demo, shape or a directory)")
+        raise SystemExit(
+            f"--model {model}: no config.json there (demo, shape, shape-qwen3_vl or a directory)"
+        )
     return "shape", path, path.name
 
 
@@ -944,7 +952,8 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         action="append",
         help="demo (the gemma3 demo VLM, default), shape (a random VLM of real shape, "
-        "bench/vlm_shape.py) or a model directory; repeatable",
+        "bench/vlm_shape.py: gemma-3-1b with SigLIP), shape-qwen3_vl (Qwen3-VL-2B's shape) "
+        "or a model directory; repeatable",
     )
     parser.add_argument("--levels", type=parse_levels, default=[1, 4, 8])
     parser.add_argument("--rounds", type=int, help="rounds per level (demo 5, shape 1)")
@@ -971,6 +980,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gap-servers", default="ours,theirs", help="servers the stall phase measures"
     )
     parser.add_argument("--image-size", type=int, default=224, help="shape: its vision input")
+    parser.add_argument(
+        "--image-tokens", type=int, default=256, help="shape-qwen3_vl: merged tokens per image"
+    )
     parser.add_argument("--bits", type=int, default=0, help="shape: 0 float32, 4 (mlx_vlm.convert)")
     parser.add_argument("--worker-flags", default="", help="extra flags for our worker")
     parser.add_argument("--their-flags", default="", help="extra flags for mlx_vlm.server")
@@ -1006,7 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     began = time.perf_counter()
     for model in args.model or ["demo"]:
-        kind, path, name = resolve(model, args.image_size, args.bits)
+        kind, path, name = resolve(model, args.image_size, args.bits, args.image_tokens)
         log(f"model {name}: {path}")
         started = time.perf_counter()
         found = asyncio.run(run_model(kind, path, name, args, log_dir))
