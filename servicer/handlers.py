@@ -144,7 +144,7 @@ class Handlers:
         self._once = RateLimitedLog(log, float("inf"))  # says each thing once
         self._images: ImagePreparer | None = None  # a vision model's image fetch and processing
         self._adapter_keys: dict[str, str] = {}  # served adapters' names in the prefix store
-        self._preparing: dict[str, bool] = {}  # request ids whose images are prepared: aborted?
+        self._building: dict[str, bool] = {}  # request ids not in flight yet: aborted?
         self.metadata = Metadata(lifecycle, engine, self._streams)
         self.calls = EngineCalls(  # Embed and FlushCache
             engine,
@@ -265,6 +265,17 @@ class Handlers:
         `context`: the face and adapter of the address it came to."""
         if not self._lifecycle.serving or self._limits is None:
             raise not_serving(self._lifecycle)
+        self._building[request.request_id] = False  # `accept` takes it over
+        try:
+            return await self._build(request, context)
+        except BaseException:
+            self._building.pop(request.request_id, None)
+            raise
+
+    async def _build(
+        self, request: Any, context: RequestContext
+    ) -> tuple[GenerationRequest, TextOptions | None]:
+        assert self._limits is not None
         text_ids = None
         if request.WhichOneof("input") == "text" and self._codec is not None:
             if len(request.text) < 4096:
@@ -274,7 +285,9 @@ class Handlers:
         try:
             images = None
             if self._images is not None and has_media(request):
-                images = await self._prepare_images(request)
+                images = await self._images.prepare(request)
+                by = "router" if request.mm_inputs.ByteSize() else "worker"
+                self._metrics.image_requests.labels(by).inc()
             adapter = context.adapter
             prepared = replace(
                 context,
@@ -297,24 +310,11 @@ class Handlers:
             job = msgspec.structs.replace(job, sample_tickets=tickets)
         return job, text
 
-    async def _prepare_images(self, request: Any) -> Any:
-        """The request's images fetched and processed; an Abort of its id meanwhile (it is
-        not in flight yet) cancels it once they are."""
-        rid = request.request_id
-        self._preparing[rid] = False
-        try:
-            expand_images = await self._images.prepare(request)  # type: ignore[union-attr]
-        finally:
-            aborted = self._preparing.pop(rid, False)
-        if aborted:
-            raise RequestError(grpc.StatusCode.CANCELLED, "aborted while its images were prepared")
-        by = "router" if request.mm_inputs.ByteSize() else "worker"
-        self._metrics.image_requests.labels(by).inc()
-        return expand_images
-
     def accept(self, job: GenerationRequest) -> list[RequestStream]:
         """The request checked against what the worker holds, and submitted to the engine:
-        its streams, one for each of its n samples."""
+        its streams, one for each of its n samples. One aborted while it was built (its images
+        fetched, its grammar compiled) ends as an abort of a request in flight does."""
+        aborted = self._building.pop(job.request_id, False)
         errors = self._metrics.errors
         if job.request_id in self._streams:
             errors.labels("duplicate_request").inc()
@@ -340,6 +340,8 @@ class Handlers:
         samples = job.samples() if job.sample_tickets else [job]
         streams = [self._streams.open(sample) for sample in samples]
         self._engine.submit(job)
+        if aborted:
+            self._engine.abort([stream.ticket for stream in streams])
         return streams
 
     def tracker(self, text: TextOptions | None) -> TextTracker | None:
@@ -360,13 +362,13 @@ class Handlers:
             self._engine.abort(unfinished)
 
     def abort(self, request_ids: list[str]) -> None:
-        """Abort: these requests end `abort` (those in flight; one whose images are being
-        prepared is cancelled once they are). RequestError outside serving and draining."""
+        """Abort: these requests end `abort` (those in flight, and those still being built,
+        once they are). RequestError outside serving and draining."""
         if self._lifecycle.phase not in (Phase.SERVING, Phase.DRAINING):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, self._lifecycle.refusal)
         for rid in request_ids:
-            if rid in self._preparing:
-                self._preparing[rid] = True
+            if rid in self._building:
+                self._building[rid] = True
         tickets = self._streams.tickets(request_ids)
         if tickets:
             self._engine.abort(tickets)
