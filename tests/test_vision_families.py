@@ -69,3 +69,19 @@ def test_the_family_table_stays_one_table():
     """No second table of families: the registry's names are the only family sets."""
     source = Path(PACKAGE / "engine" / "vision.py").read_text(encoding="utf-8")
     assert "FAMILIES" not in source.replace("family_of", "")
+
+
+@pytest.mark.parametrize("family", SERVED_FAMILIES)
+def test_every_demos_tokenizer_fits_its_model(family):
+    """Every id the demo's tokenizer (as the worker loads it) can make is a row of the model:
+    otherwise structured output is unavailable on it (llguidance needs the vocabulary)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from servicer.demos.vision import demo_vlm_path
+
+    model_dir = demo_vlm_path(family=family)
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]
+    assert len(AutoTokenizer.from_pretrained(str(model_dir))) <= vocab

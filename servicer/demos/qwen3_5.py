@@ -57,8 +57,11 @@ class Qwen3_5(qwen3_vl.Qwen3VL):
     model_type = "qwen3_5"
     architecture = "Qwen3_5ForConditionalGeneration"
     text_kind = "hybrid"
-    recipe_version = "v1"
+    recipe_version = "v3"
     text_model_type = "qwen3_5_text"
+    # transformers' Qwen3.5 tokenizer would add its default unknown token past the model's
+    # rows (a real checkpoint has it in its vocabulary): the demo names none.
+    tokenizer_fields = {**qwen3_vl.Qwen3VL.tokenizer_fields, "unk_token": None}
     # The hybrid demo barely heeds image tokens at the embeddings' scale (the answers would
     # not depend on the image); louder, they do.
     feature_gain = 4.0

@@ -41,7 +41,7 @@ def shared_expert_weights(weights: dict, text_config: Mapping[str, Any], rng) ->
 class Qwen3_5Moe(qwen3_5.Qwen3_5):
     model_type = "qwen3_5_moe"
     architecture = "Qwen3_5MoeForConditionalGeneration"
-    recipe_version = "v1"
+    recipe_version = "v3"
     text_model_type = "qwen3_5_moe_text"
     untied_head = False
     processor_files = qwen3_vl.processor_files("Qwen3VLProcessor", "Qwen3VLVideoProcessor")
