@@ -708,7 +708,6 @@ GOOD_IMAGES: tuple[Option, ...] = (
     fixed_url,
     fresh_image,
     fresh_image,
-    lambda d: data_url(fixed_image(5, d.one(((1, 256), (256, 1))))),  # extreme aspect ratios
     lambda d: data_url(fixed_image(0, (64, 48)), "image/jpeg"),  # a PNG said to be a JPEG
     lambda d: "data:image/png," + urllib.parse.quote(fixed_image(1, (32, 32))),  # %-escaped bytes
     lambda d: data_url(fixed_image(6, (24, 16), "I;16")),  # 16-bit grey
@@ -716,6 +715,9 @@ GOOD_IMAGES: tuple[Option, ...] = (
     lambda d: data_url(fixed_image(7, (SIDE, SIDE))) if d.chance(0.1) else fixed_url(d),
 )
 ODD_IMAGES: tuple[Option, ...] = (
+    # Extreme aspect ratios: a family's processor or tower may refuse them (Qwen2-VL's
+    # processor, LFM2-VL's tower in mlx-vlm too), others serve them.
+    lambda d: data_url(fixed_image(5, d.one(((1, 256), (256, 1))))),
     lambda d: "DATA:IMAGE/PNG;BASE64," + data_url(fixed_image(1, (32, 32)))[22:],
     lambda d: data_url(fixed_image(1, (32, 32))).rstrip("="),  # no padding
     lambda d: broken_lines(data_url(fixed_image(2, (100, 30), "RGBA"))),
