@@ -310,8 +310,21 @@ JSON_SCHEMAS = (
 )  # fmt: skip
 REGEXES = (
     ("[a-z]{1,8}", "yes|no", "[0-9]+", ".{0,5}", "(the|sea)( (the|sea)){0,3}"),
-    ("(", "[a-", "(?P<x", "\\", "a{5,2}", "*a", "a**"),
-    ("", "a{99999}", "(a|b)*c{200}", "\\p{L}+", "(?i)abc", "(?=a)b", "🙂+", "\\x00", "[^\\s\\S]"),
+    ("(", "[a-", "(?P<x", "a{5,2}", "*a"),
+    # llguidance compiles these two on every vocabulary ("\\" at the end, and "a**"): odd.
+    (
+        "\\",
+        "a**",
+        "",
+        "a{99999}",
+        "(a|b)*c{200}",
+        "\\p{L}+",
+        "(?i)abc",
+        "(?=a)b",
+        "🙂+",
+        "\\x00",
+        "[^\\s\\S]",
+    ),
 )
 GRAMMARS = (
     ('root ::= "yes" | "no"', "root ::= [a-z]+", 'start: "a"+', 'root ::= "x" root | "y"'),
