@@ -146,16 +146,9 @@ class AyaVision(Family):
         replace the text demo's llama layers in `saved_weights`."""
         vision = config["vision_config"]
         width = vision["hidden_size"]
-        patches = (vision["image_size"] // vision["patch_size"]) ** 2
         hidden = config["text_config"]["hidden_size"]
         tower = "vision_tower.vision_model"
-        out = parts.patch_conv(rng, f"{tower}.embeddings.patch_embedding.weight", vision)
-        out[f"{tower}.embeddings.patch_embedding.bias"] = rng.standard_normal(width) * 0.02
-        out[f"{tower}.embeddings.position_embedding.weight"] = (
-            rng.standard_normal((patches, width)) * 0.5
-        )
-        out |= parts.clip_encoder(rng, tower, vision)
-        out |= parts.unit_layer_norm(f"{tower}.post_layernorm", width)
+        out = parts.siglip_tower(rng, tower, vision)  # pixels in [-1, 1]
         shuffled = width * DOWNSAMPLE**2
         inner = config["alignment_intermediate_size"]
         projector = "multi_modal_projector"

@@ -124,16 +124,8 @@ class Gemma3(Family):
 
         vision = config["vision_config"]
         width = vision["hidden_size"]
-        patches = (vision["image_size"] // vision["patch_size"]) ** 2
         tower = "vision_tower.vision_model"
-        # Pixels are normalised to [-1, 1].
-        out = parts.patch_conv(rng, f"{tower}.embeddings.patch_embedding.weight", vision)
-        out[f"{tower}.embeddings.patch_embedding.bias"] = rng.standard_normal(width) * 0.02
-        out[f"{tower}.embeddings.position_embedding.weight"] = (
-            rng.standard_normal((patches, width)) * 0.5
-        )
-        out |= parts.clip_encoder(rng, tower, vision)
-        out |= parts.unit_layer_norm(f"{tower}.post_layernorm", width)
+        out = parts.siglip_tower(rng, tower, vision)  # pixels in [-1, 1]
         # Gemma's RMSNorm scales by 1 + weight: zeros are the unit norm.
         out["multi_modal_projector.mm_soft_emb_norm.weight"] = np.zeros(width)
         hidden = config["text_config"]["hidden_size"]

@@ -132,17 +132,9 @@ class Idefics3(Family):
         scale) is scaled so the image tokens come out with RMS `feature_rms`."""
         vision = config["vision_config"]
         width = vision["hidden_size"]
-        patches = (vision["image_size"] // vision["patch_size"]) ** 2
         hidden = config["text_config"]["hidden_size"]
         tower = "vision_model"
-        # Pixels are normalised to [-1, 1].
-        out = parts.patch_conv(rng, f"{tower}.embeddings.patch_embedding.weight", vision)
-        out[f"{tower}.embeddings.patch_embedding.bias"] = rng.standard_normal(width) * 0.02
-        out[f"{tower}.embeddings.position_embedding.weight"] = (
-            rng.standard_normal((patches, width)) * 0.5
-        )
-        out |= parts.clip_encoder(rng, tower, vision)
-        out |= parts.unit_layer_norm(f"{tower}.post_layernorm", width)
+        out = parts.siglip_tower(rng, tower, vision)  # pixels in [-1, 1]
         shuffled = width * config["scale_factor"] ** 2
         out |= parts.random_linear(
             rng, "connector.modality_projection.proj", hidden, shuffled, feature_rms, bias=False

@@ -75,17 +75,9 @@ def siglip_and_projector(config: Mapping[str, Any], feature_rms: float, rng) -> 
     unit-scale inputs, and the newline is drawn at that RMS."""
     vision = config["vision_config"]
     width = vision["hidden_size"]
-    patches = (vision["image_size"] // vision["patch_size"]) ** 2
     hidden = config["text_config"]["hidden_size"]
     tower = "vision_tower.vision_model"
-    # Pixels are normalised to [-1, 1].
-    out = parts.patch_conv(rng, f"{tower}.embeddings.patch_embedding.weight", vision)
-    out[f"{tower}.embeddings.patch_embedding.bias"] = rng.standard_normal(width) * 0.02
-    out[f"{tower}.embeddings.position_embedding.weight"] = (
-        rng.standard_normal((patches, width)) * 0.5
-    )
-    out |= parts.clip_encoder(rng, tower, vision)
-    out |= parts.unit_layer_norm(f"{tower}.post_layernorm", width)
+    out = parts.siglip_tower(rng, tower, vision)  # pixels in [-1, 1]
     out |= parts.random_linear(rng, "multi_modal_projector.linear_1", hidden, width)
     gain = parts.gelu_gain(feature_rms)
     out |= parts.random_linear(rng, "multi_modal_projector.linear_2", hidden, hidden, gain)

@@ -123,6 +123,22 @@ def patch_conv(rng, name: str, vision: Mapping[str, Any]) -> dict:
     return {name: rng.standard_normal((width, patch, patch, channels)) / math.sqrt(fan_in)}
 
 
+def siglip_tower(rng, tower: str, vision: Mapping[str, Any]) -> dict:
+    """A SigLIP tower's weights under `tower` (its patch embedding with a bias, a position
+    embedding per patch, the encoder layers and the post-layernorm), for pixels normalised
+    to [-1, 1]; random, the activations kept near unit scale."""
+    width = vision["hidden_size"]
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    out = patch_conv(rng, f"{tower}.embeddings.patch_embedding.weight", vision)
+    out[f"{tower}.embeddings.patch_embedding.bias"] = rng.standard_normal(width) * 0.02
+    out[f"{tower}.embeddings.position_embedding.weight"] = (
+        rng.standard_normal((patches, width)) * 0.5
+    )
+    out |= clip_encoder(rng, tower, vision)
+    out |= unit_layer_norm(f"{tower}.post_layernorm", width)
+    return out
+
+
 def clip_encoder(rng, tower: str, vision: Mapping[str, Any]) -> dict:
     """The encoder layers of a CLIP or SigLIP tower (`vision` its config): LayerNorms at
     their initial values, attention and MLP layers that keep activations at unit scale."""
