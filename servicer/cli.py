@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Coroutine
 from functools import partial
@@ -25,6 +26,7 @@ from .faces import parse_protocols
 from .faults import ENV_VAR as FAULTS_ENV_VAR
 from .faults import FaultPlan
 from .handlers import HandlerOptions
+from .kv_transfer import ROLES, TRANSFERS, KvTransferOptions
 from .media import MediaPolicy
 from .model_files import ModelSpec
 from .server import ServerConfig, run_follower, run_worker
@@ -141,6 +143,36 @@ def _flag(
     parser.add_argument(flag, default=default, help=text, **options)
 
 
+def _add_kv_transfer_flags(parser: argparse.ArgumentParser) -> None:
+    """Prompt KV between workers: the router's prefill/decode split (vLLM face)."""
+    kv = partial(_flag, parser, KvTransferOptions)
+    kv(
+        "--kv-role",
+        "role",
+        "this worker's part in the router's PD mode: prefill, decode or both (default %(default)s)",
+        choices=ROLES,
+    )
+    kv(
+        "--kv-transfer",
+        "transfer",
+        "how a decode worker gets a prefill worker's prompt KV: pull (from its block server) "
+        "or shared (one --prompt-cache-dir both mount); implies --prompt-cache-shared "
+        "(default: none, the decode worker prefills again)",
+        choices=TRANSFERS,
+    )
+    kv(
+        "--kv-transfer-host",
+        "host",
+        "the block server's address as decode workers reach it (default %(default)s)",
+    )
+    kv(
+        "--kv-transfer-port",
+        "port",
+        "the block server's port (default: any free port; it is named in each answer)",
+        type=int,
+    )
+
+
 def _add_media_flags(parser: argparse.ArgumentParser) -> None:
     """Images of a vision model's requests (vLLM face): where they may come from, how many and
     how large."""
@@ -239,6 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["last", "mean"],
     )
     _add_media_flags(parser)
+    _add_kv_transfer_flags(parser)
     engine(
         "--encoder-cache-size",
         "encoder_cache_bytes",
@@ -340,6 +373,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "prompt_cache_dir",
         "keep prompt blocks evicted from RAM in this directory, across restarts "
         "(default: no disk tier)",
+    )
+    parser.add_argument(
+        "--prompt-cache-shared",
+        action="store_true",
+        help="share --prompt-cache-dir with other workers of the same model: each writes its "
+        "blocks through and reuses the others' (default: one worker owns the directory)",
     )
     engine(
         "--prompt-cache-disk-bytes",
@@ -523,6 +562,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--speculate is not supported with --distributed (yet): leave it off")
     if args.speculate is None:
         args.speculate = "off" if args.distributed else "ngram"
+    if args.kv_transfer is not None:
+        args.prompt_cache_shared = True
+        if args.prompt_cache_dir is None and args.kv_transfer == "pull":
+            args.prompt_cache_dir = tempfile.mkdtemp(prefix="mlx-grpc-worker-kv-")
+    if args.prompt_cache_shared and args.prompt_cache_dir is None:
+        parser.error("--prompt-cache-shared and --kv-transfer shared need --prompt-cache-dir")
     return args
 
 
@@ -550,6 +595,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prompt_cache_snapshot_interval=args.prompt_cache_snapshot_interval,
         prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
+        prompt_cache_shared=args.prompt_cache_shared,
         max_kv_memory=args.max_kv_memory,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
@@ -576,6 +622,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prepend_bos=args.prepend_bos,
         max_load_wait_s=args.max_load_wait,
         embedding_pooling=args.embedding_pooling,
+        kv=KvTransferOptions(
+            role=args.kv_role,
+            transfer=args.kv_transfer,
+            host=args.kv_transfer_host,
+            port=args.kv_transfer_port,
+        ),
     )
     return ServerConfig(
         model=ModelSpec(args.model, args.served_model_name),

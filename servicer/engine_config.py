@@ -78,6 +78,9 @@ class EngineConfig:
     prompt_cache_snapshot_interval: int | None = None
     prompt_cache_dir: str | None = None  # the disk tier's directory (None: no disk tier)
     prompt_cache_disk_bytes: int = 32 << 30
+    # Several workers share `prompt_cache_dir`: each writes its blocks through to it and finds
+    # the others' there by name.
+    prompt_cache_shared: bool = False
     # KV and recurrent state the running requests may reserve (None: half the device's
     # memory less the weights). A request that cannot fit alone is refused; one that cannot
     # fit beside the others waits.

@@ -25,6 +25,7 @@ from .engine_handle import EngineHandle
 from .faces import Face
 from .images import ImagePreparer, has_media
 from .kv_events import KvEventHub
+from .kv_transfer import KvTransfer, KvTransferOptions
 from .lifecycle import Lifecycle, Phase
 from .loads import LoadFigures, Throughput, load_figures
 from .media import MediaPolicy
@@ -105,6 +106,7 @@ class HandlerOptions:
     max_load_wait_s: float = 120.0
     embedding_pooling: str = "last"  # Embed: "last" token's hidden state or their "mean"
     media: MediaPolicy = field(default_factory=MediaPolicy)  # what images may be fetched
+    kv: KvTransferOptions = field(default_factory=KvTransferOptions)  # KV between workers
 
 
 class Handlers:
@@ -125,6 +127,7 @@ class Handlers:
         metrics: WorkerMetrics | None = None,
         block_size: int = 0,
         max_running_requests: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self._engine = engine
         self._lifecycle = lifecycle
@@ -155,6 +158,7 @@ class Handlers:
             keeps_prefixes=block_size > 0,
         )
         self.kv_events = KvEventHub(block_size)
+        self.kv = KvTransfer(self._options.kv, block_size, kv_cache_dtype)
         self.max_running_requests = max_running_requests
 
     # ----- lifecycle, driven by the server -----
@@ -396,6 +400,7 @@ class Generation:
                 yield keepalive
         try:
             job, text = await handlers.build(request, self._context)
+            job = await handlers.kv.prepare(request, job, context.time_remaining())
             streams = handlers.accept(job)
         except RequestError as error:
             log.debug("refused request %r: %s", request.request_id, error.message)
@@ -416,6 +421,8 @@ class Generation:
             # The loop lives here, not in a nested generator: one hop less for every message.
             while stream.finish_reason is None:
                 for response in self._emit(stream, output, await stream.take()):
+                    if stream.finish_reason is not None and response.HasField("complete"):
+                        await handlers.kv.publish(job, response.complete)
                     yield response
             outcome = stream.finish_reason
         except RequestError as error:

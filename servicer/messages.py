@@ -111,6 +111,18 @@ class ImageInput(Wire, frozen=True):
         return self.offset + self.length
 
 
+class FoundBlock(Wire, frozen=True):
+    """A prompt block's file another worker wrote, found (and its header checked against
+    the prompt) by the handlers: the engine's disk tier may load it."""
+
+    key: bytes
+    parent: bytes | None  # None: the prompt's first block
+    tokens: tuple[int, ...]
+    path: str
+    size: int
+    snapshot: bool
+
+
 class GenerationRequest(Wire):
     """One validated request, ready for the engine to admit."""
 
@@ -143,6 +155,7 @@ class GenerationRequest(Wire):
     images: tuple[ImageInput, ...] = ()
     keyed_prompt: list[int] = msgspec.field(default_factory=list)
     adapter: str = ""  # the served adapter's name ("": the base model)
+    found_blocks: tuple[FoundBlock, ...] = ()  # its prompt's blocks on disk, parents first
 
     @property
     def store_prompt(self) -> list[int]:
@@ -363,3 +376,6 @@ class EngineCapabilities(Wire, frozen=True):
     admission: Admission
     has_thinking: bool  # the tokenizer marks a reasoning section
     embedding_size: int = 0  # the model's hidden size when it can embed (0: it cannot)
+    # The shared prompt cache directory, its model's namespace ("": none), where the handlers
+    # find other workers' blocks and wait for this one's (--prompt-cache-shared).
+    shared_cache_dir: str = ""

@@ -113,6 +113,7 @@ class WorkerServer:
             self.metrics,
             block_size=config.engine.block_size,
             max_running_requests=config.engine.completion_batch_size,
+            kv_cache_dtype=f"int{config.engine.kv_bits}" if config.engine.kv_bits else "auto",
         )
         self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
@@ -233,6 +234,7 @@ class WorkerServer:
             grammar.compile,
             capabilities.embedding_size,
         )
+        await self.servicer.kv.attach(capabilities.shared_cache_dir)
         freeze_startup_heap()  # the handlers' side of the same (the engine froze its own)
         self.lifecycle.advance(Phase.SERVING)
         await self._set_health(SERVING)
@@ -261,6 +263,7 @@ class WorkerServer:
         for server in (self._server, *self._adapter_servers):
             if server is not None:
                 await server.stop(grace=1.0)
+        await self.servicer.kv.close()
         if self._preparing is not None and not self._preparing.done():
             self._preparing.cancel()
         await asyncio.to_thread(self.engine.shutdown, 30.0)

@@ -53,6 +53,7 @@ class VllmEngineFace(FaceServicer, vllm_engine_pb2_grpc.VllmEngineServicer):
             block_size=handlers.kv_events.block_size,
             max_num_seqs=handlers.max_running_requests,
             **media_info(handlers.images),
+            **handlers.kv.server_info(),
         )
 
     async def GetLoads(

@@ -287,9 +287,20 @@ class Router:
     fetches the tokenizer from the workers with GetTokenizer."""
 
     def __init__(
-        self, worker_addresses: list[str], log_path: Path, *flags: str, connections: int = 32
+        self,
+        worker_addresses: list[str],
+        log_path: Path,
+        *flags: str,
+        connections: int = 32,
+        pd: bool = False,
     ) -> None:
+        """`pd`: the router's prefill/decode split, the first address the prefill worker and
+        the second the decode worker."""
         assert SMG is not None, "the smg router is a dev dependency"
+        urls = [f"grpc://{address}" for address in worker_addresses]
+        workers = ["--worker-urls", *urls]
+        if pd:
+            workers = ["--pd-disaggregation", "--prefill", urls[0], "--decode", urls[1]]
         self.log_path = log_path
         self._log = log_path.open("w")
         http_port = free_port()
@@ -298,8 +309,7 @@ class Router:
             [
                 SMG,
                 "launch",
-                "--worker-urls",
-                *(f"grpc://{address}" for address in worker_addresses),
+                *workers,
                 "--host",
                 "127.0.0.1",
                 "--port",

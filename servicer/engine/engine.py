@@ -244,7 +244,7 @@ class EngineLoop:
             parts.loaded.model, self._lockstep is not None, config.prefill_step_size
         )
         self.capabilities = EngineCapabilities(
-            parts.admission, parts.has_thinking, self.embedder.size
+            parts.admission, parts.has_thinking, self.embedder.size, self.store.shared_dir
         )
         self.planner = Planner(
             config,

@@ -357,6 +357,7 @@ def _prefix_store(
             model_id,
             config.prompt_cache_disk_bytes,
             faults=config.faults,
+            shared=config.prompt_cache_shared,
         )
         disk.open()
     return PrefixStore(

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from ...messages import GenerationRequest
+from ...messages import FoundBlock, GenerationRequest
 from .data import BlockData, Part, arrays_of
 from .disk_tier import ARRAY_DTYPES, BlockFile, Completion, DiskEntry, DiskTier
 from .index import BlockIndex, Match, Node
@@ -43,6 +44,24 @@ class DiskLink:
             self.index.unpin([node])
             if node.disk is None:
                 self.index.remove(node)
+
+    def publish(self, node: Node, data: BlockData) -> None:
+        """Write-through to a shared directory: the block goes to disk now and stays in RAM."""
+        if self.disk.usable and (node.disk is None or (data.states and not node.disk_snapshot)):
+            self.index.pin([node])
+            if not self._write(node, data):
+                self.index.unpin([node])
+
+    def adopt(self, found: tuple[FoundBlock, ...]) -> None:
+        """Block files the handlers found for a request (another worker's, in a shared
+        directory or fetched from a peer), parents first: into the index where it lacks them."""
+        for block in found:
+            parent = self.index.get(block.parent) if block.parent is not None else None
+            if block.parent is not None and parent is None:
+                return  # a gap: nothing past it can be reached
+            node = self.index.add(parent, block.tokens, block.key)
+            if node.disk is None:
+                self.index.set_disk(node, DiskEntry(Path(block.path)), block.size, block.snapshot)
 
     def index_files(self) -> None:
         """Put the files a previous run left into the index (at startup)."""
@@ -175,6 +194,7 @@ class DiskLink:
         if loading is None:
             if not self.disk.usable:
                 return True
+            self.adopt(request.found_blocks)
             found = match()
             on_disk = found.on_disk
             if not on_disk:

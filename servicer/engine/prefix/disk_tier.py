@@ -5,7 +5,8 @@ Disk I/O never runs on the engine thread: a writer thread takes blocks from a bo
 waiting request, and the engine picks up both kinds of results at its next step. Every file
 is written under a temporary name, fsynced and renamed, carries a SHA-256 of its contents
 (checked on load) and the model's identity; any fault is a miss, never wrong output. The
-directory is namespaced by that identity and locked, so one worker owns it.
+directory is namespaced by that identity and locked: one worker owns it, or (`shared`) every
+worker on it shares it, each writing its blocks through and finding the others' by name.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"MLXPBLK1"
 FORMAT = 2
 _SUFFIX = ".blk"
+STALE_TMP_S = 600.0  # a shared directory's partial file this old has lost its writer
 ARRAY_DTYPES = {  # MLX dtype name -> (numpy dtype to read the bytes back as, MLX view or None)
     "float32": ("float32", None),
     "float16": ("float16", None),
@@ -189,8 +191,10 @@ class DiskTier:
         max_bytes: int,
         queue_size: int = 64,
         faults: FaultPlan | None = None,
+        shared: bool = False,
     ) -> None:
         self.model_id = model_id
+        self.shared = shared
         self.max_bytes = max_bytes
         self.dir = root / model_id
         self.counters = DiskCounters()
@@ -221,20 +225,16 @@ class DiskTier:
             lock_path = self.dir / "lock"
             self._lock_file = open(lock_path, "a+")  # noqa: SIM115 (held for the process)
             try:
-                fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                mode = fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX
+                fcntl.flock(self._lock_file, mode | fcntl.LOCK_NB)
             except BlockingIOError:
-                self._lock_file.seek(0)
-                holder = self._lock_file.read().strip() or "another process"
                 self._lock_file.close()
                 self._lock_file = None
                 raise DiskTierError(
-                    f"the prompt cache directory {self.dir} is in use by another worker "
-                    f"(pid {holder}); give each worker its own --prompt-cache-dir"
+                    f"the prompt cache directory {self.dir} is in use by another worker; give "
+                    "each worker its own --prompt-cache-dir, or start all of them with "
+                    "--prompt-cache-shared"
                 ) from None
-            self._lock_file.seek(0)
-            self._lock_file.truncate()
-            self._lock_file.write(str(os.getpid()))
-            self._lock_file.flush()
             probe = self.dir / f".probe-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -262,8 +262,9 @@ class DiskTier:
             if time.monotonic() - started > budget_s:
                 log.warning("prompt cache scan stopped after %.0f s; the rest is skipped", budget_s)
                 break
-            if path.name.endswith(".tmp"):
-                _unlink(path)  # a write that never finished (the process was killed)
+            if path.name.endswith(".tmp"):  # a write that never finished (its writer was killed)
+                if not self.shared or _age_s(path) > STALE_TMP_S:
+                    _unlink(path)
                 continue
             if path.suffix != _SUFFIX:
                 continue
@@ -408,6 +409,13 @@ class DiskTier:
                 continue
             seconds = time.perf_counter() - started
             self._finished(Completion("loaded", key, path, block=block, seconds=seconds))
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _unlink(path: Path) -> None:

@@ -171,6 +171,8 @@ class PrefixStore:
         self._link = DiskLink(self.index, layout, disk) if disk is not None else None
         if self._link is not None:
             self._link.index_files()
+        # Where the handlers look for other workers' blocks ("": nowhere).
+        self.shared_dir = str(disk.dir) if disk is not None and disk.usable and disk.shared else ""
 
     # ----- finding -----
 
@@ -309,6 +311,8 @@ class PrefixStore:
             parent = self.index.add(parent, piece, key)
             if data is not None:
                 self.index.set_ram(parent, data, data.nbytes, data.states is not None)
+                if self._link is not None and self._link.disk.shared:
+                    self._link.publish(parent, data)
         assert parent is not None
         if self.layout.cuttable and len(parent.tokens) < size:
             self._drop_shorter_tails(parent)
@@ -434,6 +438,7 @@ class NoPrefixStore:
     a miss, nothing kept, nothing to load."""
 
     loading = False
+    shared_dir = ""
 
     def match(self, request: GenerationRequest) -> Match:
         return Match()

@@ -1,0 +1,397 @@
+"""Prompt KV between workers (handler side; no MLX): the router's prefill/decode split, and a
+prompt cache several workers share.
+
+Every block a worker with `--prompt-cache-shared` (or a `--kv-transfer` mode) keeps is
+written through to its disk tier as a file named by the block's key. So moving KV is moving
+files, which the disk tier already writes atomically, checksums and loads off the engine thread:
+- `shared`: the workers share one directory. Before a request goes to the engine, the handlers
+  look there for its prompt's blocks by name (`SharedBlocks.find`), check each header against
+  the prompt, and hand what they found to the engine, which loads it as a disk hit.
+- `pull`: a prefill worker names its prompt's blocks in `kv_transfer_params_json`, keeps their
+  files open until fetched or `pin_s` passes, and serves them on its block server; the decode
+  worker fetches them over one connection, checks them and puts them in its own directory.
+Any fault is a local prefill (counted), never a wrong token: a file is used only when its
+checksum, model identity, key, parent and tokens are the ones the prompt names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .engine.prefix.disk_tier import read_block, read_header
+from .engine.prefix.keys import ROOT, block_key
+from .messages import FoundBlock, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+TRANSFERS = ("pull", "shared")
+CONNECTORS = {"pull": "NixlConnector", "shared": "SharedStorageConnector"}
+ROLE_NAMES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+PARAMS_MARK = "mlx_grpc_worker_blocks"  # this worker's kind of kv_transfer_params_json
+_SUFFIX = ".blk"
+_LENGTH = struct.Struct("<Q")
+MAX_REQUEST_BYTES = 1 << 20  # a block server request (JSON of keys)
+
+
+@dataclass(frozen=True)
+class KvTransferOptions:
+    role: str = "both"  # prefill | decode | both
+    transfer: str | None = None  # pull | shared | None (no connector)
+    host: str = "127.0.0.1"  # the block server's address, as peers reach it
+    port: int = 0  # the block server's port (0: any free one)
+    publish_wait_s: float = 5.0  # a prefill answer waits this long for its blocks' files
+    fetch_timeout_s: float = 10.0  # a decode request waits this long for a peer's blocks
+    pin_s: float = 60.0  # a prefill's files stay open for its decode this long at most
+
+
+@dataclass
+class KvTransferCounters:
+    fetched_blocks: int = 0
+    fetched_bytes: int = 0
+    fetch_seconds: float = 0.0
+    failures: int = 0  # transfers that ended in a local prefill
+    found_blocks: int = 0  # blocks found in the shared directory for requests
+
+
+class SharedBlocks:
+    """One model's block files in a disk tier directory, found by the prompt's block names."""
+
+    def __init__(self, directory: Path, block_size: int) -> None:
+        self.dir = directory
+        self.model_id = directory.name  # the disk tier namespaces by the model's identity
+        self.block_size = block_size
+
+    def path(self, key: bytes) -> Path:
+        return self.dir / f"{key.hex()}{_SUFFIX}"
+
+    def find(self, prompt: list[int], keys: tuple[bytes, ...]) -> tuple[FoundBlock, ...]:
+        """The prompt's blocks on disk from its start: its full blocks while their files are
+        there, then the longest partial block where the first one is missing."""
+        found: list[FoundBlock] = []
+        size = self.block_size
+        parent: bytes | None = None
+        for i, key in enumerate(keys):
+            block = self.checked(key, parent, tuple(prompt[i * size : (i + 1) * size]))
+            if block is None:
+                break
+            found.append(block)
+            parent = key
+        start = len(found) * size
+        window = prompt[start : start + size]
+        longest = min(len(window), size - 1)
+        for length in range(longest, 0, -1):
+            tokens = tuple(window[:length])
+            block = self.checked(block_key(parent or ROOT, tokens), parent, tokens)
+            if block is not None:
+                found.append(block)
+                break
+        return tuple(found)
+
+    def checked(
+        self, key: bytes, parent: bytes | None, tokens: tuple[int, ...]
+    ) -> FoundBlock | None:
+        """The block file for `key`, when there is one of this model whose header names this
+        key, parent and tokens (its contents are checked when it loads)."""
+        path = self.path(key)
+        try:
+            block, size = read_header(path, self.model_id)
+        except Exception:  # absent, partial, foreign or corrupt: not found
+            return None
+        if block.key != key or block.parent != parent or block.tokens != tokens:
+            return None
+        return FoundBlock(key, parent, tokens, str(path), size, block.snapshot)
+
+    def covers(self, prompt: list[int], found: tuple[FoundBlock, ...]) -> bool:
+        return sum(len(block.tokens) for block in found) >= len(prompt)
+
+    def expected(self, prompt: list[int], keys: tuple[bytes, ...]) -> dict[bytes, tuple]:
+        """Every block a peer may send for this prompt: key -> (parent, tokens); its full
+        blocks, and the partial ones that could follow each of them."""
+        size = self.block_size
+        wanted: dict[bytes, tuple] = {}
+        parent: bytes | None = None
+        for i in range(len(keys) + 1):
+            window = tuple(prompt[i * size : (i + 1) * size])
+            for length in range(1, min(len(window), size - 1) + 1):
+                wanted[block_key(parent or ROOT, window[:length])] = (parent, window[:length])
+            if i < len(keys):
+                wanted[keys[i]] = (parent, window)
+                parent = keys[i]
+        return wanted
+
+    def accept(self, data: bytes, key: bytes, parent: bytes | None, tokens: tuple) -> FoundBlock:
+        """A fetched file, checked whole (checksum, model, key, parent, tokens), published
+        in this directory; ValueError when it does not hold."""
+        path = self.path(key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.fetch.tmp")
+        tmp.write_bytes(data)
+        try:
+            block = read_block(tmp, self.model_id)
+            if block.key != key or block.parent != parent or block.tokens != tokens:
+                raise ValueError("the file holds another block")
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        return FoundBlock(key, parent, tokens, str(path), len(data), block.snapshot)
+
+
+class BlockServer:
+    """The prefill side of `pull`: serves block files to decode workers over TCP, keeping the
+    files a finished prefill named open (so eviction cannot take them) until fetched or
+    `pin_s` passes. One request per connection: a length-prefixed JSON
+    {"transfer": id, "keys": [hex]}, answered by each file's length and bytes (length 0: none)."""
+
+    def __init__(self, blocks: SharedBlocks, options: KvTransferOptions) -> None:
+        self.blocks = blocks
+        self.options = options
+        self.port = 0
+        self._pins: dict[str, tuple[float, dict[str, int]]] = {}  # transfer -> deadline, fds
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, self.options.host, self.options.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for transfer in list(self._pins):
+            self._unpin(transfer)
+
+    def pin(self, found: tuple[FoundBlock, ...]) -> str:
+        """Keep these files open for a decode worker; returns the transfer's id."""
+        self._expire()
+        fds = {}
+        for block in found:
+            with contextlib.suppress(OSError):
+                fds[block.key.hex()] = os.open(block.path, os.O_RDONLY)
+        transfer = uuid.uuid4().hex
+        self._pins[transfer] = (time.monotonic() + self.options.pin_s, fds)
+        return transfer
+
+    def _unpin(self, transfer: str) -> None:
+        _, fds = self._pins.pop(transfer, (0.0, {}))
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for transfer in [t for t, (deadline, _) in self._pins.items() if deadline < now]:
+            self._unpin(transfer)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+            if length > MAX_REQUEST_BYTES:
+                return
+            ask = json.loads(await reader.readexactly(length))
+            transfer, keys = str(ask.get("transfer", "")), [str(k) for k in ask["keys"]]
+            fds = self._pins.get(transfer, (0.0, {}))[1]
+            for key in keys:
+                data = await asyncio.to_thread(self._read, fds.get(key), key)
+                writer.write(_LENGTH.pack(len(data)) + data)
+                await writer.drain()
+            self._unpin(transfer)  # fetched
+        except (OSError, ValueError, KeyError, TypeError, asyncio.IncompleteReadError) as exc:
+            log.debug("block server: a request failed: %s", exc)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    def _read(self, fd: int | None, key: str) -> bytes:
+        try:
+            if fd is not None:
+                return os.pread(fd, os.fstat(fd).st_size, 0)
+            return self.blocks.path(bytes.fromhex(key)).read_bytes()
+        except (OSError, ValueError):
+            return b""
+
+
+async def fetch_blocks(
+    host: str, port: int, transfer: str, keys: list[str], timeout_s: float
+) -> list[bytes]:
+    """Block files from a peer's block server, in the order of `keys` (empty: it has none)."""
+
+    async def fetch() -> list[bytes]:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            ask = json.dumps({"transfer": transfer, "keys": keys}).encode()
+            writer.write(_LENGTH.pack(len(ask)) + ask)
+            await writer.drain()
+            files = []
+            for _ in keys:
+                (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+                files.append(await reader.readexactly(length))
+            return files
+        finally:
+            writer.close()
+
+    return await asyncio.wait_for(fetch(), timeout_s)
+
+
+class KvTransfer:
+    """A worker's side of moving prompt KV: what GetServerInfo advertises, blocks found or
+    fetched for a request before it goes to the engine, and a prefill's answer held until
+    its blocks are published (and, for `pull`, named in its kv_transfer_params_json)."""
+
+    def __init__(self, options: KvTransferOptions, block_size: int, kv_cache_dtype: str) -> None:
+        self.options = options
+        self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        self.engine_id = uuid.uuid4().hex
+        self.counters = KvTransferCounters()
+        self.blocks: SharedBlocks | None = None
+        self.server: BlockServer | None = None
+        self.model_id = ""
+
+    async def attach(self, shared_dir: str) -> None:
+        """The engine is warm; `shared_dir` is its disk tier's directory when blocks are
+        written through ("": none, and nothing here does anything)."""
+        if not shared_dir or not self.block_size:
+            return
+        self.blocks = SharedBlocks(Path(shared_dir), self.block_size)
+        self.model_id = self.blocks.model_id
+        if self.options.transfer == "pull" and self.options.role != "decode":
+            self.server = BlockServer(self.blocks, self.options)
+            port = await self.server.start()
+            log.info("block server for decode workers on %s:%d", self.options.host, port)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+
+    def server_info(self) -> dict[str, Any]:
+        """GetServerInfo's KV fields, from which the router picks its PD mode and pairs."""
+        transfer = self.options.transfer
+        if transfer is None:
+            return {}
+        return {
+            "kv_connector": CONNECTORS[transfer],
+            "kv_role": ROLE_NAMES[self.options.role],
+            "kv_engine_id": self.engine_id,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "pairing_protocol": f"mlx-grpc-worker/{self.model_id}",
+        }
+
+    async def prepare(
+        self, request: Any, job: GenerationRequest, time_left_s: float | None
+    ) -> GenerationRequest:
+        """The request's prompt blocks another worker holds, for the engine to load: fetched
+        from the peer its kv_transfer_params_json names, or found in the shared directory."""
+        blocks = self.blocks
+        if blocks is None or (not job.block_keys and len(job.store_prompt) < 2):
+            return job
+        params = _params(request)
+        if params is not None and self.options.role != "prefill":
+            found = await self._pull(job, params, time_left_s)
+        else:
+            found = await asyncio.to_thread(blocks.find, job.store_prompt, job.block_keys)
+        self.counters.found_blocks += len(found)
+        job.found_blocks = found
+        return job
+
+    async def _pull(self, job: GenerationRequest, params: dict, deadline_s: float | None) -> tuple:
+        blocks = self.blocks
+        assert blocks is not None
+        if params.get("model") != self.model_id:
+            self._failed(job, "the prefill worker serves another model or KV layout")
+            return ()
+        expected = blocks.expected(job.store_prompt, job.block_keys)
+        keys = [k for k in params.get("keys", []) if isinstance(k, str)]
+        try:
+            wanted = [bytes.fromhex(k) for k in keys]
+        except ValueError:
+            wanted = []
+        if not wanted or any(key not in expected for key in wanted):
+            self._failed(job, "its kv_transfer_params name blocks of another prompt")
+            return ()
+        timeout = self.options.fetch_timeout_s
+        if deadline_s is not None:
+            timeout = min(timeout, deadline_s / 2)
+        started = time.perf_counter()
+        try:
+            host, port = str(params["host"]), int(params["port"])
+            files = await fetch_blocks(host, port, str(params.get("transfer", "")), keys, timeout)
+            found = await asyncio.to_thread(self._accept_all, files, wanted, expected)
+        except (TimeoutError, OSError, ValueError, KeyError, TypeError) as exc:
+            self._failed(job, f"{type(exc).__name__}: {exc}")
+            return ()
+        counters = self.counters
+        counters.fetched_blocks += len(found)
+        counters.fetched_bytes += sum(len(f) for f in files)
+        counters.fetch_seconds += time.perf_counter() - started
+        return found
+
+    def _accept_all(self, files: list[bytes], wanted: list[bytes], expected: dict) -> tuple:
+        """The fetched files that hold, in order, up to the first that does not."""
+        assert self.blocks is not None
+        found = []
+        for data, key in zip(files, wanted, strict=True):
+            if not data:
+                break
+            parent, tokens = expected[key]
+            found.append(self.blocks.accept(data, key, parent, tokens))
+        return tuple(found)
+
+    def _failed(self, job: GenerationRequest, why: str) -> None:
+        self.counters.failures += 1
+        log.warning(
+            "KV transfer for %r failed, its prompt is prefilled here: %s", job.request_id, why
+        )
+
+    async def publish(self, job: GenerationRequest, complete: Any) -> None:
+        """A prefill worker's answer: once its prompt's blocks are files (at most
+        `publish_wait_s`), and for `pull` named in its kv_transfer_params_json."""
+        blocks = self.blocks
+        if blocks is None or self.options.role != "prefill":
+            return
+        prompt, keys = job.store_prompt, job.block_keys
+        deadline = time.monotonic() + self.options.publish_wait_s
+        while True:
+            found = await asyncio.to_thread(blocks.find, prompt, keys)
+            if blocks.covers(prompt, found) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.005)
+        if self.server is None or not found or "kv_transfer_params_json" not in _fields(complete):
+            return
+        params = {
+            PARAMS_MARK: 1,
+            "engine_id": self.engine_id,
+            "model": self.model_id,
+            "host": self.options.host,
+            "port": self.server.port,
+            "transfer": self.server.pin(found),
+            "keys": [block.key.hex() for block in found],
+        }
+        complete.kv_transfer_params_json = json.dumps(params)
+
+
+def _fields(message: Any) -> Any:
+    return message.DESCRIPTOR.fields_by_name
+
+
+def _params(request: Any) -> dict | None:
+    """This worker's kind of kv_transfer_params_json on a request (None: none)."""
+    if "kv_transfer_params_json" not in _fields(request) or not request.kv_transfer_params_json:
+        return None
+    try:
+        params = json.loads(request.kv_transfer_params_json)
+    except ValueError:
+        return None
+    return params if isinstance(params, dict) and params.get(PARAMS_MARK) == 1 else None
