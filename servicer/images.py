@@ -31,11 +31,21 @@ import numpy as np
 from .media import POOL_SIZE, MediaError, MediaPolicy, fetch_images, grpc_status
 from .messages import ImageInput, Tensor
 from .validation import ExpandImages, RequestError
-from .vision_families import VisionSpec
+from .video import (
+    VideoRefused,
+    VideoSettings,
+    decode_video,
+    group_seconds,
+    timestamp_text,
+    video_patches,
+    video_run,
+)
+from .vision_families import VideoSpec, VisionSpec
 
 log = logging.getLogger(__name__)
 
 IMAGE_MODALITY = 1  # smg.grpc.common.Modality.IMAGE
+VIDEO_MODALITY = 3  # smg.grpc.common.Modality.VIDEO
 KEY_BYTES = 16
 
 
@@ -45,13 +55,20 @@ def _invalid(message: str) -> RequestError:
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    """One image as the encoder takes it, and how many placeholder tokens it fills."""
+    """One image (or video) as the encoder takes it, and how many placeholder tokens it
+    fills."""
 
     tokens: int
     key: bytes
-    pixel_values: Tensor
+    pixel_values: Tensor | None  # None: a video's, in `extra`
     extra: tuple[tuple[str, Tensor], ...] = ()
     run: tuple[int, ...] = ()  # its placeholder run when not image tokens alone (Pixtral's)
+    # A video: its run replaces its whole anchor; its blocks of video tokens (ImageInput's).
+    spans: tuple[tuple[int, int, int, int, int], ...] = ()
+    video: bool = False
+
+    def input(self, offset: int, length: int) -> ImageInput:
+        return ImageInput(offset, length, self.key, self.pixel_values, self.extra, self.spans)
 
 
 def tensor(array: np.ndarray) -> Tensor:
@@ -59,10 +76,11 @@ def tensor(array: np.ndarray) -> Tensor:
     return Tensor(array.tobytes(), tuple(array.shape), array.dtype.name)
 
 
-def image_key(pixel_values: Tensor, extra: Sequence[tuple[str, Tensor]] = ()) -> bytes:
+def image_key(pixel_values: Tensor | None, extra: Sequence[tuple[str, Tensor]] = ()) -> bytes:
     """What the encoder gets, hashed: equal keys give equal features."""
     digest = hashlib.blake2b(digest_size=KEY_BYTES)
-    for name, t in (("pixel_values", pixel_values), *extra):
+    given = (("pixel_values", pixel_values),) if pixel_values is not None else ()
+    for name, t in (*given, *extra):
         digest.update(f"{name}:{t.dtype}:{t.shape};".encode())
         digest.update(t.data)
     return digest.digest()
@@ -71,29 +89,39 @@ def image_key(pixel_values: Tensor, extra: Sequence[tuple[str, Tensor]] = ()) ->
 def expand(
     prompt: list[int], spec: VisionSpec, images: Sequence[ProcessedImage]
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """`prompt` with its image anchors, in order, replaced by the images' placeholder runs;
-    the images with their offsets there. One anchor per image, or INVALID_ARGUMENT."""
-    anchor, width = list(spec.anchor), len(spec.anchor)
+    """`prompt` with its image (and video) anchors, in order, replaced by the items'
+    placeholder runs; the items with their offsets there. One anchor per item, of its kind,
+    or INVALID_ARGUMENT."""
+    anchors = {False: list(spec.anchor)}
+    if spec.video is not None:
+        anchors[True] = list(spec.video.anchor)
     out: list[int] = []
     placed: list[ImageInput] = []
     i = 0
     while i < len(prompt):
-        if prompt[i : i + width] == anchor:
+        video = next((v for v, a in anchors.items() if prompt[i : i + len(a)] == a), None)
+        if video is not None:
             if len(placed) == len(images):
-                raise _invalid(f"the prompt has more image anchors than its {len(images)} images")
+                raise _invalid(f"the prompt has more media anchors than its {len(images)} items")
             image = images[len(placed)]
-            offset = len(out) + len(spec.before)
+            if image.video != video:
+                kinds = ("an image", "a video")
+                raise _invalid(
+                    f"media {len(placed)} is {kinds[image.video]}, but its anchor in the "
+                    f"prompt is {kinds[video]}'s"
+                )
             run = image.run or (spec.image_token_id,) * image.tokens
-            out += [*spec.before, *run, *spec.after]
-            placed.append(ImageInput(offset, len(run), image.key, image.pixel_values, image.extra))
-            i += width
+            before, after = ((), ()) if video else (spec.before, spec.after)
+            placed.append(image.input(len(out) + len(before), len(run)))
+            out += [*before, *run, *after]
+            i += len(anchors[video])
         else:
             out.append(prompt[i])
             i += 1
     if len(placed) != len(images):
         raise _invalid(
-            f"the prompt has {len(placed)} image anchors for {len(images)} images; "
-            "each image needs its own in the prompt, where the chat template puts it"
+            f"the prompt has {len(placed)} media anchors for {len(images)} items; "
+            "each image or video needs its own in the prompt, where the chat template puts it"
         )
     if placed and placed[-1].end >= len(out):
         raise _invalid("the prompt ends inside an image: put text after the last image")
@@ -114,10 +142,13 @@ def media_info(preparer: ImagePreparer | None) -> dict[str, str]:
         schemes += ["http", "https"]
     if policy.media_dir is not None:
         schemes.append("file")
+    limits = f"image={policy.max_images}"
+    if preparer.spec.video is not None:
+        limits += f",video={policy.max_videos}"
     return {
         "mm_processor": MM_PROCESSOR,
         "mm_media_ref_schemes": ",".join(schemes),
-        "mm_item_limits": f"image={policy.max_images}",
+        "mm_item_limits": limits,
     }
 
 
@@ -137,6 +168,7 @@ class ImagePreparer:
         self._pool = ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="images")
         self._processor = _processor(model_dir, spec)
         self.patch_width = _patch_width(self._processor)  # a flattened patch's values
+        self._videos = VideoPreparer(model_dir, spec.video, policy) if spec.video else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -167,16 +199,23 @@ class ImagePreparer:
 
     async def _media(self, request: Any) -> list[ProcessedImage]:
         refs = list(request.media_refs.items)
+        served = (IMAGE_MODALITY, VIDEO_MODALITY) if self._videos else (IMAGE_MODALITY,)
         for i, ref in enumerate(refs):
-            if ref.modality != IMAGE_MODALITY:
-                raise _invalid(f"media {i}: only images are served (modality {ref.modality})")
+            if ref.modality not in served:
+                what = "images and videos are" if self._videos else "only images are"
+                raise _invalid(f"media {i}: {what} served (modality {ref.modality})")
+        videos = frozenset(i for i, r in enumerate(refs) if r.modality == VIDEO_MODALITY)
         try:
-            decoded = await fetch_images([r.url for r in refs], self.policy, executor=self._pool)
+            decoded = await fetch_images(
+                [r.url for r in refs], self.policy, executor=self._pool, videos=videos
+            )
         except MediaError as error:
             raise RequestError(error.status, str(error)) from None
         loop = asyncio.get_running_loop()
         jobs = [
-            loop.run_in_executor(self._pool, self._process, i, d.image)
+            loop.run_in_executor(self._pool, self._videos.process, i, d)
+            if isinstance(d, bytes) and self._videos is not None
+            else loop.run_in_executor(self._pool, self._process, i, d.image)
             for i, d in enumerate(decoded)
         ]
         return list(await asyncio.gather(*jobs))
@@ -227,6 +266,53 @@ class ImagePreparer:
         except Exception as exc:
             raise _invalid(f"image {index}: the model's processor refused it: {exc}") from None
         return ProcessedImage(len(run), image_key(pixels, extra), pixels, extra, run)
+
+
+class VideoPreparer:
+    """A request's videos as the encoder takes them (servicer/video.py), in the handler's
+    pool: decoded within the policy's bounds, sampled and patched as the checkpoint's video
+    processor does, and their runs (Qwen3-VL's timestamps tokenized by the checkpoint's
+    tokenizer)."""
+
+    def __init__(self, model_dir: Path, spec: VideoSpec, policy: MediaPolicy) -> None:
+        self.spec, self.policy = spec, policy
+        self.settings = VideoSettings.from_dir(model_dir)
+        self._tokenizer = None
+        if spec.layout == "timestamped":
+            import transformers
+
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (one preparer a worker)
+    def label(self, seconds: float) -> tuple[int, ...]:
+        text = timestamp_text(seconds)
+        return tuple(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def process(self, index: int, raw: bytes) -> ProcessedImage:
+        settings, spec = self.settings, self.spec
+        try:
+            sampled = decode_video(raw, self.policy, settings, spec.layout)
+            pixels, grid = video_patches(sampled.frames, settings)
+        except VideoRefused as refused:
+            status = grpc_status("limit" if refused.code == "limit" else "invalid")
+            raise RequestError(status, f"video {index}: {refused}") from None
+        labels = []
+        if spec.layout == "timestamped":
+            seconds = group_seconds(sampled.indices, sampled.fps, settings.temporal_patch_size)
+            labels = [list(self.label(s)) for s in seconds]
+        return processed_video(spec, pixels, grid, labels)
+
+
+def processed_video(
+    spec: VideoSpec, pixels: np.ndarray, grid: tuple[int, int, int], labels: list[list[int]]
+) -> ProcessedImage:
+    """A video's patches and grid as the encoder takes them, named by their hash."""
+    extra = (
+        ("pixel_values_videos", tensor(pixels)),
+        ("video_grid_thw", tensor(np.asarray([grid], dtype=np.int64))),
+    )
+    run, spans = video_run(spec, grid, labels)
+    return ProcessedImage(len(run), image_key(None, extra), None, extra, run, spans, True)
 
 
 def _processor(model_dir: Path, spec: VisionSpec) -> Any:
@@ -440,7 +526,7 @@ def place(
                 f"image {i}: placeholder ({offset}, {length}) is not a run of image tokens "
                 f"({sent.token_id}) in the prompt"
             )
-        placed.append(ImageInput(offset, length, image.key, image.pixel_values, image.extra))
+        placed.append(image.input(offset, length))
         end = offset + length
     if prompt.count(sent.token_id) != sum(length for _, length in sent.placeholders):
         raise _invalid(f"the prompt has image tokens ({sent.token_id}) outside its placeholders")
