@@ -15,13 +15,14 @@ import asyncio
 import functools
 import hashlib
 import importlib
+import itertools
 import json
 import logging
 import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class ProcessedImage:
     # A video: its run replaces its whole anchor; its blocks of video tokens (ImageInput's).
     spans: tuple[tuple[int, int, int, int, int], ...] = ()
     video: bool = False
+    grid: tuple[int, int, int] = (0, 0, 0)  # a video's (t, h, w)
 
     def input(self, offset: int, length: int) -> ImageInput:
         return ImageInput(offset, length, self.key, self.pixel_values, self.extra, self.spans)
@@ -178,24 +180,35 @@ class ImagePreparer:
         and processed here (their anchors to `expand`), or the router's mm_inputs (their
         runs already in the prompt, to `place`) where the family is the router's to process."""
         if request.mm_inputs.ByteSize() or request.extra_mm_inputs:
-            if not self.spec.router_processed:
+            groups = [request.mm_inputs, *request.extra_mm_inputs]
+            video = self.spec.video is not None and any(
+                g.modality == VIDEO_MODALITY for g in groups
+            )
+            if not self.spec.router_processed and not video:
                 raise _invalid(
                     "this worker processes images itself: it takes them as media references "
                     "(the router's --mm-processing auto or worker), not as mm_inputs"
                 )
-            if request.extra_mm_inputs or request.media_refs.items:
+            if request.media_refs.items or (request.extra_mm_inputs and not video):
                 raise _invalid(
                     "a request's images come as one mm_inputs or as media references, not both"
                 )
             sent = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.router_images, request.mm_inputs
+                self._pool, self.router_media, groups
             )
             return functools.partial(place, sent=sent, image_token=self.spec.image_token_id)
         images = await self._media(request)
         return functools.partial(expand, spec=self.spec, images=images)
 
-    def router_images(self, mm: Any) -> RouterImages:
-        return router_images(mm, self.spec, self.patch_width, self.policy.max_images)
+    def router_media(self, groups: list[Any]) -> tuple[RouterImages, ...]:
+        """The router's mm_inputs (and extra_mm_inputs: a video beside images), each group
+        images or videos."""
+        return tuple(
+            router_videos(mm, self.spec.video, self.policy)
+            if mm.modality == VIDEO_MODALITY and self.spec.video is not None
+            else router_images(mm, self.spec, self.patch_width, self.policy.max_images)
+            for mm in groups
+        )
 
     async def _media(self, request: Any) -> list[ProcessedImage]:
         refs = list(request.media_refs.items)
@@ -312,7 +325,8 @@ def processed_video(
         ("video_grid_thw", tensor(np.asarray([grid], dtype=np.int64))),
     )
     run, spans = video_run(spec, grid, labels)
-    return ProcessedImage(len(run), image_key(None, extra), None, extra, run, spans, True)
+    key = image_key(None, extra)
+    return ProcessedImage(len(run), key, None, extra, run, spans, True, tuple(grid))
 
 
 def _processor(model_dir: Path, spec: VisionSpec) -> Any:
@@ -398,6 +412,9 @@ class RouterImages:
     images: tuple[ProcessedImage, ...]
     placeholders: tuple[tuple[int, int], ...]  # (offset, length) per image
     token_id: int
+    # Videos: each placeholder holds the video's blocks of `token_id` with text between
+    # (Qwen3-VL's timestamps), `merge` the tower's spatial merge.
+    video_merge: int = 0
 
 
 def _array(name: str, data: Any, kinds: dict[str, str]) -> np.ndarray:
@@ -502,36 +519,127 @@ def _whole_images(mm: Any, spec: VisionSpec, max_images: int) -> RouterImages:
 
 
 def place(
-    prompt: list[int], sent: RouterImages, image_token: int
+    prompt: list[int], sent: Sequence[RouterImages], image_token: int
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """The router's images at their placeholders in `prompt` (already expanded): each
-    placeholder a run of exactly its image's tokens, in order, and no image token elsewhere;
-    otherwise INVALID_ARGUMENT naming the image. The runs come back filled with the model's
+    """The router's images (and videos) at their placeholders in `prompt` (already
+    expanded): each image's placeholder a run of exactly its image's tokens, each video's
+    blocks of video tokens its grid's, in order, and no such token elsewhere; otherwise
+    INVALID_ARGUMENT naming the item. The image runs come back filled with the model's
     `image_token` whatever the router filled them with: the model's merge looks for it."""
     placed: list[ImageInput] = []
-    end = 0
-    for i, ((offset, length), image) in enumerate(zip(sent.placeholders, sent.images, strict=True)):
-        if offset < end or offset + length > len(prompt):
+    for group in sent:
+        placed += _placed(prompt, group)
+    placed.sort(key=lambda item: item.offset)
+    for before, after in itertools.pairwise(placed):
+        if after.offset < before.end:
             raise _invalid(
-                f"image {i}: placeholder ({offset}, {length}) overlaps the one before or runs "
-                f"past the prompt's {len(prompt)} tokens"
+                f"placeholders ({before.offset}, {before.length}) and "
+                f"({after.offset}, {after.length}) overlap"
             )
-        if length != image.tokens:
-            raise _invalid(
-                f"image {i}: its placeholder has {length} tokens, its patch grid makes "
-                f"{image.tokens}"
-            )
-        if any(t != sent.token_id for t in prompt[offset : offset + length]):
-            raise _invalid(
-                f"image {i}: placeholder ({offset}, {length}) is not a run of image tokens "
-                f"({sent.token_id}) in the prompt"
-            )
-        placed.append(image.input(offset, length))
-        end = offset + length
-    if prompt.count(sent.token_id) != sum(length for _, length in sent.placeholders):
-        raise _invalid(f"the prompt has image tokens ({sent.token_id}) outside its placeholders")
     if placed and placed[-1].end >= len(prompt):
         raise _invalid("the prompt ends inside an image: put text after the last image")
-    if sent.token_id != image_token:
-        prompt = [image_token if t == sent.token_id else t for t in prompt]
+    fills = {g.token_id for g in sent if not g.video_merge and g.token_id != image_token}
+    if fills:
+        prompt = [image_token if t in fills else t for t in prompt]
     return prompt, tuple(placed)
+
+
+def _placed(prompt: list[int], sent: RouterImages) -> list[ImageInput]:
+    kind = "video" if sent.video_merge else "image"
+    placed: list[ImageInput] = []
+    end = counted = 0
+    for i, ((offset, length), image) in enumerate(zip(sent.placeholders, sent.images, strict=True)):
+        if offset < end or offset + length > len(prompt) or length < 1:
+            raise _invalid(
+                f"{kind} {i}: placeholder ({offset}, {length}) overlaps the one before or runs "
+                f"past the prompt's {len(prompt)} tokens"
+            )
+        run = prompt[offset : offset + length]
+        if sent.video_merge:
+            spans = _video_blocks(i, run, sent.token_id, image, sent.video_merge)
+            placed.append(replace(image, spans=spans).input(offset, length))
+            counted += sum(n for _, n, *_ in spans)
+        else:
+            if length != image.tokens:
+                raise _invalid(
+                    f"image {i}: its placeholder has {length} tokens, its patch grid makes "
+                    f"{image.tokens}"
+                )
+            if any(t != sent.token_id for t in run):
+                raise _invalid(
+                    f"image {i}: placeholder ({offset}, {length}) is not a run of image tokens "
+                    f"({sent.token_id}) in the prompt"
+                )
+            placed.append(image.input(offset, length))
+            counted += length
+        end = offset + length
+    if prompt.count(sent.token_id) != counted:
+        raise _invalid(f"the prompt has {kind} tokens ({sent.token_id}) outside its placeholders")
+    return placed
+
+
+def _video_blocks(
+    index: int, run: list[int], token: int, video: ProcessedImage, merge: int
+) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The blocks of video tokens in a video's placeholder run: one per temporal patch
+    (Qwen3-VL's, a grid (1, h, w) each) or one for the whole grid (t, h, w)."""
+    t, h, w = video.grid
+    flags = np.asarray(run) == token
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], flags.astype(np.int8), [0]])))
+    blocks = [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    per_frame = h * w // merge**2
+    if len(blocks) == t and all(n == per_frame for _, n in blocks):
+        return tuple((at, n, 1, h, w) for at, n in blocks)
+    if len(blocks) == 1 and blocks[0][1] == t * per_frame:
+        return ((blocks[0][0], blocks[0][1], t, h, w),)
+    raise _invalid(
+        f"video {index}: its placeholder holds blocks of {[n for _, n in blocks]} video tokens; "
+        f"its grid {(t, h, w)} makes {t} of {per_frame}"
+    )
+
+
+def router_videos(mm: Any, spec: VideoSpec, policy: MediaPolicy) -> RouterImages:
+    """The videos of the router's `mm_inputs` (modality VIDEO: Qwen3-VL's frames as the
+    router sampled them): pixel values a row a patch, split per video by `video_grid_thw`,
+    each video's key our own hash of them; frames counted against the policy."""
+    if not mm.HasField("pixel_values") or "video_grid_thw" not in mm.model_specific_tensors:
+        raise _invalid(
+            "video mm_inputs needs pixel_values and model_specific_tensors video_grid_thw"
+        )
+    pixels = _array("pixel_values", mm.pixel_values, _FLOATS)
+    grids = _array("video_grid_thw", mm.model_specific_tensors["video_grid_thw"], _INTS)
+    if grids.ndim != 2 or grids.shape[1] != 3 or min(grids.shape) < 1 or grids.min() < 1:
+        raise _invalid(f"mm_inputs video_grid_thw: shape {list(grids.shape)}, not [videos, 3]")
+    if grids.shape[0] > policy.max_videos:
+        too_many = f"too many videos: {grids.shape[0]} in the request, limit {policy.max_videos}"
+        raise RequestError(grpc_status("limit"), too_many)
+    if len(mm.mm_placeholders) != grids.shape[0]:
+        raise _invalid(
+            f"mm_inputs has {len(mm.mm_placeholders)} placeholders for {grids.shape[0]} videos"
+        )
+    patches = [int(np.prod(g)) for g in grids]
+    if pixels.ndim != 2 or pixels.shape[0] != sum(patches):
+        raise _invalid(
+            f"mm_inputs pixel_values: shape {list(pixels.shape)}, not [{sum(patches)}, width] "
+            "(the patches of every video's grid, a row each)"
+        )
+    token = mm.im_token_id if mm.HasField("im_token_id") else spec.video_token_id
+    if token != spec.video_token_id:
+        raise _invalid(f"mm_inputs im_token_id {token} is not this model's video token")
+    videos, start = [], 0
+    for i, (grid, n) in enumerate(zip(grids, patches, strict=True)):
+        t, h, w = (int(v) for v in grid)
+        if h % spec.merge or w % spec.merge:
+            raise _invalid(
+                f"video {i}: the patch grid {(t, h, w)} does not fit a {spec.merge}x merge"
+            )
+        if 2 * t > policy.max_video_frames:  # two frames a temporal patch
+            raise RequestError(
+                grpc_status("limit"),
+                f"video {i}: too many frames: {2 * t}, limit {policy.max_video_frames}",
+            )
+        values = pixels[start : start + n].astype(np.float32, copy=False)
+        videos.append(processed_video(spec, values, (t, h, w), []))
+        start += n
+    placeholders = tuple((int(p.offset), int(p.length)) for p in mm.mm_placeholders)
+    return RouterImages(tuple(videos), placeholders, token, spec.merge)

@@ -8,13 +8,18 @@ video_url chat answers as mlx-vlm does, on both of the router's paths for Qwen3-
 from __future__ import annotations
 
 import base64
+import dataclasses
 import importlib.util
 import io
+import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import numpy as np
 import pytest
+from conftest import demo_config
+from support import SMG, Router, ServerThread
 from test_images import complete, data_url, png
 from vlm_support import served
 
@@ -212,3 +217,97 @@ def test_bad_videos_are_refused_cleanly(family, tmp_path):
             assert says in error.details()
         else:
             assert says == "too short" and ref.layout == "timestamped"
+
+
+@contextmanager
+def recorded(running) -> Iterator[list]:
+    """Each media request the worker prepares while the block runs (a copy)."""
+    preparer = running.server.servicer.images
+    prepare = preparer.prepare
+    sent: list = []
+
+    async def spy(request):
+        sent.append(type(request).FromString(request.SerializeToString()))
+        return await prepare(request)
+
+    preparer.prepare = spy
+    try:
+        yield sent
+    finally:
+        preparer.prepare = prepare
+
+
+def routed_video_chat(
+    router, model: str, raw: bytes, fps: float | None = None, picture: bytes | None = None
+):
+    video = {"url": video_url(raw)} | ({"fps": fps} if fps is not None else {})
+    content = [{"type": "video_url", "video_url": video}, {"type": "text", "text": QUESTION}]
+    if picture is not None:
+        content.insert(0, {"type": "image_url", "image_url": {"url": data_url(picture)}})
+    body = {"model": model, "messages": [{"role": "user", "content": content}]}
+    body |= {"max_tokens": 12, "temperature": 0}
+    return router.client.post("/v1/chat/completions", json=body)
+
+
+def mlx_vlm_on_the_routers_tensors(ref: VideoReference, request) -> list[int]:
+    """mlx-vlm's greedy tokens on exactly what the router sent: its expanded prompt, its
+    frames' pixel values and grids (mm_inputs and extra_mm_inputs)."""
+    import mlx.core as mx
+    from mlx_vlm.generate import generate_step
+
+    kinds = {"float32": "<f4", "int64": "<i8"}
+    kwargs: dict = {}
+    for mm in [request.mm_inputs, *request.extra_mm_inputs]:
+        pixels = mm.pixel_values
+        values = np.frombuffer(pixels.inline, kinds[pixels.dtype]).reshape(tuple(pixels.shape))
+        kwargs["pixel_values_videos" if mm.modality == 3 else "pixel_values"] = mx.array(values)
+        for name, t in mm.model_specific_tensors.items():
+            if name.endswith("grid_thw"):
+                grid = np.frombuffer(t.inline, kinds[t.dtype]).reshape(tuple(t.shape))
+                kwargs[name] = mx.array(grid)
+    ids = mx.array([list(request.tokenized.input_ids)])
+    pixels = kwargs.pop("pixel_values", None)
+    steps = generate_step(ids, ref.model, pixels, mx.ones_like(ids), max_tokens=12, **kwargs)
+    tokens: list[int] = []
+    for token, _ in steps:
+        tokens.append(int(token))
+        if tokens[-1] == ref.model.config.eos_token_id:
+            break
+    return tokens
+
+
+@pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
+@pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="the router samples frames with ffmpeg")
+def test_through_the_router_a_video_answers_as_mlx_vlm_on_both_paths(tmp_path):
+    """qwen3_vl behind the real smg router: a video_url goes to the worker as a media
+    reference (it advertises mm_processor); with a `fps` hint the router samples the frames
+    itself and sends their pixel values (mm_inputs, modality VIDEO, its prompt expanded
+    with timestamps; beside an image, extra_mm_inputs): each answer is mlx-vlm's on the
+    same frames."""
+    ref = VideoReference("qwen3_vl")
+    raw = mp4(5)
+    config = dataclasses.replace(demo_config(ref.dir, prompt_cache_block=4), protocols=("vllm",))
+    with ServerThread(config) as running, recorded(running) as sent:
+        router = Router([running.address], tmp_path / "smg.log")
+        try:
+            model = router.wait_until_serving()
+            by_reference = routed_video_chat(router, model, raw)
+            by_router = routed_video_chat(router, model, raw, fps=2.0)
+            both = routed_video_chat(router, model, raw, fps=2.0, picture=png(8, (64, 64)))
+        finally:
+            router.close()
+    assert by_reference.status_code == 200, by_reference.text
+    assert by_router.status_code == 200, by_router.text
+    assert both.status_code == 200, both.text
+    worker_side, router_side, image_and_video = sent
+    assert [r.modality for r in worker_side.media_refs.items] == [3]
+    assert router_side.mm_inputs.modality == 3 and not router_side.media_refs.items
+    answer = ref.text(ref.answer(QUESTION, [raw])[0])
+    assert by_reference.json()["choices"][0]["message"]["content"] == answer
+    answer = ref.text(mlx_vlm_on_the_routers_tensors(ref, router_side))
+    assert by_router.json()["choices"][0]["message"]["content"] == answer
+    # An image too: the image in mm_inputs, the video in extra_mm_inputs.
+    assert image_and_video.mm_inputs.modality == 1
+    assert [mm.modality for mm in image_and_video.extra_mm_inputs] == [3]
+    answer = ref.text(mlx_vlm_on_the_routers_tensors(ref, image_and_video))
+    assert both.json()["choices"][0]["message"]["content"] == answer
