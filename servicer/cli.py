@@ -179,6 +179,33 @@ def _add_media_flags(parser: argparse.ArgumentParser) -> None:
         type=_positive,
     )
     media(
+        "--max-videos",
+        "max_videos",
+        "most videos a request may carry (Qwen3-VL, Qwen2.5-VL; default %(default)s)",
+        type=_positive,
+    )
+    media(
+        "--max-video-bytes",
+        "max_video_bytes",
+        "largest video file (default {})",
+        _size_text,
+        type=_size,
+    )
+    media(
+        "--max-video-frames",
+        "max_video_frames",
+        "most frames sampled from a video (the worker's sampling, or the router's) "
+        "(default %(default)s)",
+        type=_positive,
+    )
+    media(
+        "--max-video-seconds",
+        "max_video_seconds",
+        "longest video, in seconds (default {})",
+        _number,
+        type=_non_negative,
+    )
+    media(
         "--media-fetch-timeout",
         "fetch_timeout_s",
         "seconds a request's images may take to fetch (default %(default)s)",
@@ -567,6 +594,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_bytes=args.max_image_bytes,
             max_pixels=args.max_image_pixels,
             max_images=args.max_images,
+            max_videos=args.max_videos,
+            max_video_bytes=args.max_video_bytes,
+            max_video_frames=args.max_video_frames,
+            max_video_seconds=args.max_video_seconds,
             fetch_timeout_s=args.media_fetch_timeout,
         ),
         max_prompt_tokens=args.max_prompt_tokens,

@@ -311,3 +311,33 @@ def test_through_the_router_a_video_answers_as_mlx_vlm_on_both_paths(tmp_path):
     assert [mm.modality for mm in image_and_video.extra_mm_inputs] == [3]
     answer = ref.text(mlx_vlm_on_the_routers_tensors(ref, image_and_video))
     assert both.json()["choices"][0]["message"]["content"] == answer
+
+
+def test_video_limits_are_refused_with_what_and_the_limit(tmp_path):
+    """Bytes, length and sampled frames, each past a small limit: RESOURCE_EXHAUSTED naming
+    the limit (as an image's limits are); the worker serves on."""
+    from servicer.media import MediaPolicy
+
+    ref = VideoReference("qwen3_vl")
+    config = demo_config(ref.dir, prompt_cache_block=4)
+    policy = MediaPolicy(max_video_bytes=40_000, max_video_frames=4, max_video_seconds=3.0)
+    handlers = dataclasses.replace(config.handlers, media=policy)
+    config = dataclasses.replace(config, protocols=("vllm",), handlers=handlers)
+    prompt = ref.router_ids(QUESTION, ["video"])
+    cases = [
+        (mp4(10, frames=8, size=(256, 256)), "too many bytes"),  # ~170 kB
+        (mp4(11, frames=16, fps=4), "too long: 4.0 s"),
+        (mp4(12, frames=28, fps=10), "too many frames: 5"),  # 2.8 s at 2 fps
+        (mp4(13, frames=2, size=(16, 16)), "under 32 pixels a side"),
+    ]
+    with ServerThread(config) as running, running.channel() as channel:
+        stub = vgrpc.VllmEngineStub(channel)
+        for raw, says in cases:
+            with pytest.raises(grpc.RpcError) as refused:
+                complete(stub, media_request(prompt, [(3, video_url(raw))]))
+            code = refused.value.code()
+            want = grpc.StatusCode.INVALID_ARGUMENT if "pixels" in says else None
+            assert code == (want or grpc.StatusCode.RESOURCE_EXHAUSTED), refused.value.details()
+            assert says in refused.value.details() and "video 0" in refused.value.details()
+        done = complete(stub, media_request(prompt, [(3, video_url(mp4(14)))]))
+        assert len(done.output_ids) > 0
