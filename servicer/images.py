@@ -97,6 +97,7 @@ def expand(
     anchors = {False: list(spec.anchor)}
     if spec.video is not None:
         anchors[True] = list(spec.video.anchor)
+    media, items = ("media", "items") if spec.video is not None else ("image", "images")
     out: list[int] = []
     placed: list[ImageInput] = []
     i = 0
@@ -104,7 +105,9 @@ def expand(
         video = next((v for v, a in anchors.items() if prompt[i : i + len(a)] == a), None)
         if video is not None:
             if len(placed) == len(images):
-                raise _invalid(f"the prompt has more media anchors than its {len(images)} items")
+                raise _invalid(
+                    f"the prompt has more {media} anchors than its {len(images)} {items}"
+                )
             image = images[len(placed)]
             if image.video != video:
                 kinds = ("an image", "a video")
@@ -122,8 +125,8 @@ def expand(
             i += 1
     if len(placed) != len(images):
         raise _invalid(
-            f"the prompt has {len(placed)} media anchors for {len(images)} items; "
-            "each image or video needs its own in the prompt, where the chat template puts it"
+            f"the prompt has {len(placed)} {media} anchors for {len(images)} {items}; "
+            "each needs its own in the prompt, where the chat template puts it"
         )
     if placed and placed[-1].end >= len(out):
         raise _invalid("the prompt ends inside an image: put text after the last image")
