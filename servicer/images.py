@@ -203,13 +203,16 @@ class ImagePreparer:
         images = await self._media(request)
         return functools.partial(expand, spec=self.spec, images=images)
 
+    def router_images(self, mm: Any) -> RouterImages:
+        return router_images(mm, self.spec, self.patch_width, self.policy.max_images)
+
     def router_media(self, groups: list[Any]) -> tuple[RouterImages, ...]:
         """The router's mm_inputs (and extra_mm_inputs: a video beside images), each group
         images or videos."""
         return tuple(
             router_videos(mm, self.spec.video, self.policy)
             if mm.modality == VIDEO_MODALITY and self.spec.video is not None
-            else router_images(mm, self.spec, self.patch_width, self.policy.max_images)
+            else self.router_images(mm)
             for mm in groups
         )
 
