@@ -210,10 +210,44 @@ def _add_media_flags(parser: argparse.ArgumentParser) -> None:
         "largest image, width x height (default %(default)s)",
         type=_positive,
     )
+    _add_video_flags(parser)
     media(
         "--media-fetch-timeout",
         "fetch_timeout_s",
         "seconds a request's images may take to fetch (default %(default)s)",
+        type=_non_negative,
+    )
+
+
+def _add_video_flags(parser: argparse.ArgumentParser) -> None:
+    """Videos of a vision model's requests (Qwen3-VL, Qwen2.5-VL): how many, how large, how
+    long."""
+    media = partial(_flag, parser, MediaPolicy)
+    media(
+        "--max-videos",
+        "max_videos",
+        "most videos a request may carry (Qwen3-VL, Qwen2.5-VL; default %(default)s)",
+        type=_positive,
+    )
+    media(
+        "--max-video-bytes",
+        "max_video_bytes",
+        "largest video file (default {})",
+        _size_text,
+        type=_size,
+    )
+    media(
+        "--max-video-frames",
+        "max_video_frames",
+        "most frames sampled from a video (the worker's sampling, or the router's) "
+        "(default %(default)s)",
+        type=_positive,
+    )
+    media(
+        "--max-video-seconds",
+        "max_video_seconds",
+        "longest video, in seconds (default {})",
+        _number,
         type=_non_negative,
     )
 
@@ -578,6 +612,21 @@ def _protocols(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _media_policy(args: argparse.Namespace) -> MediaPolicy:
+    return MediaPolicy(
+        allowed_hosts=args.allowed_media_hosts,
+        media_dir=args.media_dir,
+        max_bytes=args.max_image_bytes,
+        max_pixels=args.max_image_pixels,
+        max_images=args.max_images,
+        max_videos=args.max_videos,
+        max_video_bytes=args.max_video_bytes,
+        max_video_frames=args.max_video_frames,
+        max_video_seconds=args.max_video_seconds,
+        fetch_timeout_s=args.media_fetch_timeout,
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(
         adapter_path=args.adapter_path,
@@ -607,14 +656,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         faults=FaultPlan.parse(faults) if (faults := os.environ.get(FAULTS_ENV_VAR)) else None,
     )
     handlers = HandlerOptions(
-        media=MediaPolicy(
-            allowed_hosts=args.allowed_media_hosts,
-            media_dir=args.media_dir,
-            max_bytes=args.max_image_bytes,
-            max_pixels=args.max_image_pixels,
-            max_images=args.max_images,
-            fetch_timeout_s=args.media_fetch_timeout,
-        ),
+        media=_media_policy(args),
         max_prompt_tokens=args.max_prompt_tokens,
         max_queued_requests=args.max_queued_requests,
         stream_interval=args.stream_interval,

@@ -15,13 +15,14 @@ import asyncio
 import functools
 import hashlib
 import importlib
+import itertools
 import json
 import logging
 import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,21 @@ import numpy as np
 from .media import POOL_SIZE, MediaError, MediaPolicy, fetch_images, grpc_status
 from .messages import ImageInput, Tensor
 from .validation import ExpandImages, RequestError
-from .vision_families import VisionSpec
+from .video import (
+    VideoRefused,
+    VideoSettings,
+    decode_video,
+    group_seconds,
+    timestamp_text,
+    video_patches,
+    video_run,
+)
+from .vision_families import VideoSpec, VisionSpec
 
 log = logging.getLogger(__name__)
 
 IMAGE_MODALITY = 1  # smg.grpc.common.Modality.IMAGE
+VIDEO_MODALITY = 3  # smg.grpc.common.Modality.VIDEO
 KEY_BYTES = 16
 
 
@@ -45,13 +56,21 @@ def _invalid(message: str) -> RequestError:
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    """One image as the encoder takes it, and how many placeholder tokens it fills."""
+    """One image (or video) as the encoder takes it, and how many placeholder tokens it
+    fills."""
 
     tokens: int
     key: bytes
-    pixel_values: Tensor
+    pixel_values: Tensor | None  # None: a video's, in `extra`
     extra: tuple[tuple[str, Tensor], ...] = ()
     run: tuple[int, ...] = ()  # its placeholder run when not image tokens alone (Pixtral's)
+    # A video: its run replaces its whole anchor; its blocks of video tokens (ImageInput's).
+    spans: tuple[tuple[int, int, int, int, int], ...] = ()
+    video: bool = False
+    grid: tuple[int, int, int] = (0, 0, 0)  # a video's (t, h, w)
+
+    def input(self, offset: int, length: int) -> ImageInput:
+        return ImageInput(offset, length, self.key, self.pixel_values, self.extra, self.spans)
 
 
 def tensor(array: np.ndarray) -> Tensor:
@@ -59,10 +78,11 @@ def tensor(array: np.ndarray) -> Tensor:
     return Tensor(array.tobytes(), tuple(array.shape), array.dtype.name)
 
 
-def image_key(pixel_values: Tensor, extra: Sequence[tuple[str, Tensor]] = ()) -> bytes:
+def image_key(pixel_values: Tensor | None, extra: Sequence[tuple[str, Tensor]] = ()) -> bytes:
     """What the encoder gets, hashed: equal keys give equal features."""
     digest = hashlib.blake2b(digest_size=KEY_BYTES)
-    for name, t in (("pixel_values", pixel_values), *extra):
+    given = (("pixel_values", pixel_values),) if pixel_values is not None else ()
+    for name, t in (*given, *extra):
         digest.update(f"{name}:{t.dtype}:{t.shape};".encode())
         digest.update(t.data)
     return digest.digest()
@@ -71,29 +91,42 @@ def image_key(pixel_values: Tensor, extra: Sequence[tuple[str, Tensor]] = ()) ->
 def expand(
     prompt: list[int], spec: VisionSpec, images: Sequence[ProcessedImage]
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """`prompt` with its image anchors, in order, replaced by the images' placeholder runs;
-    the images with their offsets there. One anchor per image, or INVALID_ARGUMENT."""
-    anchor, width = list(spec.anchor), len(spec.anchor)
+    """`prompt` with its image (and video) anchors, in order, replaced by the items'
+    placeholder runs; the items with their offsets there. One anchor per item, of its kind,
+    or INVALID_ARGUMENT."""
+    anchors = {False: list(spec.anchor)}
+    if spec.video is not None:
+        anchors[True] = list(spec.video.anchor)
+    media, items = ("media", "items") if spec.video is not None else ("image", "images")
     out: list[int] = []
     placed: list[ImageInput] = []
     i = 0
     while i < len(prompt):
-        if prompt[i : i + width] == anchor:
+        video = next((v for v, a in anchors.items() if prompt[i : i + len(a)] == a), None)
+        if video is not None:
             if len(placed) == len(images):
-                raise _invalid(f"the prompt has more image anchors than its {len(images)} images")
+                raise _invalid(
+                    f"the prompt has more {media} anchors than its {len(images)} {items}"
+                )
             image = images[len(placed)]
-            offset = len(out) + len(spec.before)
+            if image.video != video:
+                kinds = ("an image", "a video")
+                raise _invalid(
+                    f"media {len(placed)} is {kinds[image.video]}, but its anchor in the "
+                    f"prompt is {kinds[video]}'s"
+                )
             run = image.run or (spec.image_token_id,) * image.tokens
-            out += [*spec.before, *run, *spec.after]
-            placed.append(ImageInput(offset, len(run), image.key, image.pixel_values, image.extra))
-            i += width
+            before, after = ((), ()) if video else (spec.before, spec.after)
+            placed.append(image.input(len(out) + len(before), len(run)))
+            out += [*before, *run, *after]
+            i += len(anchors[video])
         else:
             out.append(prompt[i])
             i += 1
     if len(placed) != len(images):
         raise _invalid(
-            f"the prompt has {len(placed)} image anchors for {len(images)} images; "
-            "each image needs its own in the prompt, where the chat template puts it"
+            f"the prompt has {len(placed)} {media} anchors for {len(images)} {items}; "
+            "each needs its own in the prompt, where the chat template puts it"
         )
     if placed and placed[-1].end >= len(out):
         raise _invalid("the prompt ends inside an image: put text after the last image")
@@ -114,10 +147,13 @@ def media_info(preparer: ImagePreparer | None) -> dict[str, str]:
         schemes += ["http", "https"]
     if policy.media_dir is not None:
         schemes.append("file")
+    limits = f"image={policy.max_images}"
+    if preparer.spec.video is not None:
+        limits += f",video={policy.max_videos}"
     return {
         "mm_processor": MM_PROCESSOR,
         "mm_media_ref_schemes": ",".join(schemes),
-        "mm_item_limits": f"image={policy.max_images}",
+        "mm_item_limits": limits,
     }
 
 
@@ -137,6 +173,7 @@ class ImagePreparer:
         self._pool = ThreadPoolExecutor(POOL_SIZE, thread_name_prefix="images")
         self._processor = _processor(model_dir, spec)
         self.patch_width = _patch_width(self._processor)  # a flattened patch's values
+        self._videos = VideoPreparer(model_dir, spec.video, policy) if spec.video else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -146,17 +183,21 @@ class ImagePreparer:
         and processed here (their anchors to `expand`), or the router's mm_inputs (their
         runs already in the prompt, to `place`) where the family is the router's to process."""
         if request.mm_inputs.ByteSize() or request.extra_mm_inputs:
-            if not self.spec.router_processed:
+            groups = [request.mm_inputs, *request.extra_mm_inputs]
+            video = self.spec.video is not None and any(
+                g.modality == VIDEO_MODALITY for g in groups
+            )
+            if not self.spec.router_processed and not video:
                 raise _invalid(
                     "this worker processes images itself: it takes them as media references "
                     "(the router's --mm-processing auto or worker), not as mm_inputs"
                 )
-            if request.extra_mm_inputs or request.media_refs.items:
+            if request.media_refs.items or (request.extra_mm_inputs and not video):
                 raise _invalid(
                     "a request's images come as one mm_inputs or as media references, not both"
                 )
             sent = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.router_images, request.mm_inputs
+                self._pool, self.router_media, groups
             )
             return functools.partial(place, sent=sent, image_token=self.spec.image_token_id)
         images = await self._media(request)
@@ -165,18 +206,35 @@ class ImagePreparer:
     def router_images(self, mm: Any) -> RouterImages:
         return router_images(mm, self.spec, self.patch_width, self.policy.max_images)
 
+    def router_media(self, groups: list[Any]) -> tuple[RouterImages, ...]:
+        """The router's mm_inputs (and extra_mm_inputs: a video beside images), each group
+        images or videos."""
+        return tuple(
+            router_videos(mm, self.spec.video, self.policy)
+            if mm.modality == VIDEO_MODALITY and self.spec.video is not None
+            else self.router_images(mm)
+            for mm in groups
+        )
+
     async def _media(self, request: Any) -> list[ProcessedImage]:
         refs = list(request.media_refs.items)
+        served = (IMAGE_MODALITY, VIDEO_MODALITY) if self._videos else (IMAGE_MODALITY,)
         for i, ref in enumerate(refs):
-            if ref.modality != IMAGE_MODALITY:
-                raise _invalid(f"media {i}: only images are served (modality {ref.modality})")
+            if ref.modality not in served:
+                what = "images and videos are" if self._videos else "only images are"
+                raise _invalid(f"media {i}: {what} served (modality {ref.modality})")
+        videos = frozenset(i for i, r in enumerate(refs) if r.modality == VIDEO_MODALITY)
         try:
-            decoded = await fetch_images([r.url for r in refs], self.policy, executor=self._pool)
+            decoded = await fetch_images(
+                [r.url for r in refs], self.policy, executor=self._pool, videos=videos
+            )
         except MediaError as error:
             raise RequestError(error.status, str(error)) from None
         loop = asyncio.get_running_loop()
         jobs = [
-            loop.run_in_executor(self._pool, self._process, i, d.image)
+            loop.run_in_executor(self._pool, self._videos.process, i, d)
+            if isinstance(d, bytes) and self._videos is not None
+            else loop.run_in_executor(self._pool, self._process, i, d.image)
             for i, d in enumerate(decoded)
         ]
         return list(await asyncio.gather(*jobs))
@@ -227,6 +285,54 @@ class ImagePreparer:
         except Exception as exc:
             raise _invalid(f"image {index}: the model's processor refused it: {exc}") from None
         return ProcessedImage(len(run), image_key(pixels, extra), pixels, extra, run)
+
+
+class VideoPreparer:
+    """A request's videos as the encoder takes them (servicer/video.py), in the handler's
+    pool: decoded within the policy's bounds, sampled and patched as the checkpoint's video
+    processor does, and their runs (Qwen3-VL's timestamps tokenized by the checkpoint's
+    tokenizer)."""
+
+    def __init__(self, model_dir: Path, spec: VideoSpec, policy: MediaPolicy) -> None:
+        self.spec, self.policy = spec, policy
+        self.settings = VideoSettings.from_dir(model_dir)
+        self._tokenizer = None
+        if spec.layout == "timestamped":
+            import transformers
+
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (one preparer a worker)
+    def label(self, seconds: float) -> tuple[int, ...]:
+        text = timestamp_text(seconds)
+        return tuple(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def process(self, index: int, raw: bytes) -> ProcessedImage:
+        settings, spec = self.settings, self.spec
+        try:
+            sampled = decode_video(raw, self.policy, settings, spec.layout)
+            pixels, grid = video_patches(sampled.frames, settings)
+        except VideoRefused as refused:
+            status = grpc_status("limit" if refused.code == "limit" else "invalid")
+            raise RequestError(status, f"video {index}: {refused}") from None
+        labels = []
+        if spec.layout == "timestamped":
+            seconds = group_seconds(sampled.indices, sampled.fps, settings.temporal_patch_size)
+            labels = [list(self.label(s)) for s in seconds]
+        return processed_video(spec, pixels, grid, labels)
+
+
+def processed_video(
+    spec: VideoSpec, pixels: np.ndarray, grid: tuple[int, int, int], labels: list[list[int]]
+) -> ProcessedImage:
+    """A video's patches and grid as the encoder takes them, named by their hash."""
+    extra = (
+        ("pixel_values_videos", tensor(pixels)),
+        ("video_grid_thw", tensor(np.asarray([grid], dtype=np.int64))),
+    )
+    run, spans = video_run(spec, grid, labels)
+    key = image_key(None, extra)
+    return ProcessedImage(len(run), key, None, extra, run, spans, True, tuple(grid))
 
 
 def _processor(model_dir: Path, spec: VisionSpec) -> Any:
@@ -312,6 +418,9 @@ class RouterImages:
     images: tuple[ProcessedImage, ...]
     placeholders: tuple[tuple[int, int], ...]  # (offset, length) per image
     token_id: int
+    # Videos: each placeholder holds the video's blocks of `token_id` with text between
+    # (Qwen3-VL's timestamps), `merge` the tower's spatial merge.
+    video_merge: int = 0
 
 
 def _array(name: str, data: Any, kinds: dict[str, str]) -> np.ndarray:
@@ -416,36 +525,127 @@ def _whole_images(mm: Any, spec: VisionSpec, max_images: int) -> RouterImages:
 
 
 def place(
-    prompt: list[int], sent: RouterImages, image_token: int
+    prompt: list[int], sent: Sequence[RouterImages], image_token: int
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
-    """The router's images at their placeholders in `prompt` (already expanded): each
-    placeholder a run of exactly its image's tokens, in order, and no image token elsewhere;
-    otherwise INVALID_ARGUMENT naming the image. The runs come back filled with the model's
+    """The router's images (and videos) at their placeholders in `prompt` (already
+    expanded): each image's placeholder a run of exactly its image's tokens, each video's
+    blocks of video tokens its grid's, in order, and no such token elsewhere; otherwise
+    INVALID_ARGUMENT naming the item. The image runs come back filled with the model's
     `image_token` whatever the router filled them with: the model's merge looks for it."""
     placed: list[ImageInput] = []
-    end = 0
-    for i, ((offset, length), image) in enumerate(zip(sent.placeholders, sent.images, strict=True)):
-        if offset < end or offset + length > len(prompt):
+    for group in sent:
+        placed += _placed(prompt, group)
+    placed.sort(key=lambda item: item.offset)
+    for before, after in itertools.pairwise(placed):
+        if after.offset < before.end:
             raise _invalid(
-                f"image {i}: placeholder ({offset}, {length}) overlaps the one before or runs "
-                f"past the prompt's {len(prompt)} tokens"
+                f"placeholders ({before.offset}, {before.length}) and "
+                f"({after.offset}, {after.length}) overlap"
             )
-        if length != image.tokens:
-            raise _invalid(
-                f"image {i}: its placeholder has {length} tokens, its patch grid makes "
-                f"{image.tokens}"
-            )
-        if any(t != sent.token_id for t in prompt[offset : offset + length]):
-            raise _invalid(
-                f"image {i}: placeholder ({offset}, {length}) is not a run of image tokens "
-                f"({sent.token_id}) in the prompt"
-            )
-        placed.append(ImageInput(offset, length, image.key, image.pixel_values, image.extra))
-        end = offset + length
-    if prompt.count(sent.token_id) != sum(length for _, length in sent.placeholders):
-        raise _invalid(f"the prompt has image tokens ({sent.token_id}) outside its placeholders")
     if placed and placed[-1].end >= len(prompt):
         raise _invalid("the prompt ends inside an image: put text after the last image")
-    if sent.token_id != image_token:
-        prompt = [image_token if t == sent.token_id else t for t in prompt]
+    fills = {g.token_id for g in sent if not g.video_merge and g.token_id != image_token}
+    if fills:
+        prompt = [image_token if t in fills else t for t in prompt]
     return prompt, tuple(placed)
+
+
+def _placed(prompt: list[int], sent: RouterImages) -> list[ImageInput]:
+    kind = "video" if sent.video_merge else "image"
+    placed: list[ImageInput] = []
+    end = counted = 0
+    for i, ((offset, length), image) in enumerate(zip(sent.placeholders, sent.images, strict=True)):
+        if offset < end or offset + length > len(prompt) or length < 1:
+            raise _invalid(
+                f"{kind} {i}: placeholder ({offset}, {length}) overlaps the one before or runs "
+                f"past the prompt's {len(prompt)} tokens"
+            )
+        run = prompt[offset : offset + length]
+        if sent.video_merge:
+            spans = _video_blocks(i, run, sent.token_id, image, sent.video_merge)
+            placed.append(replace(image, spans=spans).input(offset, length))
+            counted += sum(n for _, n, *_ in spans)
+        else:
+            if length != image.tokens:
+                raise _invalid(
+                    f"image {i}: its placeholder has {length} tokens, its patch grid makes "
+                    f"{image.tokens}"
+                )
+            if any(t != sent.token_id for t in run):
+                raise _invalid(
+                    f"image {i}: placeholder ({offset}, {length}) is not a run of image tokens "
+                    f"({sent.token_id}) in the prompt"
+                )
+            placed.append(image.input(offset, length))
+            counted += length
+        end = offset + length
+    if prompt.count(sent.token_id) != counted:
+        raise _invalid(f"the prompt has {kind} tokens ({sent.token_id}) outside its placeholders")
+    return placed
+
+
+def _video_blocks(
+    index: int, run: list[int], token: int, video: ProcessedImage, merge: int
+) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The blocks of video tokens in a video's placeholder run: one per temporal patch
+    (Qwen3-VL's, a grid (1, h, w) each) or one for the whole grid (t, h, w)."""
+    t, h, w = video.grid
+    flags = np.asarray(run) == token
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], flags.astype(np.int8), [0]])))
+    blocks = [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    per_frame = h * w // merge**2
+    if len(blocks) == t and all(n == per_frame for _, n in blocks):
+        return tuple((at, n, 1, h, w) for at, n in blocks)
+    if len(blocks) == 1 and blocks[0][1] == t * per_frame:
+        return ((blocks[0][0], blocks[0][1], t, h, w),)
+    raise _invalid(
+        f"video {index}: its placeholder holds blocks of {[n for _, n in blocks]} video tokens; "
+        f"its grid {(t, h, w)} makes {t} of {per_frame}"
+    )
+
+
+def router_videos(mm: Any, spec: VideoSpec, policy: MediaPolicy) -> RouterImages:
+    """The videos of the router's `mm_inputs` (modality VIDEO: Qwen3-VL's frames as the
+    router sampled them): pixel values a row a patch, split per video by `video_grid_thw`,
+    each video's key our own hash of them; frames counted against the policy."""
+    if not mm.HasField("pixel_values") or "video_grid_thw" not in mm.model_specific_tensors:
+        raise _invalid(
+            "video mm_inputs needs pixel_values and model_specific_tensors video_grid_thw"
+        )
+    pixels = _array("pixel_values", mm.pixel_values, _FLOATS)
+    grids = _array("video_grid_thw", mm.model_specific_tensors["video_grid_thw"], _INTS)
+    if grids.ndim != 2 or grids.shape[1] != 3 or min(grids.shape) < 1 or grids.min() < 1:
+        raise _invalid(f"mm_inputs video_grid_thw: shape {list(grids.shape)}, not [videos, 3]")
+    if grids.shape[0] > policy.max_videos:
+        too_many = f"too many videos: {grids.shape[0]} in the request, limit {policy.max_videos}"
+        raise RequestError(grpc_status("limit"), too_many)
+    if len(mm.mm_placeholders) != grids.shape[0]:
+        raise _invalid(
+            f"mm_inputs has {len(mm.mm_placeholders)} placeholders for {grids.shape[0]} videos"
+        )
+    patches = [int(np.prod(g)) for g in grids]
+    if pixels.ndim != 2 or pixels.shape[0] != sum(patches):
+        raise _invalid(
+            f"mm_inputs pixel_values: shape {list(pixels.shape)}, not [{sum(patches)}, width] "
+            "(the patches of every video's grid, a row each)"
+        )
+    token = mm.im_token_id if mm.HasField("im_token_id") else spec.video_token_id
+    if token != spec.video_token_id:
+        raise _invalid(f"mm_inputs im_token_id {token} is not this model's video token")
+    videos, start = [], 0
+    for i, (grid, n) in enumerate(zip(grids, patches, strict=True)):
+        t, h, w = (int(v) for v in grid)
+        if h % spec.merge or w % spec.merge:
+            raise _invalid(
+                f"video {i}: the patch grid {(t, h, w)} does not fit a {spec.merge}x merge"
+            )
+        if 2 * t > policy.max_video_frames:  # two frames a temporal patch
+            raise RequestError(
+                grpc_status("limit"),
+                f"video {i}: too many frames: {2 * t}, limit {policy.max_video_frames}",
+            )
+        values = pixels[start : start + n].astype(np.float32, copy=False)
+        videos.append(processed_video(spec, values, (t, h, w), []))
+        start += n
+    placeholders = tuple((int(p.offset), int(p.length)) for p in mm.mm_placeholders)
+    return RouterImages(tuple(videos), placeholders, token, spec.merge)

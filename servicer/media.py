@@ -1,7 +1,8 @@
-"""Safe media fetching: image URLs (data:, http(s), file) -> decoded RGB images, or a MediaError.
+"""Safe media fetching: image URLs (data:, http(s), file) -> decoded RGB images, or a MediaError;
+video URLs -> their bytes (servicer/video.py decodes them).
 
 Handler side (no MLX): the fetch and the decode run in a small thread pool, never on the event
-loop or the engine thread. Every refusal names the image's index, what was wrong and the limit.
+loop or the engine thread. Every refusal names the item's index, what was wrong and the limit.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -35,14 +36,16 @@ if TYPE_CHECKING:
 POOL_SIZE = 4  # fetch+decode threads per worker: at most this many images in flight at once
 
 Code = Literal["invalid", "limit"]
+UA = "mlx-grpc-worker"
 IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class MediaError(Exception):
-    """A refused image: code "invalid" (INVALID_ARGUMENT) or "limit" (RESOURCE_EXHAUSTED)."""
+    """A refused image or video: code "invalid" (INVALID_ARGUMENT) or "limit"
+    (RESOURCE_EXHAUSTED)."""
 
-    def __init__(self, index: int, code: Code, message: str) -> None:
-        super().__init__(f"image {index}: {message}")
+    def __init__(self, index: int, code: Code, message: str, noun: str = "image") -> None:
+        super().__init__(f"{noun} {index}: {message}")
         self.index, self.code, self.message = index, code, message
 
     @property
@@ -78,6 +81,11 @@ class MediaPolicy:
     max_bytes: int = 20 << 20  # 20 MiB
     max_pixels: int = 4096 * 4096
     max_images: int = 8
+    # Videos (servicer/video.py): the file, the frames sampled from it, and its length.
+    max_videos: int = 2
+    max_video_bytes: int = 64 << 20  # 64 MiB
+    max_video_frames: int = 64
+    max_video_seconds: float = 600.0
     fetch_timeout_s: float = 10.0
     max_redirects: int = 3
     # PIL decoders tried (a multi-picture JPEG opens through JPEG's)
@@ -135,17 +143,27 @@ class DecodedImage:
 
 
 async def fetch_images(
-    urls: list[str], policy: MediaPolicy, *, executor: ThreadPoolExecutor | None = None
-) -> list[DecodedImage]:
-    """The images in order, or the MediaError of the first (lowest index) refused one."""
-    if len(urls) > policy.max_images:
-        too_many = f"too many images: {len(urls)} in the request, limit {policy.max_images}"
+    urls: list[str],
+    policy: MediaPolicy,
+    *,
+    executor: ThreadPoolExecutor | None = None,
+    videos: frozenset[int] = frozenset(),
+) -> list[DecodedImage | bytes]:
+    """The images in order (the items at indices `videos`: the video file's bytes, up to
+    `max_video_bytes`), or the MediaError of the first (lowest index) refused one."""
+    images = len(urls) - len(videos)
+    if images > policy.max_images:
+        too_many = f"too many images: {images} in the request, limit {policy.max_images}"
         raise MediaError(policy.max_images, "limit", too_many)
+    if len(videos) > policy.max_videos:
+        too_many = f"too many videos: {len(videos)} in the request, limit {policy.max_videos}"
+        raise MediaError(max(videos), "limit", too_many, "video")
     deadline = time.monotonic() + policy.fetch_timeout_s  # one deadline for the whole request
     loop = asyncio.get_running_loop()
     pool = executor  # None: the loop's default executor
     jobs = [
-        loop.run_in_executor(pool, _fetch_one, i, u, policy, deadline) for i, u in enumerate(urls)
+        loop.run_in_executor(pool, _fetch_one, i, u, policy, deadline, i in videos)
+        for i, u in enumerate(urls)
     ]
     # Every job is bounded by the deadline, so waiting for all keeps the reported error stable.
     results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -155,7 +173,11 @@ async def fetch_images(
     return list(results)  # type: ignore[arg-type]
 
 
-def _fetch_one(index: int, url: str, policy: MediaPolicy, deadline: float) -> DecodedImage:
+def _fetch_one(
+    index: int, url: str, policy: MediaPolicy, deadline: float, video: bool = False
+) -> DecodedImage | bytes:
+    if video:  # a video's bytes, under its own limit
+        policy = replace(policy, max_bytes=policy.max_video_bytes)
     try:
         scheme = url.partition(":")[0].lower() if ":" in url else ""
         if not scheme:
@@ -164,28 +186,31 @@ def _fetch_one(index: int, url: str, policy: MediaPolicy, deadline: float) -> De
             allowed = ", ".join(sorted(policy.schemes))
             raise _Refused("invalid", f"scheme {scheme!r} not allowed (allowed: {allowed})")
         if scheme == "data":
-            raw = _read_data(url, policy)
+            raw = _read_data(url, policy, video)
         elif scheme == "file":
             raw = _read_file(url, policy)
         else:
-            raw = _read_http(url, policy, deadline)
-        return _decode(raw, policy)
+            raw = _read_http(url, policy, deadline, "video/*" if video else "image/*")
+        return raw if video else _decode(raw, policy)
     except _Refused as refused:
-        raise MediaError(index, refused.code, refused.message) from None
+        noun = "video" if video else "image"
+        raise MediaError(index, refused.code, refused.message, noun) from None
 
 
 def _too_many_bytes(size: int, policy: MediaPolicy, how: str = "") -> _Refused:
     return _Refused("limit", f"too many bytes: {size}{how}, limit {policy.max_bytes}")
 
 
-def _read_data(url: str, policy: MediaPolicy) -> bytes:
+def _read_data(url: str, policy: MediaPolicy, video: bool = False) -> bytes:
     header, comma, payload = url[len("data:") :].partition(",")
     if not comma:
         raise _Refused("invalid", "malformed data URL (no comma)")
     params = [p.strip().lower() for p in header.split(";")]
     media_type = params[0] or "text/plain"  # RFC 2397's default
-    if not media_type.startswith("image/"):
+    if not video and not media_type.startswith("image/"):
         raise _Refused("invalid", f"media type {media_type!r} is not an image")
+    if video and not media_type.startswith(("video/", "image/gif")):
+        raise _Refused("invalid", f"media type {media_type!r} is not a video")
     if "base64" in params[1:]:
         payload = "".join(urllib.parse.unquote(payload).split())  # %-escapes, line breaks
         payload += "=" * (-len(payload) % 4)  # tolerate missing padding
@@ -295,7 +320,7 @@ class _PinnedConnection(http.client.HTTPConnection):
             self._cutter.close()
 
 
-def _read_http(url: str, policy: MediaPolicy, deadline: float) -> bytes:
+def _read_http(url: str, policy: MediaPolicy, deadline: float, accept: str = "image/*") -> bytes:
     for _ in range(policy.max_redirects + 1):  # each hop passes every check again
         try:
             parts = urllib.parse.urlsplit(url)
@@ -310,7 +335,7 @@ def _read_http(url: str, policy: MediaPolicy, deadline: float) -> bytes:
         addresses = _checked_addresses(host, port, policy)
         path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
         location, body = _get(
-            host, port, path, addresses, parts.scheme == "https", policy, deadline
+            host, port, path, addresses, parts.scheme == "https", policy, deadline, accept
         )
         if location is None:
             return body
@@ -326,6 +351,7 @@ def _get(
     tls: bool,
     policy: MediaPolicy,
     deadline: float,
+    accept: str = "image/*",
 ) -> tuple[str | None, bytes]:
     """(redirect location, b"") or (None, body) from the first address that connects."""
     error: Exception = OSError("no address")
@@ -336,7 +362,9 @@ def _get(
         response: http.client.HTTPResponse | None = None
         try:
             conn.request(
-                "GET", path, headers={"Accept": "image/*", "User-Agent": "mlx-grpc-worker"}
+                "GET",
+                path,
+                headers={"Accept": accept, "User-Agent": UA},
             )
             response = conn.getresponse()
             if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):

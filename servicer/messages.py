@@ -96,15 +96,18 @@ class Tensor(Wire, frozen=True):
 
 
 class ImageInput(Wire, frozen=True):
-    """One image of a prompt, processed for the model's vision encoder: its placeholder run
-    `prompt[offset : offset + length]`, the encoder's inputs, and `key`, a hash of exactly
-    those inputs (the encoder cache's and the prefix store's name for the image)."""
+    """One image (or video) of a prompt, processed for the model's vision encoder: its
+    placeholder run `prompt[offset : offset + length]`, the encoder's inputs, and `key`, a
+    hash of exactly those inputs (the encoder cache's and the prefix store's name for it)."""
 
     offset: int
     length: int
     key: bytes
-    pixel_values: Tensor
+    pixel_values: Tensor | None  # None: a video's, in `extra` (pixel_values_videos)
     extra: tuple[tuple[str, Tensor], ...] = ()  # model-specific inputs (image_grid_thw)
+    # A video's blocks of media tokens in its run, for its positions: (offset in the run,
+    # length, t, h, w) each (empty: the whole run is one grid, image_grid_thw's).
+    spans: tuple[tuple[int, int, int, int, int], ...] = ()
 
     @property
     def end(self) -> int:

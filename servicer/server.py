@@ -62,7 +62,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     shutdown_grace_s: float = 30.0
-    max_message_bytes: int = 16 * 1024 * 1024
+    # Room for the router's video tensors: float32 pixel values, 12 bytes per pixel per frame
+    # (Qwen3-VL's [t*h*w, 1536]), 64 MiB fitting some 5.5 M pixel-frames (32 frames at 416 px).
+    max_message_bytes: int = 64 * 1024 * 1024
     metrics_port: int | None = None  # None: no /metrics endpoint
     tls_cert: Path | None = None
     tls_key: Path | None = None

@@ -13,6 +13,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+VideoLayout = Literal["timestamped", "contiguous"]
+
+
+@dataclass(frozen=True)
+class VideoSpec:
+    """How one video sits in a prompt of this model (Qwen-VL's): the chat template renders
+    `anchor` for it; the worker replaces the whole anchor with the video's run, which is
+    ("timestamped", Qwen3-VL's) per temporal patch of frames, `<t.t seconds>` as text then
+    `start`, `video_token_id` x (h * w / merge**2), `end`; or ("contiguous", Qwen2.5-VL's)
+    `start`, `video_token_id` x (t * h * w / merge**2), `end`. The layout also picks how
+    frames are sampled (servicer/video.py: Qwen3-VL's processor or Qwen2-VL's)."""
+
+    video_token_id: int
+    anchor: tuple[int, ...]
+    start: int
+    end: int
+    layout: VideoLayout
+    merge: int
+
 
 @dataclass(frozen=True)
 class VisionSpec:
@@ -44,6 +63,7 @@ class VisionSpec:
     # one needs what the handler side lacks (a torch video processor, MLX): a transformers
     # class name, or "module:Class".
     processor_class: str | None = None
+    video: VideoSpec | None = None  # None: no video for this family
 
     def run(self, n: int) -> list[int]:
         return [*self.before, *([self.image_token_id] * n), *self.after]
@@ -237,6 +257,8 @@ class VisionFamily:
     positions: Positions = "plain"
     router_tensors: bool = False
     router_image_token: str | None = None
+    # How the family's videos sit in a prompt (None: it serves no video): `VideoSpec`.
+    video: VideoLayout | None = None
     # Why a checkpoint of the family is served as text only (None: it is not).
     refusal: Callable[[dict[str, Any]], str | None] | None = None
     # The checkpoint's text_config as mlx-lm's text model takes it: the worker builds its text
@@ -260,9 +282,15 @@ FAMILIES: dict[str, VisionFamily] = {
             "qwen2_vl", _qwen2_vl_spec, "qwen2_vl", "mrope", True, router_image_token="<image>"
         ),
         VisionFamily(
-            "qwen2_5_vl", _qwen2_vl_spec, "qwen2_5_vl", "mrope", True, router_image_token="<image>"
+            "qwen2_5_vl",
+            _qwen2_vl_spec,
+            "qwen2_5_vl",
+            "mrope",
+            True,
+            router_image_token="<image>",
+            video="contiguous",
         ),
-        VisionFamily("qwen3_vl", _qwen2_vl_spec, "qwen3_vl", "mrope"),
+        VisionFamily("qwen3_vl", _qwen2_vl_spec, "qwen3_vl", "mrope", video="timestamped"),
         VisionFamily("qwen3_vl_moe", _qwen2_vl_spec, "qwen3_vl_moe", "mrope"),
         VisionFamily("qwen3_5", _qwen2_vl_spec, "qwen3_5", "mrope"),
         VisionFamily("qwen3_5_moe", _qwen2_vl_spec, "qwen3_5_moe", "mrope"),
@@ -326,6 +354,18 @@ FAMILIES: dict[str, VisionFamily] = {
 SERVED_FAMILIES = tuple(FAMILIES)
 
 
+def rope_spans(image: Any) -> list[tuple[int, int, tuple[int, int, int]]]:
+    """The blocks of an `ImageInput`'s media tokens in its prompt, for multimodal RoPE:
+    (offset, length, its patch grid (t, h, w)) each (engine/mrope.py's `rope_index`)."""
+    if image.spans:
+        return [(image.offset + at, n, (t, h, w)) for at, n, t, h, w in image.spans]
+    for name, value in image.extra:
+        if name == "image_grid_thw" and len(value.data) == 24:
+            t, h, w = (int.from_bytes(value.data[i : i + 8], "little") for i in (0, 8, 16))
+            return [(image.offset, image.length, (t, h, w))]
+    raise ValueError("an image of this model needs its image_grid_thw (t, h, w)")
+
+
 def family_of(config: dict[str, Any]) -> VisionFamily | None:
     """The served family of a checkpoint with a vision tower (None: a text model, or a family
     not served with images)."""
@@ -354,7 +394,23 @@ def vision_spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
     text model, or a family it cannot; `vision_refusal` says why)."""
     family = family_of(config)
     spec = family.spec(config, tokenizer) if family is not None else None
-    return replace(spec, router_processed=family.router_tensors) if spec is not None else None
+    if spec is None:
+        return None
+    return replace(
+        spec, router_processed=family.router_tensors, video=_video(family, config, tokenizer)
+    )
+
+
+def _video(family: VisionFamily, config: dict[str, Any], tokenizer: Any) -> VideoSpec | None:
+    """The family's `VideoSpec` for this checkpoint: its video token between its vision
+    start and end tokens (Qwen-VL's), or None where it has no video layout or lacks them."""
+    start = _token_id(tokenizer, "<|vision_start|>", config.get("vision_start_token_id"))
+    end = _token_id(tokenizer, "<|vision_end|>", config.get("vision_end_token_id"))
+    video = _token_id(tokenizer, "<|video_pad|>", config.get("video_token_id"))
+    merge = (config.get("vision_config") or {}).get("spatial_merge_size", 2)
+    if family.video is None or not all(isinstance(v, int) for v in (start, end, video, merge)):
+        return None
+    return VideoSpec(video, (start, video, end), start, end, family.video, merge)
 
 
 def vision_refusal(config: dict[str, Any]) -> str | None:

@@ -401,7 +401,7 @@ def test_the_flag_table_helpers_read_what_they_should():
 
     assert matches("--port", "`50051`") and not matches("--port", "50052")
     assert matches("--max-image-bytes", "20M") and not matches("--max-image-bytes", "8M")
-    assert matches("--max-message-bytes", "16M")  # a plain number of bytes, written as a size
+    assert matches("--max-message-bytes", "64M")  # a plain number of bytes, written as a size
     assert matches("--speculate", "`ngram`")  # what the worker runs, not the parser's None
     assert matches("--group-rows", "on") and not matches("--group-rows", "off")
     assert matches("--no-group-rows", "off")

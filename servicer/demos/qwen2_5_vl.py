@@ -17,7 +17,9 @@ and the processor's class name:
 
 The smg router knows this family only by a served name holding "qwen" and "vl" (its own
 Qwen-VL processing, ``mm_inputs``); under another name it leaves the images to the worker
-(media references). The demo's directory name holds both.
+(media references). The demo's directory name holds both. Its chat template renders a video
+part as ``<|vision_start|><|video_pad|><|vision_end|>`` (the router refuses video for its
+Qwen-VL spec: a video reaches the worker as a media reference only).
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ class Qwen2_5VL(qwen2_vl.Qwen2VL):
 
     model_type = "qwen2_5_vl"
     architecture = "Qwen2_5_VLForConditionalGeneration"
-    recipe_version = "v1"
+    recipe_version = "v2"  # v2: the chat template renders video parts
     processor_files = _processor_files()
+    video_anchor = qwen2_vl.VISION_START + qwen2_vl.VIDEO_PAD + qwen2_vl.VISION_END
 
     def model_config(
         self, text_config: Mapping[str, Any], ids: Mapping[str, int], vocab_size: int

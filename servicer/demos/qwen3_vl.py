@@ -20,7 +20,9 @@ Built from the ``llama`` text demo, nothing trained here:
 The image processor is Qwen2-VL's (transformers' Qwen2VLImageProcessor, mlx-vlm's numpy port
 of it) with Qwen3-VL's 16-pixel patches and 0.5 normalisation. The smg router knows this
 family by ``model_type``; where the worker advertises an ``mm_processor`` it leaves the
-images to the worker (media references, one anchor each in the prompt).
+images to the worker (media references, one anchor each in the prompt). Its chat template
+renders a video part as ``<|vision_start|><|video_pad|><|vision_end|>``; the video processor
+config is the image one's (no fps or frame counts: Qwen3-VL's defaults, 2 fps, 4 to 768).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from . import parts, qwen2_vl
 from .common import special_token_ids
 from .vision import Family
 
+VIDEO_ANCHOR = qwen2_vl.VISION_START + qwen2_vl.VIDEO_PAD + qwen2_vl.VISION_END
 PATCH_SIZE = 16
 MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
@@ -151,9 +154,10 @@ class Qwen3VL(Family):
     model_type = "qwen3_vl"
     architecture = "Qwen3VLForConditionalGeneration"
     text_kind = "llama"
-    recipe_version = "v1"
+    recipe_version = "v2"  # v2: the chat template renders video parts
     vision_tokens = qwen2_vl.VISION_TOKENS
     image_anchor = qwen2_vl.IMAGE_ANCHOR
+    video_anchor = VIDEO_ANCHOR
     image_token = qwen2_vl.IMAGE_PAD
     processor_files = processor_files("Qwen3VLProcessor", "Qwen3VLVideoProcessor")
     text_model_type = "qwen3_vl_text"

@@ -57,10 +57,15 @@ FAMILIES = tuple(_FAMILY_MODULES)
 TEST_PROMPTS: tuple[str, ...] = ("Describe a quiet place.", "What do bees make?")
 
 
-def chat_template(image_anchor: str) -> str:
-    """The text demo's template, plus content given as a list of parts (text, image), an
-    image part rendering `image_anchor`. Kept as minimal Jinja as the text demo's so the
-    router's minijinja renders it identically."""
+def chat_template(image_anchor: str, video_anchor: str | None = None) -> str:
+    """The text demo's template, plus content given as a list of parts (text, image, video),
+    an image part rendering `image_anchor`, a video part `video_anchor` (None: none). Kept as
+    minimal Jinja as the text demo's so the router's minijinja renders it identically."""
+    video = (
+        "{% elif part['type'] == 'video' or part['type'] == 'video_url' %}" + video_anchor
+        if video_anchor is not None
+        else ""
+    )
     return (
         "{{ bos_token }}"
         "{% for message in messages %}"
@@ -70,6 +75,7 @@ def chat_template(image_anchor: str) -> str:
         "{% if part['type'] == 'text' %}{{ part['text'] }}"
         "{% elif part['type'] == 'image' or part['type'] == 'image_url' %}"
         + image_anchor
+        + video
         + "{% endif %}"
         "{% endfor %}{% endif %}"
         "<|end|>"
@@ -88,6 +94,9 @@ class Family(abc.ABC):
     recipe_version: str  # bump whenever anything that changes this family's built files does
     vision_tokens: tuple[str, ...]  # special tokens appended to the text vocabulary
     image_anchor: str  # what the chat template renders per image, unexpanded
+    # What it renders per video (served only where the family's registry entry has a video
+    # layout: servicer/vision_families.py).
+    video_anchor: str | None = None
     image_token: str  # the token the processor repeats, where the image features go
     # How many image tokens one image becomes; None where that depends on its size.
     tokens_per_image: int | None = None
@@ -132,7 +141,9 @@ class Family(abc.ABC):
 
     @property
     def chat_template(self) -> str:
-        return chat_template(self.image_anchor)
+        served = vision_families.FAMILIES.get(self.model_type)
+        video = self.video_anchor if served is not None and served.video else None
+        return chat_template(self.image_anchor, video)
 
     @property
     def required_files(self) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..messages import GenerationRequest, ImageInput, Tensor
-from ..vision_families import family_of
+from ..vision_families import family_of, rope_spans
 from .mrope import RopePositions, enable_mrope, rope_index
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,9 @@ class VisionUnavailable(ValueError):
     """The checkpoint's images cannot be served (why, for the start-up error)."""
 
 
-def to_mx(tensor: Tensor) -> mx.array:
+def to_mx(tensor: Tensor | None) -> mx.array | None:
+    if tensor is None:  # a video's: in its extra inputs
+        return None
     array = np.frombuffer(tensor.data, dtype=np.dtype(tensor.dtype)).reshape(tensor.shape)
     return mx.array(array)
 
@@ -138,7 +140,7 @@ class VisionEncoder:
         without mrope, or a prompt without images)."""
         if self.rope is None or not request.images:
             return None
-        spans = [(i.offset, i.length, image_grid(i)) for i in request.images]
+        spans = [span for image in request.images for span in rope_spans(image)]
         ids, delta = rope_index(request.prompt, spans, self.merge)
         return RowRope(ids, delta)
 
@@ -224,17 +226,6 @@ class VisionEncoder:
         return {"input_embeddings": out.inputs_embeds} | {
             k: v for k, v in per_layer.items() if v is not None
         }
-
-
-def image_grid(image: ImageInput) -> tuple[int, int, int]:
-    """An image's patch grid (t, h, w), from its `image_grid_thw`."""
-    for name, value in image.extra:
-        if name == "image_grid_thw":
-            grid = np.frombuffer(value.data, dtype=np.dtype(value.dtype)).reshape(-1)
-            if grid.size == 3:
-                t, h, w = (int(v) for v in grid)
-                return t, h, w
-    raise ValueError("an image of this model needs its image_grid_thw (t, h, w)")
 
 
 def _embedding_owner(text_model: Any) -> Any:
