@@ -321,6 +321,16 @@ FAMILIES: dict[str, VisionFamily] = {
             "kimi_vl",
             text_stack=dict,  # text_config as it is
         ),
+        VisionFamily(
+            "llama4",
+            processor_spec(
+                "<|image|>",
+                "<|patch|>",
+                "image_token_index",
+                "mlx_vlm.models.llama4.processing_llama4:Llama4Processor",
+            ),
+            "llama4",
+        ),
     )
 }
 SERVED_FAMILIES = tuple(FAMILIES)

@@ -36,6 +36,13 @@ def load_chat_template(tokenizer: Any, model_path: Any) -> Any:
     return tokenizer
 
 
+def to_mlx(data: dict[str, Any]) -> dict[str, Any]:
+    """mlx-vlm's conversion of a processor's outputs to MLX arrays: numpy arrays here."""
+    import numpy as np
+
+    return {k: np.asarray(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
 def install_auto_processor_patch(*_: Any, **__: Any) -> None:
     """mlx-vlm's hook into transformers' AutoProcessor: not wanted on the handler side."""
 
@@ -66,6 +73,7 @@ def mlx_vlm_module(name: str) -> types.ModuleType:
     base = _package(f"{PACKAGE}.base", None)
     base.load_chat_template = load_chat_template
     base.install_auto_processor_patch = install_auto_processor_patch
+    base.to_mlx = to_mlx
     _package(f"{PACKAGE}.{parts[2]}", models / parts[2])
     spec = importlib.util.spec_from_file_location(private, models / parts[2] / f"{parts[3]}.py")
     if spec is None or spec.loader is None:
