@@ -3,10 +3,10 @@
 Where only mlx-vlm has a family's processor (numpy and PIL over a transformers class), the
 handler runs that module as it is: loaded from its file, never through the ``mlx_vlm``
 package (whose ``__init__`` imports MLX), under a private package name whose ``..base`` is a
-stand-in holding the two helpers such modules take from mlx-vlm's (MLX-bound) ``models.base``:
-`load_chat_template`, as mlx-vlm's, and `install_auto_processor_patch`, a no-op here (the
-handler names its processor class itself). A module importing anything else from mlx-vlm
-fails to load, with the ImportError saying what.
+stand-in holding the helpers such modules take from mlx-vlm's (MLX-bound) ``models.base``:
+`load_chat_template`, as mlx-vlm's, `install_auto_processor_patch`, a no-op here (the handler
+names its processor class itself), and `to_mlx`, which makes numpy arrays here. A module
+importing anything else from mlx-vlm fails to load, with the ImportError saying what.
 
 Such a module may patch the transformers class it builds on (mlx-vlm's do, at import, as
 they do wherever mlx-vlm loads that model: the engine's import of the model does the same).

@@ -155,6 +155,7 @@ def test_the_family_checks_ask_about_images_tiled_differently(family):
 @pytest.mark.parametrize(
     ("family", "anchor", "size", "views"),
     [("lfm2_vl", "<image>", (64, 48), 7), ("llama4", "<|image|>", (30, 90), 4)],
+    ids=["lfm2_vl", "llama4"],
 )
 def test_the_handler_runs_mlx_vlms_processor_without_mlx(family, anchor, size, views):
     """The worker's LFM2-VL and Llama 4 processors are mlx-vlm's modules, loaded without the

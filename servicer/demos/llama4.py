@@ -5,8 +5,11 @@ patches unfolded into a linear layer, a class token, learnt positions and 2-D Ro
 pixel shuffle with an MLP adapter, a linear projector, and a Llama 4 text model (mixture of
 experts beside a shared expert every ``MOE_STEP`` layers, chunked local attention in the
 RoPE layers, every fourth layer without RoPE and with attention temperature tuning). An image
-is cut into tiles of ``TILE_SIZE`` pixels (a grid of at most ``MAX_TILES``); each tile becomes
-``TOKENS_PER_TILE`` ``<|patch|>`` tokens. Built from the ``llama`` text demo
+is cut into tiles of ``TILE_SIZE`` pixels (a grid of at most ``MAX_TILES``), and an image of
+several tiles has one more, the global tile (the whole image resized to one tile: Llama 4's,
+which mlx-vlm 0.7.10's processor leaves out while its prompt holds its run; the worker adds
+it, ``servicer.numpy_processors.with_global_tile``); each tile becomes ``TOKENS_PER_TILE``
+``<|patch|>`` tokens. Built from the ``llama`` text demo
 (``servicer.demos.text``), nothing trained here:
 
 - the tokenizer and token embeddings are the text demo's trained ones, with Llama 4's image
