@@ -15,8 +15,10 @@ pixels from mlx-vlm's own processor) up to the end of sequence where the worker 
 - prefix: a new image and question, the same again (a hit past the image: `cached_tokens` >
   the image's end), then the same image with another question (`cached_tokens` reported);
 - kv8: `--kv-bits 8`, the alone and batched requests, against mlx-vlm on its own 8-bit
-  QuantizedKVCache from the first token in each plain KVCache layer (as the worker quantizes;
-  sliding-window layers stay full precision) in the group size the worker logs;
+  QuantizedKVCache from the first token in each plain or chunked KVCache layer (as the worker
+  quantizes: its chunked-attention layers keep a plain KV cache, which within one chunk is
+  what a ChunkedKVCache is; sliding-window layers stay full precision) in the group size the
+  worker logs;
 - ngram: `--speculate ngram` (the shipped default; the other cells run `--speculate off`), the
   alone and batched requests for longer answers; drafted and accepted tokens from its metrics.
 
@@ -92,13 +94,18 @@ def png(seed: int, size: tuple[int, int]) -> bytes:
 
 
 class Reference:
-    """mlx-vlm's model and processor for one checkpoint, and its greedy answers."""
+    """mlx-vlm's model and processor for one checkpoint, and its greedy answers; the processor
+    with the fix the registry's spec names (`VisionSpec.processor_fix`), as the worker's is."""
 
     def __init__(self, model_dir: Path) -> None:
         from mlx_vlm import load
 
+        from servicer.vision_families import vision_spec
+
         self.model, self.processor = load(str(model_dir))
         config = json.loads((model_dir / "config.json").read_text())
+        spec = vision_spec(config, self.processor.tokenizer)
+        self.processor = spec.fixed(self.processor) if spec is not None else self.processor
         self.image_token = config.get("image_token_index", config.get("image_token_id"))
         generation = model_dir / "generation_config.json"
         extra = json.loads(generation.read_text()) if generation.exists() else {}
@@ -150,13 +157,19 @@ class Reference:
         import mlx.core as mx
         import numpy as np
         from mlx_vlm.generate import generate_step
-        from mlx_vlm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+        from mlx_vlm.models.cache import (
+            ChunkedKVCache,
+            KVCache,
+            QuantizedKVCache,
+            make_prompt_cache,
+        )
 
         ids, pixels, extra = self.inputs(job)
         cache = None
         if kv_group_size is not None:
             cache = make_prompt_cache(self.model.language_model)
-            cache = [QuantizedKVCache(kv_group_size, 8) if type(c) is KVCache else c for c in cache]
+            plain = (KVCache, ChunkedKVCache)  # no prompt here fills a chunk
+            cache = [QuantizedKVCache(kv_group_size, 8) if type(c) in plain else c for c in cache]
         steps = generate_step(
             ids, self.model, pixels, mx.ones_like(ids), max_tokens=job.max_tokens,
             temperature=0.0, prompt_cache=cache, **extra,

@@ -343,6 +343,13 @@ def _processor(model_dir: Path, spec: VisionSpec) -> Any:
 
     if spec.anchor_text is None:
         return transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+    return spec.fixed(_expanding_processor(model_dir, spec))
+
+
+def _expanding_processor(model_dir: Path, spec: VisionSpec) -> Any:
+    """The processor that expands the anchor, before the spec's `processor_fix`."""
+    import transformers
+
     if spec.processor_class is not None:  # a transformers class, or "module:Class"
         module, _, name = spec.processor_class.rpartition(":")
         if module.startswith("mlx_vlm."):  # mlx-vlm's own, run without MLX

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "both")
 TRANSFERS = ("pull", "shared")
 CONNECTORS = {"pull": "NixlConnector", "shared": "SharedStorageConnector"}
-ROLE_NAMES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 PARAMS_MARK = "mlx_grpc_worker_blocks"  # this worker's kind of kv_transfer_params_json
 _SUFFIX = ".blk"
 _LENGTH = struct.Struct("<Q")
@@ -113,7 +112,8 @@ class SharedBlocks:
         return FoundBlock(key, parent, tokens, str(path), size, block.snapshot)
 
     def covers(self, prompt: list[int], found: tuple[FoundBlock, ...]) -> bool:
-        return sum(len(block.tokens) for block in found) >= len(prompt)
+        """Whether `found` holds all a hit on `prompt` can use (all but its last token)."""
+        return sum(len(block.tokens) for block in found) >= len(prompt) - 1
 
     def expected(self, prompt: list[int], keys: tuple[bytes, ...]) -> dict[bytes, tuple]:
         """Every block a peer may send for this prompt: key -> (parent, tokens); its full
@@ -283,10 +283,9 @@ class KvTransfer:
             return {}
         return {
             "kv_connector": CONNECTORS[transfer],
-            "kv_role": ROLE_NAMES[self.options.role],
+            "kv_role": "kv_both",  # smg 1.13 takes a "kv_producer" prefill worker for unavailable
             "kv_engine_id": self.engine_id,
             "kv_cache_dtype": self.kv_cache_dtype,
-            "pairing_protocol": f"mlx-grpc-worker/{self.model_id}",
         }
 
     async def prepare(
@@ -303,6 +302,13 @@ class KvTransfer:
         else:
             found = await asyncio.to_thread(blocks.find, job.store_prompt, job.block_keys)
         self.counters.found_blocks += len(found)
+        log.debug(
+            "request %r: %d prompt blocks found (%s), params %r",
+            job.request_id,
+            len(found),
+            "fetched" if params is not None else "shared",
+            request.kv_transfer_params_json if "kv_transfer_params_json" in _fields(request) else "",
+        )
         job.found_blocks = found
         return job
 

@@ -19,6 +19,11 @@ center-cropped to whole 2x2 blocks of 14-pixel patches, scaled to [0, 1] and nor
 CLIP's mean and std in float32, cut into patches [N, 3, 14, 14] row by row, its grid
 ``image_grid_hws``; ``<|media_pad|>`` repeated once per block. Those sizes are mlx-vlm's
 fixed defaults: its processor reads none of the checkpoint's (Kimi-VL's own are the same).
+
+`with_global_tile`, not a processor but a fix to one: a tiling processor whose image processor
+cuts an image into its grid of tiles and stops there, while its prompt expansion writes one
+more tile's run for the whole image (the global tile), as mlx-vlm 0.7.10's Llama 4 processor
+does. It adds that tile, as the model's own processor makes it.
 """
 
 from __future__ import annotations
@@ -220,6 +225,41 @@ class NativePatchesProcessor:
             text = text.replace("<|placeholder|>", MEDIA_PAD)
             out["input_ids"] = np.array([self.tokenizer.encode(text)], dtype=np.int64)
         return out
+
+
+def with_global_tile(processor: Any) -> Any:
+    """`processor` (in place) with its image processor's output completed by each tiled
+    image's global tile, as transformers' and Meta's Llama 4 processors make it: the whole
+    image resized to one tile, after that image's local tiles, only where there are several
+    (one tile: nothing added, the output as it was). The image processor's own resize (PIL
+    bicubic, as its tiles) and its own normalisation (`_preprocess_single`); its grid from
+    the `aspect_ratios` (rows, columns) it returns. Without it an image of h x w > 1 tiles
+    has h x w tiles of features for the h x w + 1 runs of ``<|patch|>`` its prompt holds, and
+    the model's merge reads the last run from past the end of the features."""
+    from PIL import Image
+
+    images = processor.image_processor
+    if getattr(images, "global_tile", False):
+        return processor
+    preprocess = images.preprocess
+
+    def completed(pictures: Any, **kwargs: Any) -> dict[str, Any]:
+        pictures = pictures if isinstance(pictures, list) else [pictures]
+        out = preprocess(pictures, **kwargs)
+        tiles, start = [], 0
+        for picture, (rows, cols) in zip(pictures, out["aspect_ratios"], strict=True):
+            tiles.extend(out["pixel_values"][start : start + rows * cols])
+            start += rows * cols
+            if rows * cols > 1:
+                if not isinstance(picture, Image.Image):
+                    picture = Image.fromarray(np.uint8(picture))
+                whole = picture.resize((images.size, images.size), Image.Resampling.BICUBIC)
+                tiles.append(images._preprocess_single(whole))
+        return {**out, "pixel_values": np.stack(tiles)}
+
+    images.preprocess = completed
+    images.global_tile = True
+    return processor
 
 
 def _json(path: Path) -> dict[str, Any]:

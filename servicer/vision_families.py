@@ -64,6 +64,17 @@ class VisionSpec:
     # class name, or "module:Class".
     processor_class: str | None = None
     video: VideoSpec | None = None  # None: no video for this family
+    # A fix to that processor, "module:function" (None: none): the function takes the loaded
+    # processor and returns it fixed. The handler applies it, and so do the tests' and the
+    # bench's mlx-vlm references (`fixed`), where mlx-vlm's own processor is the one to fix.
+    processor_fix: str | None = None
+
+    def fixed(self, processor: Any) -> Any:
+        """`processor` with `processor_fix` applied (as it is where there is none)."""
+        if self.processor_fix is None:
+            return processor
+        module, _, name = self.processor_fix.rpartition(":")
+        return getattr(importlib.import_module(module), name)(processor)
 
     def run(self, n: int) -> list[int]:
         return [*self.before, *([self.image_token_id] * n), *self.after]
@@ -191,11 +202,13 @@ def processor_spec(
     image_token: str,
     config_key: str = "image_token_id",
     processor_class: str | None = None,
+    processor_fix: str | None = None,
 ) -> Callable[[dict[str, Any], Any], VisionSpec | None]:
     """The spec of a family whose processor expands the anchor text `anchor` itself (tiles,
     row markers, a size-dependent count): the anchor is its tokens, the image token is
     `image_token` (or the config's `config_key`), and each image's run is the processor's
-    (transformers' `processor_class` in place of the checkpoint's own, where given)."""
+    (transformers' `processor_class` in place of the checkpoint's own, where given; fixed by
+    `processor_fix`, where given)."""
 
     def spec(config: dict[str, Any], tokenizer: Any) -> VisionSpec | None:
         image = _token_id(tokenizer, image_token, config.get(config_key))
@@ -204,7 +217,15 @@ def processor_spec(
             return None
         family = config.get("model_type", "")
         return VisionSpec(
-            family, image, ids, (), (), None, anchor_text=anchor, processor_class=processor_class
+            family,
+            image,
+            ids,
+            (),
+            (),
+            None,
+            anchor_text=anchor,
+            processor_class=processor_class,
+            processor_fix=processor_fix,
         )
 
     return spec
@@ -348,6 +369,20 @@ FAMILIES: dict[str, VisionFamily] = {
             ),
             "kimi_vl",
             text_stack=dict,  # text_config as it is
+        ),
+        # mlx-vlm's own processor (numpy and PIL over transformers' torchvision-only one), run
+        # without MLX, with the global tile it leaves out for a tiled image while its prompt
+        # expansion writes that tile's <|patch|> run (Llama 4's processors make it).
+        VisionFamily(
+            "llama4",
+            processor_spec(
+                "<|image|>",
+                "<|patch|>",
+                "image_token_index",
+                "mlx_vlm.models.llama4.processing_llama4:Llama4Processor",
+                "servicer.numpy_processors:with_global_tile",
+            ),
+            "llama4",
         ),
     )
 }

@@ -3,10 +3,10 @@
 Where only mlx-vlm has a family's processor (numpy and PIL over a transformers class), the
 handler runs that module as it is: loaded from its file, never through the ``mlx_vlm``
 package (whose ``__init__`` imports MLX), under a private package name whose ``..base`` is a
-stand-in holding the two helpers such modules take from mlx-vlm's (MLX-bound) ``models.base``:
-`load_chat_template`, as mlx-vlm's, and `install_auto_processor_patch`, a no-op here (the
-handler names its processor class itself). A module importing anything else from mlx-vlm
-fails to load, with the ImportError saying what.
+stand-in holding the helpers such modules take from mlx-vlm's (MLX-bound) ``models.base``:
+`load_chat_template`, as mlx-vlm's, `install_auto_processor_patch`, a no-op here (the handler
+names its processor class itself), and `to_mlx`, which makes numpy arrays here. A module
+importing anything else from mlx-vlm fails to load, with the ImportError saying what.
 
 Such a module may patch the transformers class it builds on (mlx-vlm's do, at import, as
 they do wherever mlx-vlm loads that model: the engine's import of the model does the same).
@@ -34,6 +34,13 @@ def load_chat_template(tokenizer: Any, model_path: Any) -> Any:
     elif as_jinja.exists():
         tokenizer.chat_template = as_jinja.read_text()
     return tokenizer
+
+
+def to_mlx(data: dict[str, Any]) -> dict[str, Any]:
+    """mlx-vlm's conversion of a processor's outputs to MLX arrays: numpy arrays here."""
+    import numpy as np
+
+    return {k: np.asarray(v) if isinstance(v, list) else v for k, v in data.items()}
 
 
 def install_auto_processor_patch(*_: Any, **__: Any) -> None:
@@ -66,6 +73,7 @@ def mlx_vlm_module(name: str) -> types.ModuleType:
     base = _package(f"{PACKAGE}.base", None)
     base.load_chat_template = load_chat_template
     base.install_auto_processor_patch = install_auto_processor_patch
+    base.to_mlx = to_mlx
     _package(f"{PACKAGE}.{parts[2]}", models / parts[2])
     spec = importlib.util.spec_from_file_location(private, models / parts[2] / f"{parts[3]}.py")
     if spec is None or spec.loader is None:

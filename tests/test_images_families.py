@@ -43,13 +43,15 @@ class Quirks:
     holds the family's name), `image_last` (the image after the question: a demo that heeds
     an image only near the end of its prompt; the router renders the image first all the
     same), the images asked alone (two sizes its demo answers differently) and batched, and
-    whether mlx-vlm takes two images of different sizes in one prompt (`two_in_one`)."""
+    whether mlx-vlm takes two images of different sizes in one prompt (`two_in_one`), and the
+    image asked through the router (`routed`)."""
 
     served_name: str | None = None
     image_last: bool = False
     alone: tuple[Image, Image] = ((80, (64, 48)), (81, (30, 90)))
     batched: tuple[Image, Image] = ((90, (64, 64)), (91, (96, 40)))
     two_in_one: bool = True
+    routed: Image = (46, (64, 48))
 
 
 QUIRKS = {
@@ -72,6 +74,8 @@ QUIRKS = {
     "lfm2_vl": Quirks(alone=((80, (64, 48)), (81, (20, 20)))),
     "lfm2-vl": Quirks(alone=((80, (64, 48)), (81, (20, 20)))),
     "pixtral": Quirks(batched=((90, (64, 48)), (91, (96, 64)))),
+    # Llama 4's demo: through the router too an image of 3x1 tiles and the global tile.
+    "llama4": Quirks(routed=(46, (30, 90))),
     "qwen3_5": Quirks(image_last=True),
     "qwen3_5_moe": Quirks(image_last=True),
 }
@@ -185,7 +189,7 @@ def test_through_the_router_answers_as_mlx_vlm_does(family, worker, tmp_path):
     """The chat through smg: the worker gets the image on the family's path (a media
     reference, one anchor in the prompt; or the router's own mm_inputs, its run already in
     the prompt) and the answer is mlx-vlm's, decoded as the router does."""
-    raw = png(46, (64, 48))
+    raw = png(*quirks(family).routed)
     with what_the_worker_gets(worker) as sent:
         response = chat_through_a_router(worker, tmp_path / "smg.log", QUESTION, data_url(raw))
     assert response.status_code == 200, response.text

@@ -1,7 +1,8 @@
 """What one vision-language family does that the others do not, beside the checks every family
 gets (tests/test_images_families.py): the worker's own processors against mlx-vlm's, bit for
-bit (InternVL's and Kimi-VL's numpy builds of MLX code, Aya Vision's PIL build); LFM2-VL's
-processor run without MLX; GLM-4V's partial multimodal RoPE; Gemma 4's refusal of images that
+bit (InternVL's and Kimi-VL's numpy builds of MLX code, Aya Vision's PIL build); Llama 4's,
+mlx-vlm's with the global tile mlx-vlm leaves out; LFM2-VL's and Llama 4's processors run
+without MLX; GLM-4V's partial multimodal RoPE; Gemma 4's refusal of images that
 attend both ways; the tiling of the images the family checks ask about; and smg's refusal of
 LLaVA-OneVision under a name holding "llava"."""
 
@@ -88,11 +89,50 @@ def test_the_workers_processor_is_mlx_vlms_bit_for_bit(family):
             assert np.asarray(want[key]).tolist() == np.asarray(got[key]).tolist(), key
 
 
+def test_llama4s_processor_is_mlx_vlms_with_the_global_tile():
+    """mlx-vlm 0.7.10's Llama 4 processor writes a global tile's <|patch|> run for a tiled
+    image but makes no such tile (its model's merge then reads past the features): the
+    worker's makes mlx-vlm's prompt and local tiles bit for bit, then the whole image resized
+    to one tile (PIL bicubic, mlx-vlm's normalisation), so the features fill the runs; a
+    one-tile image's output is mlx-vlm's untouched."""
+    from mlx_vlm.models.llama4.processing_llama4 import Llama4Processor
+    from PIL import Image
+
+    vlm_dir = vlm_dir_of("llama4")
+    untouched = Llama4Processor.from_pretrained(str(vlm_dir))
+    mine = workers_processor(vlm_dir)
+    patch, size = mine.tokenizer.convert_tokens_to_ids("<|patch|>"), untouched.image_processor.size
+    per_tile = (size // untouched.patch_size) ** 2 // untouched.downsample_ratio
+    rng, grids = np.random.default_rng(0), set()
+    sizes = [(64, 48), (30, 90), (96, 40), (200, 50), (40, 160), (300, 90), (56, 56), (90, 30)]
+    sizes += [tuple(int(v) for v in rng.integers(8, 400, 2)) for _ in range(16)]
+    for w, h in sizes:
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        want = untouched(text="<|image|>", images=[image], add_special_tokens=False)
+        got = mine(text="<|image|>", images=[image], return_tensors="np", add_special_tokens=False)
+        ids = np.asarray(got["input_ids"]).reshape(-1)
+        assert np.asarray(want["input_ids"]).reshape(-1).tolist() == ids.tolist()
+        local, pixels = np.asarray(want["pixel_values"]), np.asarray(got["pixel_values"])
+        assert pixels.dtype == local.dtype == np.float32
+        assert int((ids == patch).sum()) == len(pixels) * per_tile  # the runs, filled
+        grids.add(len(local))
+        if len(local) == 1:  # one tile: no global tile, mlx-vlm's output as it is
+            assert np.array_equal(pixels.view(np.uint32), local.view(np.uint32))
+            continue
+        assert len(pixels) == len(local) + 1
+        assert np.array_equal(pixels[:-1].view(np.uint32), local.view(np.uint32))
+        whole = np.asarray(image.resize((size, size), Image.Resampling.BICUBIC), np.float32)
+        whole = ((whole / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)
+        assert np.array_equal(pixels[-1], whole)
+    assert {1, 2, 3, 4} <= grids  # one tile and several, both ways
+
+
 # family: for the two images tests/test_images_families.py asks about alone, the tower inputs
 # (tiles and the whole image, or patches) and the image tokens mlx-vlm's processor makes.
 TILING = {
     "aya_vision": ([1, 4], [4, 16]),  # 1x1; 1x3 and the whole image; 4 tokens a tile
     "internvl_chat": ([1, 4], [4, 16]),  # 1x1; 1x3 and the thumbnail; 4 tokens a tile
+    "llama4": ([1, 4], [4, 16]),  # 1x1; 3x1 and the global tile; 4 tokens a tile
     "kimi_vl": ([48, 40], [12, 10]),  # 14-pixel patches, a token a 2x2 block
     "lfm2_vl": ([7, 1], [108, 4]),  # 3x2 tiles and the thumbnail; the image whole
     "llava_onevision": ([5, 3], [37, 33]),  # the whole image and 2x2 tiles, 2x1 tiles
@@ -112,9 +152,15 @@ def test_the_family_checks_ask_about_images_tiled_differently(family):
     assert (views, tokens) == TILING[family]
 
 
-def test_the_handler_runs_lfm2_vls_processor_without_mlx():
-    """The worker's LFM2-VL processor is mlx-vlm's module, loaded without the mlx_vlm
-    package: a process that builds it and expands an image imports no MLX."""
+@pytest.mark.parametrize(
+    ("family", "anchor", "size", "views"),
+    [("lfm2_vl", "<image>", (64, 48), 7), ("llama4", "<|image|>", (30, 90), 4)],
+    ids=["lfm2_vl", "llama4"],
+)
+def test_the_handler_runs_mlx_vlms_processor_without_mlx(family, anchor, size, views):
+    """The worker's LFM2-VL and Llama 4 processors are mlx-vlm's modules, loaded without the
+    mlx_vlm package (Llama 4's with its global tile added): a process that builds one and
+    expands an image imports no MLX."""
     import subprocess
     import sys
 
@@ -124,16 +170,16 @@ def test_the_handler_runs_lfm2_vls_processor_without_mlx():
         "from transformers import AutoTokenizer\n"
         "from servicer.images import _processor\n"
         "from servicer.vision_families import vision_spec\n"
-        f"path = pathlib.Path({str(vlm_dir_of('lfm2_vl'))!r})\n"
+        f"path = pathlib.Path({str(vlm_dir_of(family))!r})\n"
         "spec = vision_spec(json.loads((path / 'config.json').read_text()),"
         " AutoTokenizer.from_pretrained(str(path)))\n"
-        "out = _processor(path, spec)(text='<image>', images=[Image.new('RGB', (64, 48))],"
+        f"out = _processor(path, spec)(text={anchor!r}, images=[Image.new('RGB', {size})],"
         " return_tensors='np', add_special_tokens=False)\n"
         "print(out['pixel_values'].shape[0], sorted(m for m in sys.modules"
         " if m == 'mlx' or m.startswith(('mlx.', 'mlx_vlm', 'mlx_lm'))))\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert done.stdout.split("\n")[-2] == "7 []"
+    assert done.stdout.split("\n")[-2] == f"{views} []"
 
 
 def test_a_gemma4_checkpoint_whose_images_attend_both_ways_is_served_as_text():

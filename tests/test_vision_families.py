@@ -39,6 +39,8 @@ _ALSO_NAMED_FOR_ANOTHER_REASON = {
     },
     "qwen2_vl": {"servicer/demos/vision.py"},  # the demo builder's default family
     "pixtral": {"servicer/demos/mistral3.py"},  # Mistral 3's vision tower is a Pixtral one
+    # mlx-lm's llama4 text model, which the engine fixes for batching as it does text models
+    "llama4": {"servicer/engine/arch_fixes.py", "servicer/engine/mlx_lm_compat.py"},
 }
 
 

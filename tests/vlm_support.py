@@ -26,10 +26,19 @@ def served(vlm_dir: Path) -> Iterator[vgrpc.VllmEngineStub]:
 
 @functools.cache
 def loaded(path: str):
-    """mlx-vlm's model and processor of the checkpoint (loaded once a test session)."""
+    """mlx-vlm's model and processor of the checkpoint (loaded once a test session), the
+    processor with the fix the registry's spec names (`VisionSpec.processor_fix`), as the
+    worker's is: mlx-vlm's own where it leaves out what the model's processor makes."""
+    import json
+
     from mlx_vlm import load
 
-    return load(path)
+    from servicer.vision_families import vision_spec
+
+    model, processor = load(path)
+    config = json.loads((Path(path) / "config.json").read_text())
+    spec = vision_spec(config, processor.tokenizer)
+    return model, spec.fixed(processor) if spec is not None else processor
 
 
 def chat_text(vlm_dir: Path, question: str, images: int) -> str:
