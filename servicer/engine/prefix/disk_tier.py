@@ -201,7 +201,8 @@ class DiskTier:
         self.faults = faults
         self._log = RateLimitedLog(log, 30.0)
         self._lock_file: Any = None
-        self._writes: queue.Queue[Any] = queue.Queue(queue_size)
+        # Written through, a long prompt's blocks come at once: the queue holds them all.
+        self._writes: queue.Queue[Any] = queue.Queue(queue_size * 64 if shared else queue_size)
         self._loads: queue.Queue[Any] = queue.Queue()
         self._done: deque[Completion] = deque()
         self._threads: list[threading.Thread] = []

@@ -1,0 +1,300 @@
+"""Prompt KV between workers: the router's prefill/decode split with each transfer mode, a
+prompt cache two workers share behind one router, and the faults on the way (a dead, broken,
+corrupt or slow peer; a peer of another layout), each ending in the answer one worker gives.
+
+In PD mode smg 1.13 reports the prefill worker's `cached_tokens` in the answer's usage (a cold
+prefill: 0), so the decode side's reuse is read from the decode worker's own metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from support import SMG, Router, ServerThread
+
+from servicer.engine_config import EngineConfig
+from servicer.handlers import HandlerOptions
+from servicer.kv_transfer import KvTransferOptions
+from servicer.model_files import ModelSpec
+from servicer.proto import vllm_engine_pb2 as pb
+from servicer.proto import vllm_engine_pb2_grpc as pb_grpc
+from servicer.server import ServerConfig
+
+BLOCK = 16
+WORDS = [
+    "bees",
+    "honey",
+    "hive",
+    "flower",
+    "queen",
+    "wax",
+    "comb",
+    "nectar",
+    "pollen",
+    "summer",
+    "field",
+    "garden",
+]
+needs_smg = pytest.mark.skipif(SMG is None, reason="the smg router is a dev dependency")
+
+
+def kv_config(
+    model_dir: Path,
+    cache_dir: Path | None,
+    role: str = "both",
+    transfer: str | None = None,
+    metrics: bool = False,
+    **options: object,
+) -> ServerConfig:
+    """A vLLM-face worker whose prompt blocks are written through to `cache_dir` (None: no
+    prompt cache at all: the reference)."""
+    engine = EngineConfig(prompt_cache_block=BLOCK, prompt_cache_size=0)
+    if cache_dir is not None:
+        engine = EngineConfig(
+            prompt_cache_block=BLOCK, prompt_cache_dir=str(cache_dir), prompt_cache_shared=True
+        )
+    kv = KvTransferOptions(role=role, transfer=transfer, **options)  # type: ignore[arg-type]
+    return ServerConfig(
+        model=ModelSpec(str(model_dir)),
+        engine=engine,
+        handlers=HandlerOptions(kv=kv),
+        port=0,
+        protocols=("vllm",),
+        metrics_port=0 if metrics else None,
+    )
+
+
+def prompt_text(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def reused_tokens(server: ServerThread) -> tuple[float, float]:
+    """The worker's prompt tokens reused from its disk tier, and its prompt cache misses."""
+    assert server.server is not None and server.server.metrics_port is not None
+    page = httpx.get(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).text
+
+    def value(pattern: str) -> float:
+        match = re.search(pattern + r" ([0-9.e+]+)", page)
+        return float(match.group(1)) if match else 0.0
+
+    reused = value(r'mlx_worker_prompt_cache_tokens_reused_total\{tier="disk"\}')
+    return reused, value("mlx_worker_prompt_cache_misses_total")
+
+
+def completion(router: Router, model: str, prompt: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 10, "temperature": 0}
+    response = router.client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def chat(router: Router, model: str, messages: list[dict]) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": 10, "temperature": 0}
+    response = router.client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def answers(router: Router, model: str) -> tuple[list[str], int]:
+    """Completions of ~40 to ~1,500 tokens alone, then six chats at once: their texts, and
+    the prompt tokens they held."""
+    texts, prompt_tokens = [], 0
+    for seed, words in ((1, 12), (2, 130), (3, 480)):
+        reply = completion(router, model, prompt_text(seed, words))
+        texts.append(reply["choices"][0]["text"])
+        prompt_tokens += reply["usage"]["prompt_tokens"]
+    asks = [[{"role": "user", "content": prompt_text(10 + i, 30 + 90 * i)}] for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(lambda messages: chat(router, model, messages), asks))
+    for reply in replies:
+        texts.append(reply["choices"][0]["message"]["content"])
+        prompt_tokens += reply["usage"]["prompt_tokens"]
+    return texts, prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def reference_answers(demo_dir, tmp_path_factory) -> list[str]:
+    """What one worker answers, alone behind the router."""
+    tmp = tmp_path_factory.mktemp("reference")
+    with ServerThread(kv_config(demo_dir, None)) as single:
+        router = Router([single.address], tmp / "smg.log")
+        try:
+            return answers(router, router.wait_until_serving())[0]
+        finally:
+            router.close()
+
+
+@needs_smg
+@pytest.mark.parametrize("transfer", ["pull", "shared"])
+def test_a_pd_pair_answers_as_one_worker_and_the_decode_side_reuses_the_prefill(
+    transfer, demo_dir, tmp_path, reference_answers
+):
+    prefill_dir = tmp_path / "cache"
+    decode_dir = tmp_path / ("cache" if transfer == "shared" else "decode-cache")
+    prefill = ServerThread(kv_config(demo_dir, prefill_dir, "prefill", transfer))
+    decode = ServerThread(kv_config(demo_dir, decode_dir, "decode", transfer, metrics=True))
+    with prefill, decode:
+        info = pb_grpc.VllmEngineStub(prefill.channel()).GetServerInfo(pb.GetServerInfoRequest())
+        connector = {"pull": "NixlConnector", "shared": "SharedStorageConnector"}[transfer]
+        assert (info.kv_connector, info.kv_role, info.block_size) == (connector, "kv_both", BLOCK)
+        router = Router([prefill.address, decode.address], tmp_path / "smg.log", pd=True)
+        try:
+            model = router.wait_until_serving()
+            reused_before, misses_before = reused_tokens(decode)
+            texts, prompt_tokens = answers(router, model)
+            reused, misses = reused_tokens(decode)
+        finally:
+            router.close()
+    assert texts == reference_answers
+    assert misses == misses_before, "every request found the prefill's blocks"
+    assert reused - reused_before >= 0.9 * prompt_tokens
+
+
+@needs_smg
+def test_two_workers_on_one_cache_directory_reuse_each_others_turns(demo_dir, tmp_path):
+    """Round robin sends each turn of a conversation to the other worker: from the second on,
+    each finds the turns before it, which the other worker kept."""
+    cache = tmp_path / "cache"
+    with (
+        ServerThread(kv_config(demo_dir, cache)) as first,
+        ServerThread(kv_config(demo_dir, cache)) as second,
+    ):
+        router = Router(
+            [first.address, second.address], tmp_path / "smg.log", "--policy", "round_robin"
+        )
+        try:
+            model = router.wait_until_serving()
+            messages: list[dict] = []
+            cached, previous = [], 0
+            for turn in range(4):
+                messages.append({"role": "user", "content": prompt_text(20 + turn, 60)})
+                reply = chat(router, model, messages)
+                cached.append((reply["usage"]["prompt_tokens_details"]["cached_tokens"], previous))
+                previous = reply["usage"]["prompt_tokens"]
+                messages.append(reply["choices"][0]["message"])
+                time.sleep(0.3)  # the user reads and types
+        finally:
+            router.close()
+    assert all(hit >= before - BLOCK for hit, before in cached[1:]), cached
+
+
+# ----- faults: direct calls, the prefill's kv_transfer_params_json in hand -----
+
+
+def generate(
+    channel: grpc.Channel, ids: list[int], max_tokens: int, params: str = ""
+) -> pb.GenerateComplete:
+    request = pb.GenerateRequest(
+        request_id=f"r{time.monotonic_ns()}",
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(max_tokens=max_tokens, temperature=0),
+        stream=False,
+    )
+    if params:
+        request.kv_transfer_params_json = params
+    (response,) = list(pb_grpc.VllmEngineStub(channel).Generate(request, timeout=60))
+    return response.complete
+
+
+FAULT_IDS = [5 + (i * 7) % 400 for i in range(120)]
+
+
+@pytest.fixture(scope="module")
+def fault_reference(demo_dir) -> list[int]:
+    with ServerThread(kv_config(demo_dir, None)) as single:
+        return list(generate(single.channel(), FAULT_IDS, 8).output_ids)
+
+
+class FakePeer:
+    """A block server that answers as told: `mode` "corrupt" (the real files, a byte
+    flipped), "truncated" (half of the first file, then the connection ends) or "silent"
+    (never answers)."""
+
+    def __init__(self, files: dict[str, bytes], mode: str) -> None:
+        self.files, self.mode = files, mode
+        self.port = 0
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._main, daemon=True).start()
+        self._ready.wait(10)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        length = int.from_bytes(await reader.readexactly(8), "little")
+        keys = json.loads(await reader.readexactly(length))["keys"]
+        if self.mode == "silent":
+            await asyncio.sleep(3600)
+        for key in keys:
+            data = bytearray(self.files.get(key, b""))
+            if self.mode == "truncated":
+                writer.write(len(data).to_bytes(8, "little") + bytes(data[: len(data) // 2]))
+                break
+            if data:
+                data[len(data) // 2] ^= 0xFF
+            writer.write(len(data).to_bytes(8, "little") + bytes(data))
+        await writer.drain()
+        writer.close()
+
+
+def prefill_params(demo_dir: Path, tmp_path: Path, **engine: object) -> tuple[dict, dict]:
+    """A prefill's kv_transfer_params_json for FAULT_IDS, and its block files by key."""
+    with ServerThread(kv_config(demo_dir, tmp_path / "prefill", "prefill", "pull")) as prefill:
+        params = json.loads(generate(prefill.channel(), FAULT_IDS, 1).kv_transfer_params_json)
+        directory = next((tmp_path / "prefill").iterdir())
+        files = {key: (directory / f"{key}.blk").read_bytes() for key in params["keys"]}
+    return params, files
+
+
+@pytest.mark.parametrize("fault", ["dead", "corrupt", "truncated", "slow", "mismatched"])
+def test_a_failed_transfer_is_a_local_prefill_with_the_right_answer(
+    fault, demo_dir, tmp_path, fault_reference
+):
+    params, files = prefill_params(demo_dir, tmp_path)  # the prefill worker is gone now
+    if fault in ("corrupt", "truncated", "slow"):
+        peer = FakePeer(files, {"slow": "silent"}.get(fault, fault))
+        params["port"] = peer.port
+    if fault == "mismatched":  # a prefill of another layout (another block size, dtype...)
+        params["model"] = "0" * 32
+    config = kv_config(
+        demo_dir, tmp_path / "decode", "decode", "pull", metrics=True, fetch_timeout_s=1.0
+    )
+    with ServerThread(config) as decode:
+        started = time.monotonic()
+        complete = generate(decode.channel(), FAULT_IDS, 8, json.dumps(params))
+        elapsed = time.monotonic() - started
+        counters = decode.server.servicer.kv.counters  # type: ignore[union-attr]
+        reused, _ = reused_tokens(decode)
+    assert list(complete.output_ids) == fault_reference
+    assert complete.cached_tokens == 0 and reused == 0
+    assert counters.failures == 1
+    assert elapsed < 30  # bounded by the fetch timeout, not a hang
+
+
+def test_a_fetched_transfer_is_a_hit_with_the_right_answer(demo_dir, tmp_path, fault_reference):
+    """The same path as the faults, whole: the decode worker loads what it fetched."""
+    with (
+        ServerThread(kv_config(demo_dir, tmp_path / "prefill", "prefill", "pull")) as prefill,
+        ServerThread(kv_config(demo_dir, tmp_path / "decode", "decode", "pull")) as decode,
+    ):
+        params = generate(prefill.channel(), FAULT_IDS, 1).kv_transfer_params_json
+        complete = generate(decode.channel(), FAULT_IDS, 8, params)
+        counters = decode.server.servicer.kv.counters  # type: ignore[union-attr]
+    assert list(complete.output_ids) == fault_reference
+    assert complete.cached_tokens == len(FAULT_IDS) - 1
+    assert counters.failures == 0 and counters.fetched_blocks == len(json.loads(params)["keys"])
