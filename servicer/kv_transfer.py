@@ -304,14 +304,8 @@ class KvTransfer:
         else:
             found = await asyncio.to_thread(blocks.find, job.store_prompt, job.block_keys)
         self.counters.found_blocks += len(found)
-        log.debug(
-            "request %r (stream %s): %d prompt blocks found (%s), params %r",
-            job.request_id,
-            request.stream,
-            len(found),
-            "fetched" if params is not None else "shared",
-            request.kv_transfer_params_json if "kv_transfer_params_json" in _fields(request) else "",
-        )
+        how = "fetched" if params is not None else "shared"
+        log.debug("request %r: %d prompt blocks %s", job.request_id, len(found), how)
         job.found_blocks = found
         return job
 
