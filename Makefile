@@ -78,6 +78,11 @@ SEEDS ?= 50
 fuzz-cache: $(STAMP)
 	$(BIN)/python tests/cache_fuzz.py --seeds $(SEEDS) $(ARGS)
 
+# Differential fuzz of a prompt cache three workers share, restarts included (ARGS="--kinds hybrid").
+.PHONY: fuzz-shared-cache
+fuzz-shared-cache: $(STAMP)
+	$(BIN)/python tests/shared_cache_fuzz.py --seeds $(SEEDS) $(ARGS)
+
 # Request fuzz of both faces (--protocols mlx,vllm): SEEDS seeds of 300 mostly malformed
 # requests on one demo llama (ARGS="--kinds llama,gemma3,hybrid", "--trace calls.jsonl").
 fuzz-requests: $(STAMP)

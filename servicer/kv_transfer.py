@@ -24,9 +24,12 @@ import os
 import struct
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily
 
 from .engine.prefix.disk_tier import read_block, read_header
 from .engine.prefix.keys import ROOT, block_key
@@ -63,6 +66,26 @@ class KvTransferCounters:
     fetch_seconds: float = 0.0
     failures: int = 0  # transfers that ended in a local prefill
     found_blocks: int = 0  # blocks found in the shared directory for requests
+
+
+class KvTransferCollector:
+    """The transfer counters as Prometheus counters (read from the metrics HTTP thread)."""
+
+    HELP = {
+        "fetched_blocks": "Prompt blocks fetched from prefill workers",
+        "fetched_bytes": "Bytes of the prompt blocks fetched from prefill workers",
+        "fetch_seconds": "Seconds spent fetching prompt blocks from prefill workers",
+        "failures": "KV transfers that failed, their prompts prefilled here instead",
+        "found_blocks": "Prompt blocks found for requests in the shared directory or fetched",
+    }
+
+    def __init__(self, counters: KvTransferCounters) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, text in self.HELP.items():
+            value = getattr(self._counters, name)
+            yield CounterMetricFamily(f"mlx_worker_kv_transfer_{name}", text, value=value)
 
 
 class SharedBlocks:

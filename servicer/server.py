@@ -30,6 +30,7 @@ from .engine_process import EngineProcess
 from .faults import FaultPlan
 from .grammar import GrammarChecker
 from .handlers import HandlerOptions, Handlers
+from .kv_transfer import KvTransferCollector
 from .lifecycle import Lifecycle, Phase
 from .messages import EngineLoad, EngineStartupError, ModelInfo, PrefixCacheStats
 from .metrics import WorkerMetrics
@@ -117,6 +118,7 @@ class WorkerServer:
             max_running_requests=config.engine.completion_batch_size,
             kv_cache_dtype=f"int{config.engine.kv_bits}" if config.engine.kv_bits else "auto",
         )
+        self.metrics.registry.register(KvTransferCollector(self.servicer.kv.counters))
         self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
         self.health_status = NOT_SERVING  # what both standard health services report

@@ -53,19 +53,19 @@ def kv_config(
     role: str = "both",
     transfer: str | None = None,
     metrics: bool = False,
+    engine: dict | None = None,
     **options: object,
 ) -> ServerConfig:
     """A vLLM-face worker whose prompt blocks are written through to `cache_dir` (None: no
-    prompt cache at all: the reference)."""
-    engine = EngineConfig(prompt_cache_block=BLOCK, prompt_cache_size=0)
+    prompt cache at all: the reference), with `engine`'s settings besides."""
+    cache: dict = {"prompt_cache_size": 0}
     if cache_dir is not None:
-        engine = EngineConfig(
-            prompt_cache_block=BLOCK, prompt_cache_dir=str(cache_dir), prompt_cache_shared=True
-        )
+        cache = {"prompt_cache_dir": str(cache_dir), "prompt_cache_shared": True}
+    settings = {"prompt_cache_block": BLOCK, **cache, **(engine or {})}
     kv = KvTransferOptions(role=role, transfer=transfer, **options)  # type: ignore[arg-type]
     return ServerConfig(
         model=ModelSpec(str(model_dir)),
-        engine=engine,
+        engine=EngineConfig(**settings),  # type: ignore[arg-type]
         handlers=HandlerOptions(kv=kv),
         port=0,
         protocols=("vllm",),
@@ -298,3 +298,12 @@ def test_a_fetched_transfer_is_a_hit_with_the_right_answer(demo_dir, tmp_path, f
     assert list(complete.output_ids) == fault_reference
     assert complete.cached_tokens == len(FAULT_IDS) - 1
     assert counters.failures == 0 and counters.fetched_blocks == len(json.loads(params)["keys"])
+
+
+def test_workers_sharing_a_cache_directory_answer_as_a_worker_without_one():
+    """A slice of `make fuzz-shared-cache`: three workers on one directory, concurrent
+    requests at random, a restart between rounds."""
+    from shared_cache_fuzz import fuzz
+
+    result = fuzz("llama", seed=0, rounds=2, per_round=10)
+    assert result.hits and not result.differing and not result.errors, result
