@@ -289,7 +289,7 @@ class Handlers:
         try:
             images = None
             if self._images is not None and has_media(request):
-                images = await self._images.prepare(request)
+                images = await self._images.prepare(request, await self.kv.image_keys(request))
                 by = "router" if request.mm_inputs.ByteSize() else "worker"
                 self._metrics.image_requests.labels(by).inc()
             adapter = context.adapter
@@ -422,7 +422,7 @@ class Generation:
             while stream.finish_reason is None:
                 for response in self._emit(stream, output, await stream.take()):
                     if stream.finish_reason is not None and response.HasField("complete"):
-                        await handlers.kv.publish(job, response.complete)
+                        await handlers.kv.publish(request, job, response.complete)
                     yield response
             outcome = stream.finish_reason
         except RequestError as error:

@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -178,10 +178,12 @@ class ImagePreparer:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def prepare(self, request: Any) -> ExpandImages:
+    async def prepare(self, request: Any, known: Mapping[str, bytes] | None = None) -> ExpandImages:
         """The request's images, ready to go into its prompt: its media references fetched
         and processed here (their anchors to `expand`), or the router's mm_inputs (their
-        runs already in the prompt, to `place`) where the family is the router's to process."""
+        runs already in the prompt, to `place`) where the family is the router's to process.
+        `known`: keys of images by the router's hash, for mm_inputs without pixels (a PD
+        decode, whose prefill worker encoded them)."""
         if request.mm_inputs.ByteSize() or request.extra_mm_inputs:
             groups = [request.mm_inputs, *request.extra_mm_inputs]
             video = self.spec.video is not None and any(
@@ -197,22 +199,26 @@ class ImagePreparer:
                     "a request's images come as one mm_inputs or as media references, not both"
                 )
             sent = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.router_media, groups
+                self._pool, self.router_media, groups, known or {}
             )
             return functools.partial(place, sent=sent, image_token=self.spec.image_token_id)
         images = await self._media(request)
         return functools.partial(expand, spec=self.spec, images=images)
 
-    def router_images(self, mm: Any) -> RouterImages:
+    def router_images(self, mm: Any, known: Mapping[str, bytes] | None = None) -> RouterImages:
+        if not mm.HasField("pixel_values") and known:
+            return _encoded_images(mm, self.spec, known, self.policy.max_images)
         return router_images(mm, self.spec, self.patch_width, self.policy.max_images)
 
-    def router_media(self, groups: list[Any]) -> tuple[RouterImages, ...]:
+    def router_media(
+        self, groups: list[Any], known: Mapping[str, bytes] | None = None
+    ) -> tuple[RouterImages, ...]:
         """The router's mm_inputs (and extra_mm_inputs: a video beside images), each group
         images or videos."""
         return tuple(
             router_videos(mm, self.spec.video, self.policy)
             if mm.modality == VIDEO_MODALITY and self.spec.video is not None
-            else self.router_images(mm)
+            else self.router_images(mm, known)
             for mm in groups
         )
 
@@ -493,6 +499,33 @@ def router_images(
         start += n
     placeholders = tuple((int(p.offset), int(p.length)) for p in mm.mm_placeholders)
     return RouterImages(tuple(images), placeholders, token)
+
+
+def _encoded_images(
+    mm: Any, spec: VisionSpec, known: Mapping[str, bytes], max_images: int
+) -> RouterImages:
+    """The router's images without their pixels (its PD decode leg): each one's key as the
+    prefill worker named it (`known`, by the router's hash), its run from its grid. The
+    engine can only serve them from the prefill's blocks, which run past them."""
+    hashes = list(mm.mm_hashes)
+    _check_count(mm, len(hashes), max_images)
+    if any(h not in known for h in hashes):
+        raise _invalid("mm_inputs without pixel_values, of images the prefill did not name")
+    grids = None
+    if "image_grid_thw" in mm.model_specific_tensors:
+        grids = _array("image_grid_thw", mm.model_specific_tensors["image_grid_thw"], _INTS)
+        if grids.shape != (len(hashes), 3):
+            raise _invalid(f"mm_inputs image_grid_thw: shape {list(grids.shape)}")
+    images = []
+    for i, mm_hash in enumerate(hashes):
+        try:
+            tokens = spec.tokens_per_image or spec.tokens(grids[i].tolist())  # type: ignore[index]
+        except (ValueError, TypeError) as exc:
+            raise _invalid(f"image {i}: {exc}") from None
+        extra = () if grids is None else (("image_grid_thw", tensor(grids[i].reshape(1, 3))),)
+        images.append(ProcessedImage(tokens, known[mm_hash], None, extra))
+    placeholders = tuple((int(p.offset), int(p.length)) for p in mm.mm_placeholders)
+    return RouterImages(tuple(images), placeholders, _image_token(mm, spec))
 
 
 def _check_count(mm: Any, count: int, max_images: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -29,11 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 from prometheus_client.core import CounterMetricFamily
 
 from .engine.prefix.disk_tier import read_block, read_header
 from .engine.prefix.keys import ROOT, block_key
-from .messages import FoundBlock, GenerationRequest
+from .messages import FoundBlock, GenerationRequest, ImageInput
+from .validation import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +157,27 @@ class SharedBlocks:
                 wanted[keys[i]] = (parent, window)
                 parent = keys[i]
         return wanted
+
+    def _image_path(self, mm_hash: str) -> Path:
+        name = hashlib.blake2b(mm_hash.encode(), digest_size=16).hexdigest()
+        return self.dir / "images" / name
+
+    def name_images(self, images: dict[str, bytes]) -> None:
+        """Record the keys of the router's images (by its hash), for a decode worker."""
+        for mm_hash, key in images.items():
+            path = self._image_path(mm_hash)
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(exist_ok=True)
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(key.hex())
+                os.replace(tmp, path)
+
+    def image_keys(self, hashes: list[str]) -> dict[str, bytes]:
+        found = {}
+        for mm_hash in hashes:
+            with contextlib.suppress(OSError, ValueError):
+                found[mm_hash] = bytes.fromhex(self._image_path(mm_hash).read_text())
+        return found
 
     def accept(self, data: bytes, key: bytes, parent: bytes | None, tokens: tuple) -> FoundBlock:
         """A fetched file, checked whole (checksum, model, key, parent, tokens), published
@@ -330,6 +354,10 @@ class KvTransfer:
         how = "fetched" if params is not None else "shared"
         log.debug("request %r: %d prompt blocks %s", job.request_id, len(found), how)
         job.found_blocks = found
+        covered = sum(len(block.tokens) for block in found)
+        if any(_pixelless(image) and image.end > covered for image in job.images):
+            message = "the router sent no pixels, and the prefill worker's KV past them is lost"
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, message)
         return job
 
     async def _pull(self, job: GenerationRequest, params: dict, deadline_s: float | None) -> tuple:
@@ -381,12 +409,30 @@ class KvTransfer:
             "KV transfer for %r failed, its prompt is prefilled here: %s", job.request_id, why
         )
 
-    async def publish(self, job: GenerationRequest, complete: Any) -> None:
+    async def image_keys(self, request: Any) -> dict[str, bytes]:
+        """The keys a prefill worker gave the router's images (by the router's hash), for a
+        decode leg that comes without their pixels: from its kv_transfer_params_json (`pull`)
+        or the shared directory."""
+        if self.blocks is None or "mm_inputs" not in _fields(request):
+            return {}
+        params = _params(request)
+        if params is not None:
+            named = params.get("images", {})
+            return {str(h): bytes.fromhex(str(k)) for h, k in named.items()} if named else {}
+        hashes = list(request.mm_inputs.mm_hashes)
+        if not hashes or request.mm_inputs.HasField("pixel_values"):
+            return {}
+        return await asyncio.to_thread(self.blocks.image_keys, hashes)
+
+    async def publish(self, request: Any, job: GenerationRequest, complete: Any) -> None:
         """A prefill worker's answer: once its prompt's blocks are files (at most
         `publish_wait_s`), and for `pull` named in its kv_transfer_params_json."""
         blocks = self.blocks
         if blocks is None or self.options.role != "prefill":
             return
+        images = _router_image_keys(request, job)
+        if images and self.options.transfer == "shared":
+            await asyncio.to_thread(blocks.name_images, images)
         prompt, keys = job.store_prompt, job.block_keys
         deadline = time.monotonic() + self.options.publish_wait_s
         while True:
@@ -404,8 +450,25 @@ class KvTransfer:
             "port": self.server.port,
             "transfer": self.server.pin(found),
             "keys": [block.key.hex() for block in found],
+            "images": {mm_hash: key.hex() for mm_hash, key in images.items()},
         }
         complete.kv_transfer_params_json = json.dumps(params)
+
+
+def _router_image_keys(request: Any, job: GenerationRequest) -> dict[str, bytes]:
+    """The router's hash of each image it processed itself -> the key the worker gave it."""
+    if "mm_inputs" not in _fields(request) or not request.mm_inputs.mm_hashes:
+        return {}
+    hashes = list(request.mm_inputs.mm_hashes)
+    images = [image for image in job.images if not image.spans]  # videos aside
+    if len(hashes) != len(images):
+        return {}
+    return {h: image.key for h, image in zip(hashes, images, strict=True)}
+
+
+def _pixelless(image: ImageInput) -> bool:
+    """An image of a decode leg, served only from the prefill's blocks."""
+    return image.pixel_values is None and not any(n.startswith("pixel") for n, _ in image.extra)
 
 
 def _fields(message: Any) -> Any:

@@ -307,3 +307,54 @@ def test_workers_sharing_a_cache_directory_answer_as_a_worker_without_one():
 
     result = fuzz("llama", seed=0, rounds=2, per_round=10)
     assert result.hits and not result.differing and not result.errors, result
+
+
+@needs_smg
+@pytest.mark.parametrize(
+    ("family", "transfer"), [("gemma3", "pull"), ("qwen2_vl", "pull"), ("qwen2_vl", "shared")]
+)
+def test_a_pd_pair_answers_image_chats_as_one_worker(family, transfer, tmp_path):
+    """The prefill's blocks run past the image (keyed by what the image is): the decode side
+    reuses them without encoding it. smg sends a family it processes itself (qwen2_vl) to the
+    decode side without pixels: the prefill names its images' keys."""
+    from test_images import data_url, png
+    from vlm_support import chat_through_a_router, routed_image_chat
+
+    from servicer.demos.vision import demo_vlm_path
+
+    model_dir = demo_vlm_path(family=family)
+    urls = [data_url(png(seed, (64, 48))) for seed in (3, 4)]
+    want = []
+    with ServerThread(kv_config(model_dir, None)) as single:
+        for i, url in enumerate(urls):
+            reply = chat_through_a_router(single, tmp_path / f"ref{i}.log", "What is it?", url)
+            want.append(reply.json()["choices"][0]["message"]["content"])
+    decode_dir = tmp_path / ("p" if transfer == "shared" else "d")
+    prefill = ServerThread(kv_config(model_dir, tmp_path / "p", "prefill", transfer))
+    decode = ServerThread(kv_config(model_dir, decode_dir, "decode", transfer, metrics=True))
+    with prefill, decode:
+        router = Router([prefill.address, decode.address], tmp_path / "smg.log", pd=True)
+        try:
+            got = [routed_image_chat(router, "What is it?", url).json() for url in urls]
+            reused, _ = reused_tokens(decode)
+        finally:
+            router.close()
+    assert [r.get("choices", [{}])[0].get("message", {}).get("content", r) for r in got] == want
+    prompt_tokens = sum(reply["usage"]["prompt_tokens"] for reply in got)
+    assert reused >= 0.9 * prompt_tokens
+
+
+def test_a_pd_pair_with_an_8_bit_kv_cache_answers_as_one_such_worker(demo_dir, tmp_path):
+    kv8 = {"kv_bits": 8}
+    with ServerThread(kv_config(demo_dir, None, engine=kv8)) as single:
+        want = list(generate(single.channel(), FAULT_IDS, 8).output_ids)
+    with (
+        ServerThread(kv_config(demo_dir, tmp_path / "p", "prefill", "pull", engine=kv8)) as p,
+        ServerThread(kv_config(demo_dir, tmp_path / "d", "decode", "pull", engine=kv8)) as d,
+    ):
+        info = pb_grpc.VllmEngineStub(p.channel()).GetServerInfo(pb.GetServerInfoRequest())
+        params = generate(p.channel(), FAULT_IDS, 1).kv_transfer_params_json
+        complete = generate(d.channel(), FAULT_IDS, 8, params)
+    assert info.kv_cache_dtype == "int8"
+    assert list(complete.output_ids) == want
+    assert complete.cached_tokens == len(FAULT_IDS) - 1
