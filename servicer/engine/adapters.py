@@ -72,9 +72,7 @@ class LowRank(nn.Module):
         self, lora_a: mx.array, lora_b: mx.array, scale: float, norm_scale: mx.array | None = None
     ) -> None:
         super().__init__()
-        self.lora_a = lora_a
-        self.lora_b = lora_b
-        self.scale = scale
+        self.lora_a, self.lora_b, self.scale = lora_a, lora_b, scale
         if norm_scale is not None:
             self.norm_scale = norm_scale
 
@@ -190,8 +188,7 @@ class MultiLoRALinear(nn.Module):
 
     def __init__(self, linear: nn.Module, adapters: AdapterSet) -> None:
         super().__init__()
-        self.linear = linear
-        self.adapters = adapters
+        self.linear, self.adapters = linear, adapters
         self.updates: dict[str, LowRank] = {}
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -245,7 +242,7 @@ def load_adapters(model: nn.Module, adapters: Mapping[str, str | Path]) -> Adapt
     """Adapters `{name: directory}` onto `model` (as `mlx_lm.load` returns it), all checked
     before any is applied; their `AdapterSet` (the model's, where it has one already: these
     join it). Raises AdapterError naming the adapter and the reasons it does not fit."""
-    found = {id(m.adapters): m.adapters for _, m in model.named_modules() if _is_multi(m)}
+    found = {id(m.adapters): m.adapters for m in model.modules() if isinstance(m, MultiLoRALinear)}
     if len(found) > 1:
         raise AdapterError("the model's linears hold adapters of several adapter sets")
     adapter_set = next(iter(found.values())) if found else AdapterSet()
@@ -297,15 +294,8 @@ def read_adapter_config(name: str, path: Path) -> AdapterSpec:
         not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys)
     ):
         raise refuse(f"lora_parameters.keys must be a list of module names, not {keys!r}")
-    return AdapterSpec(
-        name,
-        path,
-        kind == "dora",
-        num_layers,
-        rank,
-        float(scale),
-        None if keys is None else tuple(keys),
-    )
+    keys = None if keys is None else tuple(keys)
+    return AdapterSpec(name, path, kind == "dora", num_layers, rank, float(scale), keys)
 
 
 def adapter_targets(model: nn.Module, spec: AdapterSpec) -> dict[str, nn.Module]:
@@ -446,14 +436,10 @@ def _refusal(spec: AdapterSpec, reasons: list[str]) -> AdapterError:
 # ----- the model's modules -----
 
 
-def _is_multi(module: Any) -> bool:
-    return isinstance(module, MultiLoRALinear)
-
-
 def _base_modules(root: nn.Module) -> dict[str, nn.Module]:
     """`root`'s modules by path, a swapped linear seen as its base layer and nothing inside."""
     modules = dict(root.named_modules())
-    swapped = [p for p, m in modules.items() if _is_multi(m)]
+    swapped = [p for p, m in modules.items() if isinstance(m, MultiLoRALinear)]
     for path in swapped:
         modules[path] = modules[path].linear
     prefixes = tuple(f"{p}." for p in swapped)

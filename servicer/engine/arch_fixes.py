@@ -263,14 +263,13 @@ class RowTemperature:
 
 
 class WindowPlusOneCaches:
-    """plamo3: its sliding-window mask lets each token see itself and the `window_size`
-    tokens before it (HF PLaMo 3's width), but mlx-lm 0.32 gives those layers a
-    `RotatingKVCache(max_size=window_size)`: a decode step sees one earlier token less than a
-    prompt token, and a prefill chunk's first token as well (the cache keeps `max_size - 1`
-    earlier tokens between calls), so the output changes with the chunking. A window of
-    `window_size + 1` slots (as later mlx-lm makes it) holds what the mask lets every token
-    see, in prefill chunks of any size and in decode: a whole sequence through the model with
-    no cache at all gives the same logits."""
+    """plamo3: its sliding-window mask lets each token see itself and the `window_size` tokens
+    before it (HF PLaMo 3's width), but mlx-lm 0.32 gives those layers a
+    `RotatingKVCache(max_size=window_size)`: a decode step sees one earlier token less than a prompt
+    token, and a prefill chunk's first token as well (the cache keeps `max_size - 1` earlier tokens
+    between calls), so the output changes with the chunking. A window of `window_size + 1` slots (as
+    later mlx-lm makes it) holds what the mask lets every token see, in prefill chunks of any size
+    and in decode: a whole sequence through the model with no cache at all gives the same logits."""
 
     def make_cache(self) -> list[Any]:
         window = self.config.window_size  # type: ignore[attr-defined]
@@ -448,62 +447,50 @@ class BlockSparseRowMasks:
         return (seen & local)[:, None] | (seen[:, None] & on_stride[:, :, None, :])
 
 
-def _swap_class(module: nn.Module, fix: type) -> None:
-    original = type(module)
-    if issubclass(original, fix):
-        return
-    module.__class__ = type(f"Batched{original.__name__}", (fix, original), {})
+def _swap_class(fix: type, *modules: nn.Module) -> int:
+    """Each module's class swapped for a subclass that mixes `fix` in; how many."""
+    for module in modules:
+        original = type(module)
+        if not issubclass(original, fix):
+            module.__class__ = type(f"Batched{original.__name__}", (fix, original), {})
+    return len(modules)
 
 
 def _gemma2(model: nn.Module) -> int:
-    attentions = [layer.self_attn for layer in model.layers]
-    for attention in attentions:
-        _swap_class(attention, GroupedScoresMask)
-    return len(attentions)
+    return _swap_class(GroupedScoresMask, *[layer.self_attn for layer in model.layers])
 
 
 def _gpt_bigcode(model: nn.Module) -> int:
-    _swap_class(model.transformer, RowPositions)
-    return 1
+    return _swap_class(RowPositions, model.transformer)
 
 
 def _afm7(model: nn.Module) -> int:
-    _swap_class(model.model, RowQueryPositions)
-    return 1
+    return _swap_class(RowQueryPositions, model.model)
 
 
 def _llama4(model: nn.Module) -> int:
-    _swap_class(model, WholeHistoryCaches)
-    _swap_class(model.language_model.model, ChunkedRowMasks)
-    attentions = [layer.self_attn for layer in model.layers]
-    for attention in attentions:
-        _swap_class(attention, RowTemperature)
-    return 2 + len(attentions)
+    fixed = _swap_class(WholeHistoryCaches, model)
+    fixed += _swap_class(ChunkedRowMasks, model.language_model.model)
+    return fixed + _swap_class(RowTemperature, *[layer.self_attn for layer in model.layers])
 
 
 def _plamo3(model: nn.Module) -> int:
-    _swap_class(model, WindowPlusOneCaches)
-    return 1
+    return _swap_class(WindowPlusOneCaches, model)
 
 
 def _nemotron_nas(model: nn.Module) -> int:
-    _swap_class(model, AttentionLayerCaches)
-    _swap_class(model.model, AttentionCachesOnly)
-    return 2
+    return _swap_class(AttentionLayerCaches, model) + _swap_class(AttentionCachesOnly, model.model)
 
 
 def _phi3small(model: nn.Module) -> int:
-    _swap_class(model.model, BlockSparseRowMasks)
     for layer in model.model.layers:
         layer.self_attn.block_sparse = False  # the model's mask carries the sparsity
-    return 1
+    return _swap_class(BlockSparseRowMasks, model.model)
 
 
 def _minimax_m3_vl(model: nn.Module) -> int:
-    attentions = [layer.self_attn for layer in model.layers if layer.self_attn.is_sparse_attn]
-    for attention in attentions:
-        _swap_class(attention, RowBlocks)
-    return len(attentions)
+    sparse = [layer.self_attn for layer in model.layers if layer.self_attn.is_sparse_attn]
+    return _swap_class(RowBlocks, *sparse)
 
 
 FIXES: dict[str, Callable[[nn.Module], int]] = {

@@ -274,8 +274,7 @@ class Batch:
             self._prefix.keep_later(tokens, response.prompt_cache, snapshot=True)
 
     def _snapshot_prefills(self, progress: list[Any]) -> None:
-        """Keep the blocks of prompts whose prefill just reached a snapshot point or their last
-        token."""
+        """Keep the blocks of prompts whose prefill reached a snapshot point or their last token."""
         done = [p.uid for p in progress if p.end_of_segment and not p.end_of_prompt]
         if done:
             for uid, (cache, tokens) in self._runner.extract_cache(done).items():
@@ -311,12 +310,9 @@ class Batch:
 
 
 def _attach_logprobs(wanted: list[tuple[RowEvent, Any, int]]) -> None:
-    results = gather_logprobs(
-        [event.token for event, _, _ in wanted],  # type: ignore[misc]
-        [logprobs for _, logprobs, _ in wanted],
-        [n for _, _, n in wanted],
-    )
-    for (event, _, _), result in zip(wanted, results, strict=True):
+    events, logprobs, top = zip(*wanted, strict=True)
+    results = gather_logprobs([e.token for e in events], logprobs, top)  # type: ignore[misc]
+    for event, result in zip(events, results, strict=True):
         event.logprob = result
 
 

@@ -299,14 +299,13 @@ def _quantized(caches: Sequence[Any], bits: int, group_size: int, dequantize: bo
 
 
 def check_quantization(model: nn.Module, bits: int, group_size: int) -> str | None:
-    """Which quantized cache serves `model` with --kv-bits: None when its attention runs on
-    the quantized data (``QuantizedRowCache``), else why it cannot (attention sinks, MLA's
-    latent cache, a direct call of ``mx.fast.scaled_dot_product_attention``, ``keys.astype``),
-    the dequantizing kind (``DequantizingRowCache``: stored quantized, handed back as plain
-    arrays) having run it instead. Refuses settings MLX cannot quantize with, and a model that
-    runs on neither, before a prefill fails on them mid-batch. Whether `group_size` divides
-    the quantized layers' head sizes is the caller's to choose (`parts.kv_group_size`, from
-    the sizes measured on those layers)."""
+    """Which quantized cache serves `model` with --kv-bits: None when its attention runs on the
+    quantized data (``QuantizedRowCache``), else why it cannot (attention sinks, MLA's latent cache,
+    a direct call of ``mx.fast.scaled_dot_product_attention``, ``keys.astype``), the dequantizing
+    kind (``DequantizingRowCache``: stored quantized, handed back as plain arrays) having run it
+    instead. Refuses settings MLX cannot quantize with, and a model that runs on neither, before a
+    prefill fails on them mid-batch. Whether `group_size` divides the quantized layers' head sizes
+    is the caller's to choose (`parts.kv_group_size`, from the sizes measured on those layers)."""
     _check_settings(bits, group_size)
     if not any(kind_of(c).quantize for c in make_prompt_cache(model)):
         return None  # no layer is quantized (no plain attention KV cache): nothing to try

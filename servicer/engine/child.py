@@ -101,8 +101,7 @@ def _report_ready(engine: Engine, channel: Channel) -> None:
 
 
 def _serve(engine: Engine, channel: Channel) -> None:
-    """Requests, aborts, embeds and flushes from the server until it says stop or goes
-    away."""
+    """Requests, aborts, embeds and flushes from the server until it says stop or goes away."""
     while (frame := channel.receive()) is not None:
         kind, data = frame
         if kind == SUBMIT:

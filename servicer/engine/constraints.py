@@ -25,8 +25,7 @@ class GrammarProcessor:
     """Masks every token the grammar forbids; once the grammar is complete, only EOS remains.
 
     A grammar can still fail while generating (a parser limit, say): then only EOS remains
-    too, and `error` says why, so the engine ends the request with an error, not `stop`.
-    """
+    too, and `error` says why, so the engine ends the request with an error, not `stop`."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: int) -> None:
         self._matcher = matcher  # the row's own, at the grammar's start

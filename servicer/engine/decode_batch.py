@@ -287,9 +287,7 @@ class DecodeBatch:
         """Row i emits `token`: its finish reason, if its length or a stop sequence ends it."""
         self._num_tokens[i] += 1
         finish = FINISH_LENGTH if self._num_tokens[i] >= self.max_tokens[i] else None
-        if self._matchers[i].advance(token):
-            finish = FINISH_STOP
-        return finish
+        return FINISH_STOP if self._matchers[i].advance(token) else finish
 
 
 def _joined(a: mx.array | None, b: mx.array | None) -> mx.array | None:

@@ -384,9 +384,7 @@ class EngineLoop:
         self.encodes.forget_all_but(self.scheduler.waiting_requests())
 
     def _speculation_figures(self) -> SpeculationFigures | None:
-        if self.parts.speculation is None:
-            return None
-        return self.speculation.snapshot()
+        return None if self.parts.speculation is None else self.speculation.snapshot()
 
     def _publish_now(self) -> None:
         out = StepOutput()

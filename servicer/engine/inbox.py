@@ -92,10 +92,9 @@ class Inbox:
             return self._held.pop(first, [])
 
     def fan_out(self, out: StepOutput) -> None:
-        """From the engine thread, after a step: the other samples of an n > 1 request join
-        the line once sample 0's prompt is through (its first token is out in `out`: they
-        reuse its prefix from the store), or end with it when it ends without one (aborted
-        or failed)."""
+        """From the engine thread, after a step: the other samples of an n > 1 request join the line
+        once sample 0's prompt is through (its first token is out in `out`: they reuse its prefix
+        from the store), or end with it when it ends without one (aborted or failed)."""
         if not self._held:
             return
         for event in list(out.events):

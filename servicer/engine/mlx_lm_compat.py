@@ -163,10 +163,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint(
         Kind.ATTRIBUTE,
         "mlx_lm.tokenizer_utils:TokenizerWrapper._tokenizer",
-        (
-            "servicer/engine/parts.py:build_parts",
-            "servicer/engine/parts.py:special_tokens",
-        ),
+        ("servicer/engine/parts.py:build_parts", "servicer/engine/parts.py:special_tokens"),
         "the Hugging Face tokenizer inside mlx-lm's wrapper: llguidance's tokenizer for "
         "grammars (and the engine's stop-string text), the added tokens' special flags",
     ),

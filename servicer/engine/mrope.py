@@ -49,8 +49,7 @@ def rope_index(
     grid_thw), grid_thw the vision tower's patch grid (length is t * h * w / merge**2).
     Text runs count on from the largest id before them plus one; an image's run is its
     grid, (t, h / merge, w / merge), shifted to start there too. The delta is the largest id
-    plus one minus L: the position of the token after the prompt minus its cache index.
-    """
+    plus one minus L: the position of the token after the prompt minus its cache index."""
     total = len(input_ids)
     pieces: list[np.ndarray] = []
     start = 0  # the first token not yet placed
@@ -105,8 +104,7 @@ class RopePositions:
     entry per row of the batch (see `RowPositions`); nothing set, every row gets plain RoPE.
     The per-row values are taken afresh each forward, so a caller that filters or extends its
     batch filters or extends its own per-row list the same way. The positions are derived
-    once per forward, from the first layer's cache offset (every layer's is the same).
-    """
+    once per forward, from the first layer's cache offset (every layer's is the same)."""
 
     def __init__(
         self, dims: int, base: float, mrope_section: Sequence[int], interleaved: bool = False

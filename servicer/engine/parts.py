@@ -83,10 +83,7 @@ class EngineParts:
 
 
 def build_parts(
-    config: EngineConfig,
-    info: ModelInfo,
-    lockstep: Lockstep | None = None,
-    crossed: bool = False,
+    config: EngineConfig, info: ModelInfo, lockstep: Lockstep | None = None, crossed: bool = False
 ) -> EngineParts:
     """Load the model `info` describes and build everything around it (with a `lockstep`:
     this rank's shard, and what every rank must hold alike). `crossed`: every request comes

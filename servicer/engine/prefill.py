@@ -126,11 +126,10 @@ _DECODE_SPIKE = 3.0
 
 class DecodeCost:
     """Seconds a step without prefill takes for `rows` decoding rows: `a + b·rows`, fitted by
-    exponentially weighted least squares over the recent steps. On a compute-bound model
-    (a CPU) 8 rows take about twice as long as 1, so the estimate must follow the batch as it
-    grows rather than lag it by several steps; the first step sets it (no climb from zero).
-    Plain floats: it runs every step, and a 1 ms step has no room for numpy's overhead.
-    """
+    exponentially weighted least squares over the recent steps. On a compute-bound model (a CPU) 8
+    rows take about twice as long as 1, so the estimate must follow the batch as it grows rather
+    than lag it by several steps; the first step sets it (no climb from zero). Plain floats: it runs
+    every step, and a 1 ms step has no room for numpy's overhead."""
 
     def __init__(self) -> None:
         # Decayed sums of w, w·r, w·r², w·s, w·r·s over the steps seen (r rows, s seconds).

@@ -37,12 +37,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import (
-    KVCache,
-    QuantizedKVCache,
-    _BaseCache,
-    dynamic_roll,
-)
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, dynamic_roll
 
 Quantized = tuple[mx.array, mx.array, mx.array]
 KV = tuple[Quantized, Quantized]
@@ -125,10 +120,7 @@ class QuantizedAttention:
     group_size = _KvSetting(readable=True)
 
     def _quantize(self, keys: mx.array, values: mx.array) -> KV:
-        return (
-            _quantize(keys, self.kv_group_size, self.kv_bits),
-            _quantize(values, self.kv_group_size, self.kv_bits),
-        )
+        return tuple(_quantize(x, self.kv_group_size, self.kv_bits) for x in (keys, values))
 
 
 class Dequantizing:
@@ -261,10 +253,9 @@ class BatchQuantizedKVCache(QuantizedAttention, _BaseCache):
             return
         padding = self._right_padding
         if self.keys is not None:
-            rolled = tree_map(
+            self.keys, self.values = tree_map(
                 lambda x: dynamic_roll(x, padding[:, None], axis=2), (self.keys, self.values)
             )
-            self.keys, self.values = rolled
         self.offset = self.offset - padding
         self.left_padding = self.left_padding + padding
         self._right_padding = None
@@ -310,8 +301,7 @@ class BatchQuantizedKVCache(QuantizedAttention, _BaseCache):
         idx = max(self._idx, other._idx)
         size = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
         mine, theirs = (c._aligned(idx, size, like) for c in (self, other))
-        joined = tree_map(lambda a, b: mx.concatenate([a, b]), mine, theirs)
-        self.keys, self.values = joined
+        self.keys, self.values = tree_map(lambda a, b: mx.concatenate([a, b]), mine, theirs)
         self.offset = mx.concatenate([self.offset, other.offset])
         self.left_padding = mx.concatenate([c.left_padding + (idx - c._idx) for c in (self, other)])
         self._idx = idx

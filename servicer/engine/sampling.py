@@ -14,12 +14,7 @@ from typing import Generic, TypeVar
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
-from mlx_lm.sample_utils import (
-    apply_top_k,
-    apply_top_p,
-    greedy_sampler,
-    make_logits_processors,
-)
+from mlx_lm.sample_utils import apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
 
 from ..codec import TextCodec
 from ..messages import GenerationRequest, PenaltySpec, SamplingSpec, TokenLogprob
@@ -82,9 +77,8 @@ class RandomKeys:
         self._key = mx.random.key(seed % 2**32)
 
     def next(self) -> mx.array:
-        keys = mx.random.split(self._key)
-        self._key = keys[0]
-        return keys[1]
+        self._key, key = mx.random.split(self._key)
+        return key
 
 
 class _Filtered:
@@ -125,8 +119,7 @@ class SeededSampler(_Filtered):
     """A sampler with its own random key: a seed gives the same draws whatever else runs.
 
     Seeded requests never touch MLX's global random state, so they neither disturb nor are
-    disturbed by other requests. Each request gets its own instance (the key advances).
-    """
+    disturbed by other requests. Each request gets its own instance (the key advances)."""
 
     def __init__(self, spec: SamplingSpec, vocab_size: int) -> None:
         assert spec.seed is not None
@@ -160,8 +153,7 @@ class ThinkingBudget:
 
     The section opens with the tokenizer's think-start sequence (in the prompt, as chat
     templates do, or generated) and closes with its think-end sequence; past the budget the
-    end sequence is forced token by token.
-    """
+    end sequence is forced token by token."""
 
     def __init__(self, budget: int, start: Sequence[int], end: Sequence[int]) -> None:
         self._budget = budget

@@ -98,12 +98,10 @@ class StepChoice:
 
 
 class Scheduler:
-    """The waiting line, in arrival order, and which requests join the batch: those whose
-    cache memory fits beside what the batch's rows reserved (the batch says how much).
-
-    A request that cannot fit beside the running ones waits until they finish; one that could
-    never fit was refused before it got here.
-    """
+    """The waiting line, in arrival order, and which requests join the batch: those whose cache
+    memory fits beside what the batch's rows reserved (the batch says how much). A request that
+    cannot fit beside the running ones waits until they finish; one that could never fit was
+    refused before it got here."""
 
     def __init__(
         self,

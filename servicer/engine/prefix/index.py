@@ -81,15 +81,13 @@ class Match:
 
 
 class BlockIndex:
-    """Every block either tier holds, by key; the RAM tier's blocks in least-recently-used
-    order."""
+    """Every block either tier holds, by key; the RAM tier's blocks in least-recently-used order."""
 
     def __init__(self, block_size: int, cuttable: bool) -> None:
         self.block_size = block_size
         self.cuttable = cuttable  # every layer's state can be cut at any token
         # A shorter prefix (a shared first word, a BOS, a chat template's opening) saves less
-        # prefill than its cache costs to build and merge into a batch, and would count as a
-        # hit.
+        # prefill than its cache costs to build and merge into a batch (yet counts as a hit).
         self.min_reuse = max(1, min(MIN_REUSE_TOKENS, block_size // 2))
         self._nodes: dict[bytes, Node] = {}
         self._roots: Children[Node] = Children()

@@ -1,7 +1,6 @@
 """Prompt blocks for prefix reuse: fixed-size token blocks named by a chained hash, so that
-identical prefixes have identical names whichever request made them. Pure (no MLX); the
-handler side names a request's blocks, the engine's prefix store keeps them.
-"""
+identical prefixes have identical names whichever request made them. Pure (no MLX); the handler side
+names a request's blocks, the engine's prefix store keeps them."""
 
 from __future__ import annotations
 
@@ -46,10 +45,9 @@ def image_keyed(prompt: list[int], images: list[tuple[int, int, bytes]]) -> list
 
 
 def adapter_keyed(prompt: list[int], adapter: str) -> list[int]:
-    """`prompt` as an adapter's rows name their blocks: its first token replaced by an id
-    drawn from the adapter's name and that token, so that no block of one adapter (or of the
-    base model) is ever served to another; the same prompt under the same adapter names the
-    same blocks."""
+    """`prompt` as an adapter's rows name their blocks: its first token replaced by an id drawn from
+    the adapter's name and that token, so that no block of one adapter (or of the base model) is
+    ever served to another; the same prompt under the same adapter names the same blocks."""
     if not prompt:
         return prompt
     seed = adapter.encode() + b"\0" + prompt[0].to_bytes(4, "little", signed=True)

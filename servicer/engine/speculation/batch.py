@@ -20,9 +20,8 @@ from .drafts import DraftSource
 from .timing import StepTimer
 from .verify import can_speculate, choose
 
-# Steps without drafts per shadow lookup: the promise it feeds is an average, which a sample
-# of the steps reads as well (a lookup costs ~5-10 us a row on a slow CPU, a demo model's
-# step 1-2 ms).
+# Steps without drafts per shadow lookup: the promise it feeds is an average, which a sample of
+# the steps reads as well (a lookup costs ~5-10 us a row on a slow CPU, a demo model's step 1-2 ms).
 SHADOW_EVERY = 16
 
 
@@ -73,11 +72,10 @@ class SpeculativeDecodeBatch(DecodeBatch):
             self._paces = [RowPace() for _ in self.uids]
 
     def extend(self, batch: DecodeBatch) -> None:
-        speculator = self.speculator
         if not self.uids:
             self.prompt_cache, self._rolls_back = [], False  # mlx-lm's caches again
             self._timer.restart()
-        speculator.source.extend(batch.tokens)
+        self.speculator.source.extend(batch.tokens)
         self._paces.extend(RowPace() for _ in batch.uids)
         super().extend(batch)
 
@@ -91,8 +89,7 @@ class SpeculativeDecodeBatch(DecodeBatch):
         self._timer.restart()
 
     def _adopted(self, caches: list[Any]) -> list[Any]:
-        speculator = self.speculator
-        k, inert = speculator.config.k_max, speculator.padding_inert
+        k, inert = self.speculator.config.k_max, self.speculator.padding_inert
         return [cache_kinds.adopt(c, k, inert) for c in caches]
 
     def _roll_back_ready(self) -> None:
@@ -331,14 +328,13 @@ def _consume(samplers: Sequence[Any], used: Sequence[int]) -> None:
 def roll_back(
     model: Any, caches: list[Any], fed: list[list[int]], kept: list[int], padding_inert: bool
 ) -> None:
-    """Every layer keeps each row's first `kept[i]` fed tokens (one call per layer, the
-    cache's own rollback). Rows whose state a layer could not cut there (recurrent
-    layers: it put them back to before the verify) run those tokens again: in one
-    forward for all of them where the model honours per-row lengths (`padding_inert`), else
-    one forward per replay length (a row padded past its length would be replayed again,
-    forever). So a step runs at most k + 1 replays, and a replay that still leaves a row
-    uncut fails the step rather than loop. `model`: the batch's forward (its rows at their
-    positions, `DecodeBatch.forward`)."""
+    """Every layer keeps each row's first `kept[i]` fed tokens (one call per layer, the cache's own
+    rollback). Rows whose state a layer could not cut there (recurrent layers: it put them back to
+    before the verify) run those tokens again: in one forward for all of them where the model
+    honours per-row lengths (`padding_inert`), else one forward per replay length (a row padded past
+    its length would be replayed again, forever). So a step runs at most k + 1 replays, and a replay
+    that still leaves a row uncut fails the step rather than loop. `model`: the batch's forward (its
+    rows at their positions, `DecodeBatch.forward`)."""
     again = _cut(caches, kept)
     if not again:
         return
@@ -373,7 +369,4 @@ def _replay(
 
 
 def _cut(caches: list[Any], kept: list[int]) -> set[int]:
-    again: set[int] = set()
-    for layer in caches:
-        again.update(layer.rollback(kept))
-    return again
+    return set().union(*(layer.rollback(kept) for layer in caches))

@@ -234,8 +234,7 @@ class RaggedKVCache(_RowEnds, _BaseCache):
                 rows = len(cache._end)
                 if kv is None:
                     return tree_map(
-                        lambda t: mx.zeros((rows, t.shape[1], width, t.shape[3]), t.dtype),
-                        template,
+                        lambda t: mx.zeros((rows, t.shape[1], width, t.shape[3]), t.dtype), template
                     )
                 pad = width - _width(kv)
                 if pad == 0:

@@ -19,8 +19,7 @@ class RowPace:
 
     The estimate is per draft token: accepted / (accepted + rejected), each an EWMA. A step
     stops at its first rejection, so accepted/drafted would undercount every draft after
-    it and make K oscillate; this is the geometric model's estimate instead.
-    """
+    it and make K oscillate; this is the geometric model's estimate instead."""
 
     accepted: float = 1.0
     rejected: float = 0.5
@@ -85,16 +84,15 @@ class _Window:
 
 @dataclass(slots=True)
 class ModeClock:
-    """Whether a batch of this size drafts at all, judged by what it delivers: tokens a
-    second over windows of decode steps with drafting allowed and without, every cost in
-    (the wait for the pending tokens a drafting step needs, the lookups, verifies, rollbacks
-    and replays). The better mode (the leader) runs; the other gets one window now and then to
-    re-measure it, less often each time it loses again, and takes the lead only by winning
-    such a window: rates drift as contexts grow, so a mode measured long ago is not compared
-    with one measured now. Each batch size (in powers of two) keeps its own
-    window open while the batch passes through other sizes. Steps that shared their time
-    with a prefill are not counted, nor one that followed a step in the other mode (it
-    carries its predecessor's forward)."""
+    """Whether a batch of this size drafts at all, judged by what it delivers: tokens a second over
+    windows of decode steps with drafting allowed and without, every cost in (the wait for the
+    pending tokens a drafting step needs, the lookups, verifies, rollbacks and replays). The better
+    mode (the leader) runs; the other gets one window now and then to re-measure it, less often each
+    time it loses again, and takes the lead only by winning such a window: rates drift as contexts
+    grow, so a mode measured long ago is not compared with one measured now. Each batch size (in
+    powers of two) keeps its own window open while the batch passes through other sizes. Steps that
+    shared their time with a prefill are not counted, nor one that followed a step in the other mode
+    (it carries its predecessor's forward)."""
 
     window: int = 8  # counted steps per measurement
     # Windows of the better mode before the other is measured again: one after the first
@@ -205,14 +203,13 @@ class ModeClock:
 
 @dataclass(slots=True)
 class StepClock:
-    """Seconds a decode step takes by batch size (in powers of two) and verify width (1: no
-    drafts; w: up to w - 1 drafts per row), and the width that gives the most tokens a
-    second now. A width's cost is the least of its last few steps: a one-off (a first
-    compile at a new shape, a draft model catching up on a joining request) does not rule
-    it out for long. Widths not yet measured are read off the line between measured ones (a
-    verify forward grows about linearly with its width once it is compute-bound, and stays
-    flat while it is memory-bound), and the widest is tried again now and then after the
-    clock has chosen a narrower one."""
+    """Seconds a decode step takes by batch size (in powers of two) and verify width (1: no drafts;
+    w: up to w - 1 drafts per row), and the width that gives the most tokens a second now. A width's
+    cost is the least of its last few steps: a one-off (a first compile at a new shape, a draft
+    model catching up on a joining request) does not rule it out for long. Widths not yet measured
+    are read off the line between measured ones (a verify forward grows about linearly with its
+    width once it is compute-bound, and stays flat while it is memory-bound), and the widest is
+    tried again now and then after the clock has chosen a narrower one."""
 
     window: int = 8
     probe_every: int = 16

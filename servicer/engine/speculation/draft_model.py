@@ -41,8 +41,7 @@ class DraftModel:
     whose target prefills prompts; a step with any share moves at least `_MIN_CHUNK`), and it
     drafts nothing until it is through. It decodes as without speculation meanwhile, so the
     running streams never wait for a long context's catch-up. No share given (None): no
-    budget, a row catches up at its first draft.
-    """
+    budget, a row catches up at its first draft."""
 
     def __init__(self, model: Any, prefill_step_size: int = 512) -> None:
         supported, reason = draft_supported(model)
@@ -71,9 +70,8 @@ class DraftModel:
         self.catch_up_tokens, self.catch_up_seconds = 0, 0.0
 
     def extend(self, tokens: Sequence[list[int]]) -> None:
-        """Rows join empty: the draft runs over a row's tokens once it drafts (the
-        catch-up), so a row that never drafts (the batch too large, drafts not paying)
-        costs the draft nothing."""
+        """Rows join empty: the draft runs over a row's tokens once it drafts (the catch-up), so a
+        row that never drafts (the batch too large, drafts not paying) costs the draft nothing."""
         if not tokens:
             return
         empty = [RaggedKVCache.blank(len(tokens)) for _ in make_prompt_cache(self.model)]
@@ -127,9 +125,8 @@ class DraftModel:
         return [row[:n] if r else [] for row, n, r in zip(rows.tolist(), ks, ready, strict=True)]
 
     def _catch_up_alone(self, tokens: Sequence[list[int]], ks: Sequence[int]) -> None:
-        """Rows that want drafts but lag too far run their missing tokens alone (batch of
-        one, no padding), within this step's budget; a row that is through rejoins the
-        batched cache."""
+        """Rows that want drafts but lag too far run their missing tokens alone (batch of one, no
+        padding), within this step's budget; a row that is through rejoins the batched cache."""
         spent, ran = 0.0, 0
         for i, (context, k) in enumerate(zip(tokens, ks, strict=True)):
             lane = self._lanes[i]

@@ -22,8 +22,7 @@ class NgramIndex:
 
     Positions index the row's context (the target's tokens, then the pending token). Every
     position but the last is indexed, so a lookup of the context's own last n tokens finds
-    their latest *earlier* occurrence.
-    """
+    their latest *earlier* occurrence."""
 
     def __init__(self, sizes: Sequence[int]) -> None:
         self._sizes = tuple(sizes)

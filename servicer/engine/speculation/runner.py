@@ -20,8 +20,7 @@ class SpeculativeRunner(BatchRunner):
     Prompts that finish their prefill build a plain DecodeBatch, which the speculating batch
     folds in with `extend` (its caches become ones that roll back per row from the batch's
     first drafting step on). `next()` may return several responses for one uid in one step,
-    in order, the last one carrying the finish reason, `prompt_cache` and `all_tokens`.
-    """
+    in order, the last one carrying the finish reason, `prompt_cache` and `all_tokens`."""
 
     def __init__(
         self,
