@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	# Images (the vision extra): mlx-vlm without its server, audio and video stack.
-	$(BIN)/pip install --quiet --no-deps "mlx-vlm>=0.7.10,<0.8" && $(BIN)/pip install --quiet requests
+	$(BIN)/pip install --quiet --no-deps "mlx-vlm>=0.7.10,<0.8" && $(BIN)/pip install --quiet requests "av>=14"
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -59,6 +59,12 @@ bench: $(STAMP)
 # (ARGS="--model shape" for a VLM of real shape; needs mlx_vlm.server's deps: bench/README.md).
 bench-images: $(STAMP)
 	$(BIN)/python bench/images.py $(ARGS)
+
+# The router's PD mode (pull, shared) against one worker and two in regular mode, real models
+# (ARGS="--model real --levels 1,8").
+.PHONY: bench-pd
+bench-pd: $(STAMP)
+	$(BIN)/python bench/pd.py $(ARGS)
 
 # genai-bench through the smg router, ours vs the raw engine (and smg-grpc-servicer with
 # --side-by-side): fixed scenarios, a history, a verdict (exit 1 on a regression), trend PNGs and

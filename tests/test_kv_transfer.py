@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from support import SMG, Router, ServerThread
+from support import SMG, Router, ServerThread, slow
 
 from servicer.engine_config import EngineConfig
 from servicer.handlers import HandlerOptions
@@ -305,13 +305,14 @@ def test_workers_sharing_a_cache_directory_answer_as_a_worker_without_one():
     requests at random, a restart between rounds."""
     from shared_cache_fuzz import fuzz
 
-    result = fuzz("llama", seed=0, rounds=2, per_round=10)
+    result = fuzz("llama", seed=0, rounds=2, per_round=6)
     assert result.hits and not result.differing and not result.errors, result
 
 
 @needs_smg
 @pytest.mark.parametrize(
-    ("family", "transfer"), [("gemma3", "pull"), ("qwen2_vl", "pull"), ("qwen2_vl", "shared")]
+    ("family", "transfer"),
+    [slow("gemma3", "pull"), ("qwen2_vl", "pull"), slow("qwen2_vl", "shared")],
 )
 def test_a_pd_pair_answers_image_chats_as_one_worker(family, transfer, tmp_path):
     """The prefill's blocks run past the image (keyed by what the image is): the decode side
@@ -344,6 +345,7 @@ def test_a_pd_pair_answers_image_chats_as_one_worker(family, transfer, tmp_path)
     assert reused >= 0.9 * prompt_tokens
 
 
+@pytest.mark.slow
 def test_a_pd_pair_with_an_8_bit_kv_cache_answers_as_one_such_worker(demo_dir, tmp_path):
     kv8 = {"kv_bits": 8}
     with ServerThread(kv_config(demo_dir, None, engine=kv8)) as single:

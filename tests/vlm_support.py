@@ -81,9 +81,9 @@ def what_the_worker_gets(running: ServerThread) -> Iterator[list[tuple[int, int]
     prepare = preparer.prepare
     sent: list[tuple[int, int]] = []
 
-    async def spy(request):
+    async def spy(request, *known):
         sent.append((len(request.media_refs.items), request.mm_inputs.ByteSize()))
-        return await prepare(request)
+        return await prepare(request, *known)
 
     preparer.prepare = spy
     try:
