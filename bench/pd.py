@@ -202,7 +202,7 @@ def closed_loop(router: Router, level: int, prompts: list[str]) -> dict[str, Any
 def worker(model: Path, log_dir: Path, tag: str, flags: list[str]) -> Worker:
     port = free_port()
     command = [sys.executable, "-m", "servicer", "--model", str(model), "--port", str(port)]
-    command += ["--protocols", "vllm", "--log-level", "warning", *flags]
+    command += ["--protocols", "mlx,vllm", "--log-level", "warning", *flags]
     return Worker(f"ours-{tag}", command, port, log_dir / f"{tag}.log", process_env())
 
 

@@ -419,8 +419,14 @@ class Generation:
         outcome = "cancelled"  # unless it finishes or fails below
         try:
             # The loop lives here, not in a nested generator: one hop less for every message.
+            keepalive_s = handlers.kv.keepalive_s()
             while stream.finish_reason is None:
-                for response in self._emit(stream, output, await stream.take()):
+                try:
+                    events = await asyncio.wait_for(stream.take(), keepalive_s)
+                except TimeoutError:  # a PD prefill leg: smg takes 3 s of nothing for a hang
+                    yield self._face.pb.GenerateResponse(chunk=self._face.pb.GenerateStreamChunk())
+                    continue
+                for response in self._emit(stream, output, events):
                     if stream.finish_reason is not None and response.HasField("complete"):
                         await handlers.kv.publish(request, job, response.complete)
                     yield response

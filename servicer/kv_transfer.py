@@ -47,6 +47,7 @@ PARAMS_MARK = "mlx_grpc_worker_blocks"  # this worker's kind of kv_transfer_para
 _SUFFIX = ".blk"
 _LENGTH = struct.Struct("<Q")
 MAX_REQUEST_BYTES = 1 << 20  # a block server request (JSON of keys)
+KEEPALIVE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class KvTransferOptions:
     port: int = 0  # the block server's port (0: any free one)
     # A prefill's answer waits this long for its blocks' files, at most: smg 1.13 takes a
     # prefill leg silent for 3 s for a failed one.
-    publish_wait_s: float = 2.0
+    publish_wait_s: float = 1.5
     fetch_timeout_s: float = 10.0  # a decode request waits this long for a peer's blocks
     pin_s: float = 60.0  # a prefill's files stay open for its decode this long at most
 
@@ -408,6 +409,11 @@ class KvTransfer:
         log.warning(
             "KV transfer for %r failed, its prompt is prefilled here: %s", job.request_id, why
         )
+
+    def keepalive_s(self) -> float | None:
+        """How often a prefill worker's answer says it is still at work (an empty chunk, even
+        unstreamed): smg 1.13 fails a prefill leg that sends nothing for 3 s."""
+        return KEEPALIVE_S if self.options.role == "prefill" else None
 
     async def image_keys(self, request: Any) -> dict[str, bytes]:
         """The keys a prefill worker gave the router's images (by the router's hash), for a

@@ -360,3 +360,27 @@ def test_a_pd_pair_with_an_8_bit_kv_cache_answers_as_one_such_worker(demo_dir, t
     assert info.kv_cache_dtype == "int8"
     assert list(complete.output_ids) == want
     assert complete.cached_tokens == len(FAULT_IDS) - 1
+
+
+@needs_smg
+@pytest.mark.slow
+def test_a_prefill_longer_than_the_routers_patience_is_served(demo_dir, tmp_path):
+    """smg 1.13 fails a PD prefill leg that sends nothing for 3 s: the prefill worker says it is
+    still at work every second (an empty chunk), so a slow prefill is served, not a 504."""
+    from servicer.faults import FaultPlan
+
+    slow_steps = {"faults": FaultPlan.parse("slow:1500"), "prefill_step_size": 32, "warmup": False}
+    config = kv_config(demo_dir, tmp_path / "p", "prefill", "pull", engine=slow_steps)
+    with (
+        ServerThread(config) as prefill,
+        ServerThread(kv_config(demo_dir, tmp_path / "d", "decode", "pull")) as decode,
+    ):
+        router = Router([prefill.address, decode.address], tmp_path / "smg.log", pd=True)
+        try:
+            model = router.wait_until_serving(timeout=180)
+            started = time.monotonic()
+            reply = completion(router, model, prompt_text(7, 40))
+            elapsed = time.monotonic() - started
+        finally:
+            router.close()
+    assert elapsed > 4 and reply["choices"][0]["text"]
