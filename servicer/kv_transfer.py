@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import ssl
 import struct
 import time
 import uuid
@@ -203,15 +204,19 @@ class BlockServer:
     `pin_s` passes. One request per connection: a length-prefixed JSON
     {"transfer": id, "keys": [hex]}, answered by each file's length and bytes (length 0: none)."""
 
-    def __init__(self, blocks: SharedBlocks, options: KvTransferOptions) -> None:
+    def __init__(
+        self, blocks: SharedBlocks, options: KvTransferOptions, tls: ssl.SSLContext | None
+    ) -> None:
         self.blocks = blocks
         self.options = options
+        self.tls = tls
         self.port = 0
         self._pins: dict[str, tuple[float, dict[str, int]]] = {}  # transfer -> deadline, fds
         self._server: asyncio.Server | None = None
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._serve, self.options.host, self.options.port)
+        host, port = self.options.host, self.options.port
+        self._server = await asyncio.start_server(self._serve, host, port, ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -274,12 +279,17 @@ class BlockServer:
 
 
 async def fetch_blocks(
-    host: str, port: int, transfer: str, keys: list[str], timeout_s: float
+    host: str,
+    port: int,
+    transfer: str,
+    keys: list[str],
+    timeout_s: float,
+    tls: ssl.SSLContext | None = None,
 ) -> list[bytes]:
     """Block files from a peer's block server, in the order of `keys` (empty: it has none)."""
 
     async def fetch() -> list[bytes]:
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = await asyncio.open_connection(host, port, ssl=tls)
         try:
             ask = json.dumps({"transfer": transfer, "keys": keys}).encode()
             writer.write(_LENGTH.pack(len(ask)) + ask)
@@ -309,16 +319,27 @@ class KvTransfer:
         self.blocks: SharedBlocks | None = None
         self.server: BlockServer | None = None
         self.model_id = ""
+        self._client_tls: ssl.SSLContext | None = None
 
-    async def attach(self, shared_dir: str) -> None:
+    async def attach(
+        self, shared_dir: str, tls_cert: Path | None = None, tls_key: Path | None = None
+    ) -> None:
         """The engine is warm; `shared_dir` is its disk tier's directory when blocks are
-        written through ("": none, and nothing here does anything)."""
+        written through ("": none, and nothing here does anything). With the gRPC port's
+        certificate and key, the block server speaks TLS, and this worker's fetches trust
+        that certificate (a pair shares one, or one CA)."""
         if not shared_dir or not self.block_size:
             return
         self.blocks = SharedBlocks(Path(shared_dir), self.block_size)
         self.model_id = self.blocks.model_id
+        server_tls = None
+        if tls_cert is not None and tls_key is not None:
+            server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            server_tls.load_cert_chain(tls_cert, tls_key)
+            self._client_tls = ssl.create_default_context(cafile=str(tls_cert))
+            self._client_tls.check_hostname = False  # peers are named by address; the chain holds
         if self.options.transfer == "pull" and self.options.role != "decode":
-            self.server = BlockServer(self.blocks, self.options)
+            self.server = BlockServer(self.blocks, self.options, server_tls)
             port = await self.server.start()
             log.info("block server for decode workers on %s:%d", self.options.host, port)
 
@@ -382,7 +403,9 @@ class KvTransfer:
         started = time.perf_counter()
         try:
             host, port = str(params["host"]), int(params["port"])
-            files = await fetch_blocks(host, port, str(params.get("transfer", "")), keys, timeout)
+            tls = (self._client_tls or ssl.create_default_context()) if params.get("tls") else None
+            transfer = str(params.get("transfer", ""))
+            files = await fetch_blocks(host, port, transfer, keys, timeout, tls)
             found = await asyncio.to_thread(self._accept_all, files, wanted, expected)
         except Exception as exc:  # whatever went wrong: a local prefill
             self._failed(job, f"{type(exc).__name__}: {exc}")
@@ -455,6 +478,7 @@ class KvTransfer:
             "host": self.options.host,
             "port": self.server.port,
             "transfer": self.server.pin(found),
+            "tls": self.server.tls is not None,
             "keys": [block.key.hex() for block in found],
             "images": {mm_hash: key.hex() for mm_hash, key in images.items()},
         }

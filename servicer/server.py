@@ -238,7 +238,8 @@ class WorkerServer:
             grammar.compile,
             capabilities.embedding_size,
         )
-        await self.servicer.kv.attach(capabilities.shared_cache_dir)
+        tls = (self.config.tls_cert, self.config.tls_key)
+        await self.servicer.kv.attach(capabilities.shared_cache_dir, *tls)
         freeze_startup_heap()  # the handlers' side of the same (the engine froze its own)
         self.lifecycle.advance(Phase.SERVING)
         await self._set_health(SERVING)

@@ -23,7 +23,7 @@ from support import SMG, Router, ServerThread, slow
 
 from servicer.engine_config import EngineConfig
 from servicer.handlers import HandlerOptions
-from servicer.kv_transfer import KvTransferOptions
+from servicer.kv_transfer import KvTransferOptions, fetch_blocks
 from servicer.model_files import ModelSpec
 from servicer.proto import vllm_engine_pb2 as pb
 from servicer.proto import vllm_engine_pb2_grpc as pb_grpc
@@ -384,3 +384,34 @@ def test_a_prefill_longer_than_the_routers_patience_is_served(demo_dir, tmp_path
         finally:
             router.close()
     assert elapsed > 4 and reply["choices"][0]["text"]
+
+
+def test_a_transfer_between_workers_with_tls_speaks_tls(demo_dir, tmp_path, fault_reference):
+    """Workers whose gRPC port has TLS serve and fetch blocks over TLS too (a pair sharing
+    one certificate); a plain connection to that block server gets nothing."""
+    from dataclasses import replace
+
+    from test_operations import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+
+    def tls_config(directory: str, role: str) -> ServerConfig:
+        config = kv_config(demo_dir, tmp_path / directory, role, "pull")
+        return replace(config, tls_cert=cert, tls_key=key)
+
+    credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    options = [("grpc.ssl_target_name_override", "localhost")]
+    with (
+        ServerThread(tls_config("p", "prefill")) as prefill,
+        ServerThread(tls_config("d", "decode")) as decode,
+        grpc.secure_channel(prefill.address, credentials, options) as to_prefill,
+        grpc.secure_channel(decode.address, credentials, options) as to_decode,
+    ):
+        params = generate(to_prefill, FAULT_IDS, 1).kv_transfer_params_json
+        named = json.loads(params)
+        with pytest.raises((OSError, EOFError)):  # a plain connection: no blocks
+            asyncio.run(fetch_blocks("127.0.0.1", named["port"], "", named["keys"][:1], 5.0))
+        complete = generate(to_decode, FAULT_IDS, 8, params)
+    assert named["tls"] is True
+    assert list(complete.output_ids) == fault_reference
+    assert complete.cached_tokens == len(FAULT_IDS) - 1
