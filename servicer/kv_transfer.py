@@ -145,20 +145,26 @@ class SharedBlocks:
         """Whether `found` holds all a hit on `prompt` can use (all but its last token)."""
         return sum(len(block.tokens) for block in found) >= len(prompt) - 1
 
-    def expected(self, prompt: list[int], keys: tuple[bytes, ...]) -> dict[bytes, tuple]:
-        """Every block a peer may send for this prompt: key -> (parent, tokens); its full
-        blocks, and the partial ones that could follow each of them."""
-        size = self.block_size
-        wanted: dict[bytes, tuple] = {}
+    def chain(
+        self, prompt: list[int], keys: tuple[bytes, ...], named: list[bytes]
+    ) -> list[tuple[bytes, bytes | None, tuple[int, ...]]] | None:
+        """`named` as blocks of this prompt: (key, parent, tokens) each, its full blocks in
+        order and at most one partial block last; None when they are not."""
+        size, out = self.block_size, []
         parent: bytes | None = None
-        for i in range(len(keys) + 1):
+        for i, key in enumerate(named):
             window = tuple(prompt[i * size : (i + 1) * size])
-            for length in range(1, min(len(window), size - 1) + 1):
-                wanted[block_key(parent or ROOT, window[:length])] = (parent, window[:length])
-            if i < len(keys):
-                wanted[keys[i]] = (parent, window)
-                parent = keys[i]
-        return wanted
+            if i < len(keys) and key == keys[i]:
+                out.append((key, parent, window))
+                parent = key
+                continue
+            if i != len(named) - 1:
+                return None
+            for length in range(min(len(window), size - 1), 0, -1):
+                if block_key(parent or ROOT, window[:length]) == key:
+                    return [*out, (key, parent, window[:length])]
+            return None
+        return out
 
     def _image_path(self, mm_hash: str) -> Path:
         name = hashlib.blake2b(mm_hash.encode(), digest_size=16).hexdigest()
@@ -388,13 +394,13 @@ class KvTransfer:
         if params.get("model") != self.model_id:
             self._failed(job, "the prefill worker serves another model or KV layout")
             return ()
-        expected = blocks.expected(job.store_prompt, job.block_keys)
         keys = [k for k in params.get("keys", []) if isinstance(k, str)]
         try:
-            wanted = [bytes.fromhex(k) for k in keys]
+            named = [bytes.fromhex(k) for k in keys]
         except ValueError:
-            wanted = []
-        if not wanted or any(key not in expected for key in wanted):
+            named = []
+        chain = blocks.chain(job.store_prompt, job.block_keys, named) if named else None
+        if not chain:
             self._failed(job, "its kv_transfer_params name blocks of another prompt")
             return ()
         timeout = self.options.fetch_timeout_s
@@ -406,7 +412,7 @@ class KvTransfer:
             tls = (self._client_tls or ssl.create_default_context()) if params.get("tls") else None
             transfer = str(params.get("transfer", ""))
             files = await fetch_blocks(host, port, transfer, keys, timeout, tls)
-            found = await asyncio.to_thread(self._accept_all, files, wanted, expected)
+            found = await asyncio.to_thread(self._accept_all, files, chain)
         except Exception as exc:  # whatever went wrong: a local prefill
             self._failed(job, f"{type(exc).__name__}: {exc}")
             return ()
@@ -416,14 +422,13 @@ class KvTransfer:
         counters.fetch_seconds += time.perf_counter() - started
         return found
 
-    def _accept_all(self, files: list[bytes], wanted: list[bytes], expected: dict) -> tuple:
-        """The fetched files that hold, in order, up to the first that does not."""
+    def _accept_all(self, files: list[bytes], chain: list[tuple]) -> tuple[FoundBlock, ...]:
+        """The fetched files that hold, in order, up to the first that is missing."""
         assert self.blocks is not None
         found = []
-        for data, key in zip(files, wanted, strict=True):
+        for data, (key, parent, tokens) in zip(files, chain, strict=True):
             if not data:
                 break
-            parent, tokens = expected[key]
             found.append(self.blocks.accept(data, key, parent, tokens))
         return tuple(found)
 

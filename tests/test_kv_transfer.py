@@ -415,3 +415,22 @@ def test_a_transfer_between_workers_with_tls_speaks_tls(demo_dir, tmp_path, faul
     assert named["tls"] is True
     assert list(complete.output_ids) == fault_reference
     assert complete.cached_tokens == len(FAULT_IDS) - 1
+
+
+def test_a_peers_block_names_are_taken_only_as_blocks_of_this_prompt(tmp_path):
+    from servicer.engine.prefix.keys import ROOT, block_key, block_keys
+    from servicer.kv_transfer import SharedBlocks
+
+    blocks = SharedBlocks(tmp_path / "model", BLOCK)
+    prompt = list(range(3, 3 + 2 * BLOCK + 5))
+    keys = block_keys(prompt, BLOCK)
+    tail = block_key(keys[1], prompt[2 * BLOCK : 2 * BLOCK + 4])
+    chain = blocks.chain(prompt, keys, [*keys, tail])
+    assert chain is not None and [c[0] for c in chain] == [*keys, tail]
+    assert chain[2] == (tail, keys[1], tuple(prompt[2 * BLOCK : 2 * BLOCK + 4]))
+    assert blocks.chain(prompt, keys, list(keys[:1])) is not None
+    other = block_key(ROOT, tuple(range(100, 100 + BLOCK)))
+    assert blocks.chain(prompt, keys, [other]) is None  # another prompt's
+    assert blocks.chain(prompt, keys, [keys[1]]) is None  # out of order
+    first_partial = block_key(ROOT, tuple(prompt[:4]))
+    assert blocks.chain(prompt, keys, [first_partial, keys[1]]) is None  # a partial not last
