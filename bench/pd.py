@@ -263,10 +263,13 @@ def run_setup(
                 page, 'mlx_worker_prompt_cache_tokens_reused_total{tier="disk"}'
             )
             phases = router.metrics()
-            out["phases"] = {
-                name: _mean(phases, f"smg_pd_{name}_seconds")
-                for name in ("prefill_duration", "decode_ttft", "ttft")
-            }
+            names = ("prefill_duration", "decode_ttft", "ttft", "kv_transfer_duration")
+            out["phases"] = {name: _mean(phases, f"smg_pd_{name}_seconds") for name in names}
+            out["router_pd_lines"] = [
+                line
+                for line in phases.splitlines()
+                if line.startswith("smg_pd_") and "_bucket" not in line
+            ]
     finally:
         router.close()
         for each in workers:
