@@ -36,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from .engine.prefix.disk_tier import read_block, read_header
 from .engine.prefix.keys import ROOT, block_key
-from .messages import FoundBlock, GenerationRequest, ImageInput
+from .messages import EngineStartupError, FoundBlock, GenerationRequest, ImageInput
 from .validation import RequestError
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ _SUFFIX = ".blk"
 _LENGTH = struct.Struct("<Q")
 MAX_REQUEST_BYTES = 1 << 20  # a block server request (JSON of keys)
 KEEPALIVE_S = 1.0
+MANIFEST_FRESH_S = 600.0  # a PD worker's entry in a shared directory this old is gone
 
 
 @dataclass(frozen=True)
@@ -326,9 +327,15 @@ class KvTransfer:
         self.server: BlockServer | None = None
         self.model_id = ""
         self._client_tls: ssl.SSLContext | None = None
+        self._manifest: Path | None = None  # this PD worker's entry in a shared directory
+        self._touched = 0.0
 
     async def attach(
-        self, shared_dir: str, tls_cert: Path | None = None, tls_key: Path | None = None
+        self,
+        shared_dir: str,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+        model_name: str = "",
     ) -> None:
         """The engine is warm; `shared_dir` is its disk tier's directory when blocks are
         written through ("": none, and nothing here does anything). With the gRPC port's
@@ -338,6 +345,9 @@ class KvTransfer:
             return
         self.blocks = SharedBlocks(Path(shared_dir), self.block_size)
         self.model_id = self.blocks.model_id
+        if self.options.transfer == "shared" and self.options.role != "both":
+            self._manifest = Path(shared_dir).parent / "workers" / f"{self.engine_id}.json"
+            await asyncio.to_thread(self._check_pairs, model_name)
         server_tls = None
         if tls_cert is not None and tls_key is not None:
             server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -349,7 +359,47 @@ class KvTransfer:
             port = await self.server.start()
             log.info("block server for decode workers on %s:%d", self.options.host, port)
 
+    def _check_pairs(self, model_name: str) -> None:
+        """A PD worker on a shared directory: EngineStartupError when a worker of the other
+        role serves the same model with another KV layout there (their blocks could never be
+        shared); else this worker's own entry, for the next to check."""
+        assert self._manifest is not None
+        me = {"model": model_name, "layout": self.model_id, "role": self.options.role}
+        me |= {"block_size": self.block_size, "kv_cache_dtype": self.kv_cache_dtype}
+        self._manifest.parent.mkdir(exist_ok=True)
+        for path in self._manifest.parent.glob("*.json"):
+            try:
+                if time.time() - path.stat().st_mtime > MANIFEST_FRESH_S:
+                    continue
+                peer = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            role = peer.get("role")
+            other = role not in (me["role"], "both")
+            if other and peer.get("model") == model_name and peer.get("layout") != self.model_id:
+                raise EngineStartupError(
+                    f"a mismatched PD pair: the {role} worker {path.stem} on this prompt cache "
+                    f"directory serves {model_name} with another KV layout (block size "
+                    f"{peer.get('block_size')}, KV cache {peer.get('kv_cache_dtype')}; here "
+                    f"{self.block_size}, {self.kv_cache_dtype}, or other model files): start "
+                    "both with the same model files, --prompt-cache-block and --kv-bits"
+                )
+        tmp = self._manifest.with_suffix(".tmp")
+        tmp.write_text(json.dumps(me))
+        os.replace(tmp, self._manifest)
+        self._touched = time.monotonic()
+
+    def _touch(self) -> None:
+        """Keep this worker's entry fresh (at most once a minute)."""
+        if self._manifest is not None and time.monotonic() - self._touched > 60:
+            self._touched = time.monotonic()
+            with contextlib.suppress(OSError):
+                os.utime(self._manifest)
+
     async def close(self) -> None:
+        if self._manifest is not None:
+            with contextlib.suppress(OSError):
+                self._manifest.unlink()
         if self.server is not None:
             await self.server.close()
 
@@ -373,6 +423,7 @@ class KvTransfer:
         blocks = self.blocks
         if blocks is None or (not job.block_keys and len(job.store_prompt) < 2):
             return job
+        self._touch()
         params = _params(request)
         if params is not None and self.options.role != "prefill":
             found = await self._pull(job, params, time_left_s)

@@ -239,7 +239,12 @@ class WorkerServer:
             capabilities.embedding_size,
         )
         tls = (self.config.tls_cert, self.config.tls_key)
-        await self.servicer.kv.attach(capabilities.shared_cache_dir, *tls)
+        name = info.served_model_name
+        try:
+            await self.servicer.kv.attach(capabilities.shared_cache_dir, *tls, model_name=name)
+        except EngineStartupError as exc:
+            self.lifecycle.advance(Phase.FAILED, f"cannot serve the model: {exc}")
+            raise
         freeze_startup_heap()  # the handlers' side of the same (the engine froze its own)
         self.lifecycle.advance(Phase.SERVING)
         await self._set_health(SERVING)

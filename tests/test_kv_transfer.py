@@ -434,3 +434,19 @@ def test_a_peers_block_names_are_taken_only_as_blocks_of_this_prompt(tmp_path):
     assert blocks.chain(prompt, keys, [keys[1]]) is None  # out of order
     first_partial = block_key(ROOT, tuple(prompt[:4]))
     assert blocks.chain(prompt, keys, [first_partial, keys[1]]) is None  # a partial not last
+
+
+def test_a_mismatched_pd_pair_on_one_directory_is_refused_at_start(demo_dir, tmp_path):
+    """Another block size (or KV quantization, or other files) lays the KV out otherwise: the
+    decode worker refuses to start beside such a prefill worker, and says why."""
+    from servicer.messages import EngineStartupError
+
+    cache = tmp_path / "cache"
+    with ServerThread(kv_config(demo_dir, cache, "prefill", "shared")):
+        config = kv_config(demo_dir, cache, "decode", "shared", engine={"prompt_cache_block": 32})
+        decode = ServerThread(config)
+        try:
+            with pytest.raises(EngineStartupError, match=r"mismatched PD pair.*block size 16"):
+                decode.start()
+        finally:
+            decode.stop()
