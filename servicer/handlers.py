@@ -314,6 +314,10 @@ class Handlers:
             job = msgspec.structs.replace(job, sample_tickets=tickets)
         return job, text
 
+    def abandon(self, job: GenerationRequest) -> None:
+        """A request built but never accepted (its call ended first)."""
+        self._building.pop(job.request_id, None)
+
     def accept(self, job: GenerationRequest) -> list[RequestStream]:
         """The request checked against what the worker holds, and submitted to the engine:
         its streams, one for each of its n samples. One aborted while it was built (its images
@@ -400,7 +404,18 @@ class Generation:
                 yield keepalive
         try:
             job, text = await handlers.build(request, self._context)
-            job = await handlers.kv.prepare(request, job, context.time_remaining())
+            # A PD leg's blocks found or fetched; smg takes 3 s of nothing for a hang meanwhile.
+            preparing = asyncio.ensure_future(
+                handlers.kv.prepare(request, job, context.time_remaining())
+            )
+            try:
+                async for keepalive in self._until(preparing, handlers.kv.keepalive_s()):
+                    yield keepalive
+                job = await preparing
+            except BaseException:
+                preparing.cancel()
+                handlers.abandon(job)
+                raise
             streams = handlers.accept(job)
         except RequestError as error:
             log.debug("refused request %r: %s", request.request_id, error.message)
@@ -423,9 +438,10 @@ class Generation:
             while stream.finish_reason is None:
                 try:
                     events = await asyncio.wait_for(stream.take(), keepalive_s)
-                except TimeoutError:  # a PD prefill leg: smg takes 3 s of nothing for a hang
+                except TimeoutError:  # a PD leg before its first token: still at work
                     yield self._face.pb.GenerateResponse(chunk=self._face.pb.GenerateStreamChunk())
                     continue
+                keepalive_s = None
                 for response in self._emit(stream, output, events):
                     if stream.finish_reason is not None and response.HasField("complete"):
                         await handlers.kv.publish(request, job, response.complete)
@@ -438,6 +454,13 @@ class Generation:
         finally:
             self._metrics.count_request(outcome, job.adapter)
             handlers.release(job, streams)
+
+    async def _until(self, task: asyncio.Future[Any], every_s: float | None) -> AsyncIterator[Any]:
+        """An empty chunk every `every_s` until `task` is done (none without `every_s`)."""
+        while every_s is not None and not task.done():
+            await asyncio.wait({task}, timeout=every_s)
+            if not task.done():
+                yield self._face.pb.GenerateResponse(chunk=self._face.pb.GenerateStreamChunk())
 
     async def _wait_for_model(
         self, request: Any, context: grpc.aio.ServicerContext

@@ -490,9 +490,10 @@ class KvTransfer:
         )
 
     def keepalive_s(self) -> float | None:
-        """How often a prefill worker's answer says it is still at work (an empty chunk, even
-        unstreamed): smg 1.13 fails a prefill leg that sends nothing for 3 s."""
-        return KEEPALIVE_S if self.options.role == "prefill" else None
+        """How often a PD worker's answer says it is still at work until its first token (an
+        empty chunk, even unstreamed): smg 1.13 fails a prefill or decode leg that sends
+        nothing for 3 s (its blocks may still be fetched, its prompt wait behind others)."""
+        return KEEPALIVE_S if self.options.role in ("prefill", "decode") else None
 
     async def image_keys(self, request: Any) -> dict[str, bytes]:
         """The keys a prefill worker gave the router's images (by the router's hash), for a

@@ -364,17 +364,22 @@ def test_a_pd_pair_with_an_8_bit_kv_cache_answers_as_one_such_worker(demo_dir, t
 
 @needs_smg
 @pytest.mark.slow
-def test_a_prefill_longer_than_the_routers_patience_is_served(demo_dir, tmp_path):
-    """smg 1.13 fails a PD prefill leg that sends nothing for 3 s: the prefill worker says it is
-    still at work every second (an empty chunk), so a slow prefill is served, not a 504."""
+@pytest.mark.parametrize("slow_role", ["prefill"])
+def test_a_leg_longer_than_the_routers_patience_is_served(slow_role, demo_dir, tmp_path):
+    """smg 1.13 fails a PD leg that sends nothing for 3 s after its dispatch: a PD worker says
+    it is still at work every second until its first token (an empty chunk), so a slow
+    prefill, or a decode worker whose steps are slow, is served, not a 504."""
     from servicer.faults import FaultPlan
 
-    slow_steps = {"faults": FaultPlan.parse("slow:1500"), "prefill_step_size": 32, "warmup": False}
-    config = kv_config(demo_dir, tmp_path / "p", "prefill", "pull", engine=slow_steps)
-    with (
-        ServerThread(config) as prefill,
-        ServerThread(kv_config(demo_dir, tmp_path / "d", "decode", "pull")) as decode,
-    ):
+    delay_ms = {"prefill": 1500, "decode": 3500}[slow_role]  # the decode leg: one step
+    slow_steps = {"faults": FaultPlan.parse(f"slow:{delay_ms}"), "prefill_step_size": 32}
+    slow_steps["warmup"] = False
+
+    def config(role: str) -> ServerConfig:
+        engine = slow_steps if role == slow_role else None
+        return kv_config(demo_dir, tmp_path / role, role, "pull", engine=engine)
+
+    with ServerThread(config("prefill")) as prefill, ServerThread(config("decode")) as decode:
         router = Router([prefill.address, decode.address], tmp_path / "smg.log", pd=True)
         try:
             model = router.wait_until_serving(timeout=180)
