@@ -135,7 +135,7 @@ def reference_answers(demo_dir, tmp_path_factory) -> list[str]:
 
 
 @needs_smg
-@pytest.mark.parametrize("transfer", ["pull", "shared"])
+@pytest.mark.parametrize("transfer", ["pull", slow("shared")])
 def test_a_pd_pair_answers_as_one_worker_and_the_decode_side_reuses_the_prefill(
     transfer, demo_dir, tmp_path, reference_answers
 ):
@@ -202,8 +202,10 @@ def generate(
     )
     if params:
         request.kv_transfer_params_json = params
-    (response,) = list(pb_grpc.VllmEngineStub(channel).Generate(request, timeout=60))
-    return response.complete
+    responses = list(pb_grpc.VllmEngineStub(channel).Generate(request, timeout=60))
+    # Before it, a PD worker's empty chunks (it is still at work), streamed or not.
+    assert all(not r.chunk.token_ids for r in responses[:-1])
+    return responses[-1].complete
 
 
 FAULT_IDS = [5 + (i * 7) % 400 for i in range(120)]
@@ -261,7 +263,9 @@ def prefill_params(demo_dir: Path, tmp_path: Path, **engine: object) -> tuple[di
     return params, files
 
 
-@pytest.mark.parametrize("fault", ["dead", "corrupt", "truncated", "slow", "mismatched"])
+@pytest.mark.parametrize(
+    "fault", ["dead", "corrupt", slow("truncated"), "slow", slow("mismatched")]
+)
 def test_a_failed_transfer_is_a_local_prefill_with_the_right_answer(
     fault, demo_dir, tmp_path, fault_reference
 ):

@@ -226,9 +226,9 @@ def recorded(running) -> Iterator[list]:
     prepare = preparer.prepare
     sent: list = []
 
-    async def spy(request):
+    async def spy(request, *known):
         sent.append(type(request).FromString(request.SerializeToString()))
-        return await prepare(request)
+        return await prepare(request, *known)
 
     preparer.prepare = spy
     try:
