@@ -40,11 +40,22 @@ def _needs_child() -> bool:
     return bool(env) and env["LD_PRELOAD"] not in os.environ.get("LD_PRELOAD", "")
 
 
-def test_in_a_process_with_openblas(real_model_dir: Path) -> None:
+# `make test` runs a slice in the child (one row and four across the window, rows joining
+# seeded); `make test-slow` the rest.
+CHILD_SLICES = {
+    "fast": ("across_the_window or seeded", 2),
+    "rest": ("not across_the_window and not seeded", 3),
+}
+
+
+@pytest.mark.parametrize("part", ["fast", pytest.param("rest", marks=pytest.mark.slow)])
+def test_in_a_process_with_openblas(real_model_dir: Path, part: str) -> None:
     if not _needs_child():
         pytest.skip("this process has OpenBLAS (or it is not installed): the tests run here")
+    selection, least = CHILD_SLICES[part]
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+        [*command, "-k", selection, __file__],
         env={**os.environ, **real_model_env()},
         cwd=Path(__file__).resolve().parent.parent,
         capture_output=True,
@@ -53,7 +64,7 @@ def test_in_a_process_with_openblas(real_model_dir: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed and int(passed.group(1)) >= 4, done.stdout[-2000:]  # none skipped there
+    assert passed and int(passed.group(1)) >= least, done.stdout[-2000:]  # none skipped there
 
 
 @pytest.fixture(scope="module")
