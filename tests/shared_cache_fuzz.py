@@ -40,8 +40,9 @@ class FuzzResult:
 
 
 def prompts(rng: random.Random, count: int, vocab: int) -> list[list[int]]:
-    """Prompts of 20 to 300 tokens grown from four stems: many share blocks, some whole."""
-    stems = [[rng.randrange(3, vocab) for _ in range(rng.randrange(20, 200))] for _ in range(4)]
+    """Prompts of 20 to 300 tokens grown from four stems (each 40 tokens at least, so that its
+    first half fills a block): many share blocks, some whole."""
+    stems = [[rng.randrange(3, vocab) for _ in range(rng.randrange(40, 200))] for _ in range(4)]
     out = []
     for _ in range(count):
         stem = rng.choice(stems)
@@ -76,8 +77,11 @@ def fuzz(kind: str, seed: int, rounds: int = 3, per_round: int = 12) -> FuzzResu
                     complete = generate(workers[target].channel(), ids, MAX_TOKENS)
                     return ids, list(complete.output_ids), complete.cached_tokens
 
-                with ThreadPoolExecutor(6) as pool:
-                    futures = [pool.submit(ask, item) for item in zip(batch, targets, strict=True)]
+                items = list(zip(batch, targets, strict=True))
+                half = len(items) // 2  # two waves: the second finds what the first kept
+                for wave in (items[:half], items[half:]):
+                    with ThreadPoolExecutor(6) as pool:
+                        futures = [pool.submit(ask, item) for item in wave]
                     for future in futures:
                         result.requests += 1
                         try:

@@ -309,7 +309,7 @@ def test_workers_sharing_a_cache_directory_answer_as_a_worker_without_one():
     requests at random, a restart between rounds."""
     from shared_cache_fuzz import fuzz
 
-    result = fuzz("llama", seed=0, rounds=2, per_round=4)
+    result = fuzz("llama", seed=0, rounds=2, per_round=6)
     assert result.hits and not result.differing and not result.errors, result
 
 
