@@ -34,23 +34,27 @@ class DiskLink:
         """A block leaving RAM: to disk, unless its file holds all that RAM held (a file
         without the snapshot RAM had is written again). The node stays in the index (pinned)
         until the write is done; a write that cannot start drops it, unless a file is there."""
-        if node.disk is not None and (node.disk_snapshot or data.states is None):
+        if not _needs_file(node, data):
             return
         if not self.disk.usable:
             self.index.remove(node)
             return
-        self.index.pin([node])
-        if not self._write(node, data):
-            self.index.unpin([node])
-            if node.disk is None:
-                self.index.remove(node)
+        if not self._write_pinned(node, data) and node.disk is None:
+            self.index.remove(node)
 
     def publish(self, node: Node, data: BlockData) -> None:
         """Write-through to a shared directory: the block goes to disk now and stays in RAM."""
-        if self.disk.usable and (node.disk is None or (data.states and not node.disk_snapshot)):
-            self.index.pin([node])
-            if not self._write(node, data):
-                self.index.unpin([node])
+        if self.disk.usable and _needs_file(node, data):
+            self._write_pinned(node, data)
+
+    def _write_pinned(self, node: Node, data: BlockData) -> bool:
+        """Queue the block's write, the node pinned until it is done (`_written` unpins);
+        False, and unpinned, when the write cannot start."""
+        self.index.pin([node])
+        if self._write(node, data):
+            return True
+        self.index.unpin([node])
+        return False
 
     def adopt(self, found: tuple[FoundBlock, ...]) -> None:
         """Block files the handlers found for a request (another worker's, in a shared
@@ -224,6 +228,12 @@ class DiskLink:
 
     def on_done(self, wake: Callable[[], None]) -> None:
         self.disk.on_done(wake)
+
+
+def _needs_file(node: Node, data: BlockData) -> bool:
+    """Whether `data` holds more than the node's file does (no file, or one without the
+    snapshot `data` has)."""
+    return node.disk is None or (data.states is not None and not node.disk_snapshot)
 
 
 def _flatten(value: Any, arrays: list[Any]) -> Any:
