@@ -172,6 +172,19 @@ class Prompts:
         url = data_url(png(seed, self.image_size)) if image else None
         return Job(text, url, tuple(self.ids(text, 1 if image else 0)))
 
+    def long_text_job(self, seed: str, tokens: int) -> Job:
+        """A text request of about `tokens` prompt tokens (as long as an image request's
+        expanded prompt: the stall phase's text arrival), a word at a time up to it."""
+        rng = random.Random(seed)
+        words: list[str] = []
+        text, ids = "", self.ids("", 0)
+        while len(ids) < tokens:
+            if not words:
+                words = rng.choice(ASKS).format(rng.choice(SUBJECTS), rng.choice(PLACES)).split()
+            text = f"{text} {words.pop(0)}".strip()
+            ids = self.ids(text, 0)
+        return Job(text, None, tuple(ids))
+
     def by_length(self) -> dict[int, list[str]]:
         """Every question by the length of its image request's prompt (computed once)."""
         if not self._by_length:
@@ -620,10 +633,11 @@ def _gaps(streams: list[Record]) -> list[tuple[float, float]]:
 
 
 async def stall_round(
-    client: Ours | Theirs, prompts: Prompts, seed: str, window: float
+    client: Ours | Theirs, prompts: Prompts, seed: str, window: float, text_tokens: int = 0
 ) -> dict[str, Any]:
     """Two text streams decode; after a window of at least `window` seconds the image request
-    arrives; the streams' gaps before it and while it is prefilled."""
+    (with `text_tokens`: a text request of that many prompt tokens) arrives; the streams' gaps
+    before it and while it is prefilled."""
     stop = asyncio.Event()
     jobs = [prompts.job(f"{seed}/stream{i}", False) for i in range(2)]
     views = [Record(image=False, start=0.0) for _ in jobs]
@@ -644,7 +658,12 @@ async def stall_round(
     ):
         await asyncio.sleep(0.01)
     sent = time.perf_counter()
-    arriving = await client.generate(prompts.job(f"{seed}/image", True), ARRIVING_TOKENS)
+    job = (
+        prompts.long_text_job(f"{seed}/text", text_tokens)
+        if text_tokens
+        else prompts.job(f"{seed}/image", True)
+    )
+    arriving = await client.generate(job, ARRIVING_TOKENS)
     first = sent + (arriving.ttft or 0.0)
     await asyncio.sleep(TAIL_S)
     stop.set()
@@ -680,6 +699,7 @@ async def stall_round(
         "gap_max_during_ms": _ms(max(during, default=None)),
         "gaps_during": len(during),
         "image_ttft_ms": _ms(arriving.ttft),
+        "arriving_prompt_tokens": arriving.prompt_tokens or len(job.prompt),
         "errors": sum(1 for r in [*done, arriving] if r.error),
         "error_samples": [r.error for r in [*done, arriving] if r.error][:3],
     }
@@ -693,39 +713,54 @@ async def stall_phase(
     rounds: int,
     idle_ttft: dict[str, float],
 ) -> dict[str, Any]:
+    """Per server, `rounds` rounds of an image arriving, each followed by a text prompt as
+    long as the image's expanded prompt arriving (the text rule's bound to compare with)."""
     out: dict[str, Any] = {}
     for name in names:
         _only(servers, name)
         client = clients[name]
-        found = []
+        found: dict[str, list[dict[str, Any]]] = {"image": [], "text": []}
         for index in range(rounds):
             # The window before: at least three times the image's TTFT on the idle server
             # (beside two streams it takes longer), so that a piece as long fits in it.
-            found.append(await stall_round(client, prompts, f"stall-{index}", 3 * idle_ttft[name]))
-            log(
-                f"stall {name} round {index + 1}: longest gap "
-                f"{report._fmt(found[-1]['gap_max_before_ms'], 0)} ms before, "
-                f"{report._fmt(found[-1]['gap_max_during_ms'], 0)} ms while the image came in "
-                f"(TTFT {report._fmt(found[-1]['image_ttft_ms'], 0)} ms)"
+            window = 3 * idle_ttft[name]
+            image = await stall_round(client, prompts, f"stall-{index}", window)
+            tokens = image["arriving_prompt_tokens"]
+            text = await stall_round(client, prompts, f"stall-{index}", window, tokens)
+            for kind, entry in (("image", image), ("text", text)):
+                found[kind].append(entry)
+                log(
+                    f"stall {name} round {index + 1}, {kind} of {entry['arriving_prompt_tokens']}"
+                    f" tokens arriving: longest gap {report._fmt(entry['gap_max_before_ms'], 0)}"
+                    f" ms before, {report._fmt(entry['gap_max_during_ms'], 0)} ms while it came"
+                    f" in (TTFT {report._fmt(entry['image_ttft_ms'], 0)} ms)"
+                )
+        for kind, entries in found.items():
+            summary = {
+                key: _median([r[key] for r in entries])
+                for key in (
+                    "stream_tokens_per_s_before",
+                    "gap_p50_before_ms",
+                    "gap_max_before_ms",
+                    "gap_max_as_long_ms",
+                    "gap_max_during_ms",
+                    "image_ttft_ms",
+                    "window_before_s",
+                    "window_during_s",
+                    "arriving_prompt_tokens",
+                )
+            }
+            summary["ratio"] = _median(
+                [_ratio(r["gap_max_during_ms"], r["gap_max_as_long_ms"]) for r in entries]
             )
-        summary = {
-            key: _median([r[key] for r in found])
-            for key in (
-                "stream_tokens_per_s_before",
-                "gap_p50_before_ms",
-                "gap_max_before_ms",
-                "gap_max_as_long_ms",
-                "gap_max_during_ms",
-                "image_ttft_ms",
-                "window_before_s",
-                "window_during_s",
-            )
-        }
-        summary["ratio"] = _median(
-            [_ratio(r["gap_max_during_ms"], r["gap_max_as_long_ms"]) for r in found]
+            summary["errors"] = sum(r["errors"] for r in entries)
+            out[name if kind == "image" else f"{name}, text"] = {"rounds": entries, **summary}
+        out[name]["image_vs_text"] = _median(
+            [
+                _ratio(i["gap_max_during_ms"], t["gap_max_during_ms"])
+                for i, t in zip(found["image"], found["text"], strict=True)
+            ]
         )
-        summary["errors"] = sum(r["errors"] for r in found)
-        out[name] = {"rounds": found, **summary}
     return out
 
 
@@ -893,8 +928,9 @@ def traffic_tables(results: dict[str, Any], found: dict[str, Any], traffic: dict
 def stall_table(found: dict[str, Any]) -> list[str]:
     lines = [
         f"### {found['model']}: the longest gap between tokens of two decoding text streams "
-        "while an image request arrives (its send to its first token), against windows as "
-        "long before it with no arrival (the median of their longest gaps)",
+        "while a request arrives (its send to its first token): an image request, and a text "
+        "prompt as long as the image's expanded prompt (`, text`), against windows as long "
+        "before it with no arrival (the median of their longest gaps)",
         "",
     ]
     rows = []
@@ -902,11 +938,13 @@ def stall_table(found: dict[str, Any]) -> list[str]:
         rows.append(
             [
                 server,
+                report._fmt(entry.get("arriving_prompt_tokens"), 0),
                 report._fmt(entry["stream_tokens_per_s_before"], 1),
                 report._fmt(entry["gap_max_as_long_ms"], 0),
                 report._fmt(entry["gap_max_before_ms"], 0),
                 report._fmt(entry["gap_max_during_ms"], 0),
                 report._fmt(entry["ratio"], 1),
+                report._fmt(entry.get("image_vs_text"), 2),
                 report._fmt(entry["image_ttft_ms"], 0),
                 _pair(entry["window_before_s"], entry["window_during_s"], 2),
                 len(entry["rounds"]),
@@ -914,13 +952,15 @@ def stall_table(found: dict[str, Any]) -> list[str]:
             ]
         )
     headers = [
-        "server",
+        "server, arrival",
+        "arriving prompt tokens",
         "streams' tok/s before",
         "longest gap, no arrival, as long a window ms",
         "longest gap in the whole window before ms",
-        "longest gap, image arriving ms",
+        "longest gap, arriving ms",
         "arriving ÷ no arrival",
-        "image TTFT ms",
+        "image ÷ text arriving",
+        "arrival's TTFT ms",
         "windows s (before / during)",
         "rounds",
         "errors",

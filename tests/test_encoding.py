@@ -1,6 +1,7 @@
-"""Images encoded ahead of their admission, a vision layer at a time (engine/encoding.py): the
-staged pass makes the single pass's features bit for bit, a step with no budget left still
-advances one layer, and a request is ready only once its images are through."""
+"""Images encoded ahead of their admission, a vision-tower module at a time (engine/encoding.py):
+the staged pass makes the single pass's features bit for bit, in finer pieces than the tower's
+layers, a step with no budget left still advances one piece, and a request is ready only once
+its images are through."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _encoder_and_image(family: str, seed: int = 3):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_staged_pass_equals_the_single_pass_a_layer_a_step(family):
+def test_the_staged_pass_equals_the_single_pass_a_module_a_step(family):
     import mlx.core as mx
 
     from servicer.engine.encoding import StagedEncode
@@ -58,21 +59,36 @@ def test_the_staged_pass_equals_the_single_pass_a_layer_a_step(family):
     single = encoder.lazy_features(image, run)
     mx.eval(single)
     staged = StagedEncode(encoder, image, run)
-    assert staged.stages >= 3  # the demo towers' two layers and what follows them
+    # Finer than a layer a step: each layer's norms, projections and MLP apart.
+    assert staged.stages > 3 * _layer_count(encoder.tower)
     calls = 0
     while not staged.done:
         staged.advance(0.0)  # no budget left: still one stage
         calls += 1
     assert calls == staged.stages
     assert np.array_equal(np.array(staged.features), np.array(single))
-    # The tower's own layers are back in place: the next pass builds as usual.
-    assert all(type(layer).__name__ != "_Recorder" for layer in _layers(encoder))
+    # The tower's own modules are back in place: the next pass builds as usual.
+    assert not _recorders(encoder.tower)
 
 
-def _layers(encoder):
-    from servicer.engine.encoding import layer_list
+def _layer_count(tower) -> int:
+    """The tower's longest list of modules (its transformer layers)."""
+    lists = [v for _, m in tower.named_modules() for v in m.values() if isinstance(v, list)]
+    return max((len(v) for v in lists), default=0)
 
-    return layer_list(encoder.tower) or []
+
+def _recorders(tower) -> list[str]:
+    """Where a recording wrapper is still in place (an attribute or a list entry)."""
+    from servicer.engine.encoding import _Recorder
+
+    found = []
+    for name, module in tower.named_modules():
+        if any(isinstance(v, _Recorder) for v in vars(module).values()):
+            found.append(name)
+        for held in module.values():
+            if isinstance(held, list) and any(isinstance(v, _Recorder) for v in held):
+                found.append(name)
+    return found
 
 
 def _request(image: ImageInput, run: list[int]) -> GenerationRequest:

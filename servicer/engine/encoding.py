@@ -1,11 +1,12 @@
-"""Images encoded before their requests join the batch, a few vision layers a step (engine
-thread only).
+"""Images encoded before their requests join the batch, a few vision-tower modules a step
+(engine thread only).
 
 One image's encoder pass can take seconds (Gemma 3's SigLIP at 224 px: 27 layers, ~3.6 s on a
-2-core CPU), far past the prefill budget the decoding rows are promised. MLX builds the whole
-pass as a lazy graph at once; `StagedEncode` keeps the vision tower's per-layer outputs from
-that graph and evaluates them one after another, so each step computes only the layers its
-budget has room for, and the finished features are exactly the single pass's (the same graph).
+2-core CPU), and even one of its layers (~130 ms) can outlast the prefill budget the decoding
+rows are promised. MLX builds the whole pass as a lazy graph at once; `StagedEncode` keeps the
+output of every module the tower calls (each layer's norms, projections, attention, MLP) from
+that graph and evaluates them in call order, so each step computes only the pieces its budget
+has room for, and the finished features are exactly the single pass's (the same graph).
 `ImageEncodes` runs the waiting requests' images this way, oldest first; the scheduler admits
 an image request once every image past its reusable prefix has its features.
 """
@@ -16,76 +17,87 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..messages import GenerationRequest, ImageInput
 from .vision import VisionEncoder, placeholder_run
 
 log = logging.getLogger(__name__)
-_LAYER_LISTS = ("layers", "blocks")  # the vision towers' transformer layer lists, by name
+
+
+@dataclass
+class _Stage:
+    """The output of one module call of the tower; `kind` (its class and output shapes) is
+    what its cost is predicted by: the same module of the next layer costs about the same."""
+
+    kind: tuple[Any, ...]
+    arrays: list[mx.array]
 
 
 class _Recorder:
-    """A tower layer that also hands its output to `sink` (while the graph is built)."""
+    """A tower module that also hands its output to `sink` (while the graph is built)."""
 
-    def __init__(self, layer: Any, sink: list[Any]) -> None:
-        self._layer, self._sink = layer, sink
+    def __init__(self, module: nn.Module, sink: list[_Stage]) -> None:
+        self._module, self._sink = module, sink
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._layer(*args, **kwargs)
-        self._sink.append(out)
+        out = self._module(*args, **kwargs)
+        arrays = _arrays(out)
+        if arrays:
+            kind = (type(self._module).__name__, *(tuple(a.shape) for a in arrays))
+            self._sink.append(_Stage(kind, arrays))
         return out
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._layer, name)
-
-
-def layer_list(tower: Any) -> list[Any] | None:
-    """The vision tower's longest list of transformer layers (None: it has none)."""
-    best: list[Any] | None = None
-    for _, module in tower.named_modules():
-        for attr in _LAYER_LISTS:
-            found = module.get(attr)
-            if isinstance(found, list) and len(found) > len(best or ()):
-                best = found
-    return best
+        return getattr(self._module, name)
 
 
 @contextmanager
-def recording(tower: Any, sink: list[Any]):
-    """Within: each layer of the tower's layer list also appends its output to `sink`."""
-    layers = layer_list(tower) if tower is not None else None
-    if not layers:
-        yield
-        return
-    originals = list(layers)
-    layers[:] = [_Recorder(layer, sink) for layer in originals]
+def recording(tower: nn.Module | None, sink: list[_Stage]):
+    """Within: every module inside the tower (held as an attribute or in a list) also appends
+    its output to `sink`, in call order; afterwards the tower is as it was."""
+    undo: list[Callable[[], None]] = []
+    for _, module in tower.named_modules() if tower is not None else ():
+        for name, child in module.children().items():
+            if isinstance(child, nn.Module):
+                object.__setattr__(module, name, _Recorder(child, sink))
+                undo.append(lambda m=module, n=name: object.__delattr__(m, n))
+            elif isinstance(held := module.get(name), list):
+                originals = list(held)
+                held[:] = [_Recorder(c, sink) if isinstance(c, nn.Module) else c for c in held]
+                undo.append(lambda h=held, o=originals: h.__setitem__(slice(None), o))
     try:
         yield
     finally:
-        layers[:] = originals
+        for step in reversed(undo):
+            step()
 
 
 def _arrays(tree: Any) -> list[mx.array]:
     if isinstance(tree, mx.array):
         return [tree]
+    if not isinstance(tree, (list, tuple, dict)):
+        return []
     return [leaf for _, leaf in tree_flatten(tree) if isinstance(leaf, mx.array)]
 
 
 class StagedEncode:
-    """One image's encoder pass as a lazy graph, evaluated a stage (a layer) at a time."""
+    """One image's encoder pass as a lazy graph, evaluated a stage (a module call) at a time."""
 
     def __init__(self, encoder: VisionEncoder, image: ImageInput, run: list[int]) -> None:
         self.image = image
-        outputs: list[Any] = []
-        with recording(encoder.tower, outputs):
+        recorded: list[_Stage] = []
+        with recording(encoder.tower, recorded):
             self.features = encoder.lazy_features(image, run)
-        self._stages: list[list[mx.array]] = [_arrays(o) for o in outputs] + [[self.features]]
+        self._stages = [*recorded, _Stage(("features",), [self.features])]
         self._next = 0
-        self._stage_s = 0.0  # the slowest stage so far
+        self._cost: dict[tuple[Any, ...], float] = {}  # seconds, by stage kind (the last)
+        self._slowest = 0.0  # a kind not seen yet is expected to cost this
 
     @property
     def done(self) -> bool:
@@ -101,14 +113,18 @@ class StagedEncode:
         started = time.perf_counter()
         first = self._next
         while not self.done:
+            stage = self._stages[self._next]
+            expected = self._cost.get(stage.kind, self._slowest)
             spent = time.perf_counter() - started
-            if budget_s is not None and self._next > first and spent + self._stage_s > budget_s:
+            if budget_s is not None and self._next > first and spent + expected > budget_s:
                 break
             began = time.perf_counter()
-            mx.eval(self._stages[self._next])
-            self._stages[self._next] = []  # computed; the graph past it holds what it needs
+            mx.eval(stage.arrays)
+            stage.arrays = []  # computed; the graph past it holds what it needs
             self._next += 1
-            self._stage_s = max(self._stage_s, time.perf_counter() - began)
+            took = time.perf_counter() - began
+            self._cost[stage.kind] = took
+            self._slowest = max(self._slowest, took)
 
 
 class ImageEncodes:
