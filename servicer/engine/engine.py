@@ -374,7 +374,7 @@ class EngineLoop:
             out.embeddings.extend(self.embedder.take(embeds, tokens))
 
     def _encode_ahead(self, budget_s: float | None, out: StepOutput) -> None:
-        """Waiting requests' images, a few vision layers within the encoder's share of the
+        """Waiting requests' images, a few tower modules within the encoder's share of the
         step; a request whose image fails to encode fails alone, now."""
         assert self.encodes is not None
         for request, reason in self.encodes.advance(self.scheduler.waiting_requests(), budget_s):
