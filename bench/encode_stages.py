@@ -14,7 +14,8 @@ more than the 50 ms budget. Per model, one image through the engine's own encode
 - that the staged features equal the single pass's, bit for bit.
 
 `shape` and `shape-FAMILY` are bench/vlm_shape.py's random models of real shape (built on first
-use); `demo:FAMILY` a registry family's tiny demo. Prints a table, writes
+use); `demo:FAMILY` a registry family's tiny demo. Runs with OpenBLAS preloaded when it is
+installed (it re-executes itself so). Prints a table, writes
 bench/results/encode-stages-STAMP.json.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +34,7 @@ import _checkout  # noqa: F401  (before any `servicer` import)
 import numpy as np
 import report
 from PIL import Image
-from workers import BENCH, log
+from workers import BENCH, blas_env, log
 
 
 def _model_dir(name: str) -> Path:
@@ -169,6 +171,8 @@ def render(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if blas := blas_env():  # measured in this process: OpenBLAS preloaded, as every bench's
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **blas})
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )

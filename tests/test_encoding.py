@@ -1,12 +1,13 @@
 """Images encoded ahead of their admission, a vision-tower module at a time (engine/encoding.py):
 the staged pass makes the single pass's features bit for bit, in finer pieces than the tower's
-layers, a step with no budget left still advances one piece, and a request is ready only once
-its images are through."""
+layers (a large attention split by query rows), a step with no budget left still advances one
+piece, and a request is ready only once its images are through."""
 
 from __future__ import annotations
 
 import importlib.util
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
@@ -50,22 +51,29 @@ def _encoder_and_image(family: str, seed: int = 3):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_staged_pass_equals_the_single_pass_a_module_a_step(family):
+def test_the_staged_pass_equals_the_single_pass_a_module_a_step(family, monkeypatch):
     import mlx.core as mx
 
+    from servicer.engine import encoding
     from servicer.engine.encoding import StagedEncode
+
+    monkeypatch.setattr(encoding, "ROW_ALIGN", 8)
 
     encoder, image, run = _encoder_and_image(family)
     single = encoder.lazy_features(image, run)
     mx.eval(single)
-    staged = StagedEncode(encoder, image, run)
+    # Attention calls of more than 8 query rows split into shares of 8 rows.
+    staged = StagedEncode(encoder, image, run, piece=1)
     # Finer than a layer a step: each layer's norms, projections and MLP apart.
-    assert staged.stages > 3 * _layer_count(encoder.tower)
+    assert len(staged._stages) > 3 * _layer_count(encoder.tower)
+    split = [s for s in staged._stages if s.kind[0] == "attention"]
+    if family == "qwen3_vl":  # 24 patches through its tower: shares of 8 rows
+        assert split and all(s.kind[1][-2] <= 8 for s in split)
     calls = 0
     while not staged.done:
         staged.advance(0.0)  # no budget left: still one stage
         calls += 1
-    assert calls == staged.stages
+    assert calls == len(staged._stages)
     assert np.array_equal(np.array(staged.features), np.array(single))
     # The tower's own modules are back in place: the next pass builds as usual.
     assert not _recorders(encoder.tower)
@@ -195,3 +203,26 @@ def test_a_waiting_image_request_is_looked_up_once_a_step():
         encodes.pending(scheduler.waiting_requests())
         encodes.advance(scheduler.waiting_requests(), 0.0)
         assert looked == [1] * (step + 1)
+
+
+def test_an_attention_traced_in_a_compiled_function_is_computed_with_it(monkeypatch):
+    """A compiled function's trace records placeholder shares: evaluating them is skipped (a
+    stage of another kind would raise), and the function's own output is right."""
+    from servicer.engine import encoding
+
+    monkeypatch.setattr(encoding, "ROW_ALIGN", 8)
+    q, k, v = (mx.random.normal((1, 2, 64, 8), key=mx.random.key(i)) for i in range(3))
+    attend = mx.compile(lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3))
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3)
+    sink = []
+    with encoding.split_attention(None, sink, piece=1):
+        inside = attend(q, k, v)
+        assert len(sink) == 8  # the trace's placeholders, 8 shares of 8 rows
+        outside = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3)
+    assert len(sink) == 16
+    for stage in sink:
+        encoding.evaluate(stage)
+    with pytest.raises(RuntimeError):
+        encoding.evaluate(encoding._Stage(("Linear",), sink[0].arrays))
+    assert np.array_equal(np.array(inside), np.array(expected))
+    assert np.array_equal(np.array(outside), np.array(expected))

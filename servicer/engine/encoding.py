@@ -1,20 +1,19 @@
-"""Images encoded before their requests join the batch, a few vision-tower modules a step
-(engine thread only).
+"""Images encoded before their requests join the batch, a piece a step (engine thread only).
 
-One image's encoder pass can take seconds (Gemma 3's SigLIP at 224 px: 27 layers, ~3.6 s on a
-2-core CPU), and even one of its layers (~130 ms) can outlast the prefill budget the decoding
-rows are promised. MLX builds the whole pass as a lazy graph at once; `StagedEncode` keeps the
-output of every module the tower calls (each layer's norms, projections, attention, MLP) from
-that graph and evaluates them in call order, so each step computes only the pieces its budget
-has room for, and the finished features are exactly the single pass's (the same graph).
-`ImageEncodes` runs the waiting requests' images this way, oldest first; the scheduler admits
-an image request once every image past its reusable prefix has its features.
-"""
+One encoder pass can take seconds, one tower layer more than a step's budget (SigLIP at 224 px
+on a 2-core CPU: ~3.6 s, ~130 ms a layer). `StagedEncode` keeps the output of every module call
+of the pass's lazy graph (a large attention made by query rows apart, whose results do not
+depend on one another) and evaluates them in call order, as many as the budget has room for:
+the features are the single pass's bit for bit. `ImageEncodes` runs the waiting requests'
+images so, oldest first; the scheduler admits a request once its images are through."""
 
 from __future__ import annotations
 
 import logging
+import math
+import sys
 import time
+import types
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +27,10 @@ from ..messages import GenerationRequest, ImageInput
 from .vision import VisionEncoder, placeholder_run
 
 log = logging.getLogger(__name__)
+# Past this many scores (query rows x keys) a tower's attention is made by query rows (in
+# multiples of ROW_ALIGN), a piece each: at 4,096 patches it alone takes seconds on a CPU.
+SPLIT_AT = 256 * 1024
+ROW_ALIGN = 32
 
 
 @dataclass
@@ -47,7 +50,7 @@ class _Recorder:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self._module(*args, **kwargs)
-        arrays = _arrays(out)
+        arrays = [leaf for _, leaf in tree_flatten(out) if isinstance(leaf, mx.array)]
         if arrays:
             kind = (type(self._module).__name__, *(tuple(a.shape) for a in arrays))
             self._sink.append(_Stage(kind, arrays))
@@ -78,21 +81,77 @@ def recording(tower: nn.Module | None, sink: list[_Stage]):
             step()
 
 
-def _arrays(tree: Any) -> list[mx.array]:
-    if isinstance(tree, mx.array):
-        return [tree]
-    if not isinstance(tree, (list, tuple, dict)):
-        return []
-    return [leaf for _, leaf in tree_flatten(tree) if isinstance(leaf, mx.array)]
+@contextmanager
+def split_attention(tower: nn.Module | None, sink: list[_Stage], piece: float = SPLIT_AT):
+    """Within: the tower's attention calls of more than `piece` scores are made by query rows,
+    each share appended to `sink`; compiled helpers of the tower's modules that make them
+    (mlx-vlm's `ensure_fused_sdpa`) run as plain Python meanwhile, the same ops."""
+    fast, compiled = mx.fast, _compiled_attention(tower) if tower is not None else []
+    whole = fast.scaled_dot_product_attention
+
+    def by_rows(q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        rows, keys, mask = q.shape[-2], k.shape[-2], kwargs.get("mask")
+        by_row_mask = isinstance(mask, mx.array) and mask.ndim >= 2 and mask.shape[-2] == rows
+        plain = mask is None or by_row_mask or (isinstance(mask, mx.array) and mask.shape[-2] == 1)
+        if args or rows * keys <= piece or not plain:
+            return whole(q, k, v, *args, **kwargs)
+        step = max(ROW_ALIGN, int(piece // keys) // ROW_ALIGN * ROW_ALIGN)
+        shares = []
+        for start in range(0, rows, step):
+            if by_row_mask:
+                kwargs["mask"] = mask[..., start : start + step, :]
+            shares.append(whole(q[..., start : start + step, :], k, v, **kwargs))
+            sink.append(_Stage(("attention", tuple(shares[-1].shape)), [shares[-1]]))
+        return mx.concatenate(shares, axis=-2)
+
+    fast.scaled_dot_product_attention = by_rows
+    for namespace, name, f in compiled:
+        namespace[name] = types.FunctionType(
+            f.__code__, f.__globals__, name, f.__defaults__, f.__closure__
+        )
+    try:
+        yield
+    finally:
+        fast.scaled_dot_product_attention = whole
+        for namespace, name, f in compiled:
+            namespace[name] = f
+
+
+def _compiled_attention(tower: nn.Module) -> list[tuple[dict[str, Any], str, Any]]:
+    """(module namespace, name, function) of each compiled function (mx.compile) that calls
+    the fused attention, in the modules defining the tower's classes."""
+    names = {type(m).__module__ for _, m in tower.named_modules()}
+    return [
+        (vars(module), name, value)
+        for module in filter(None, (sys.modules.get(n) for n in names))
+        for name, value in vars(module).items()
+        if type(value) is not types.FunctionType  # mx.compile's subclass
+        and isinstance(code := getattr(value, "__code__", None), types.CodeType)
+        and "scaled_dot_product_attention" in code.co_names
+    ]
+
+
+def evaluate(stage: _Stage) -> None:
+    """Compute a stage. An attention share traced inside some other compiled function is a
+    placeholder MLX refuses to evaluate: skipped, it is computed with the rest of that
+    function (the function's output is the traced graph's, not the share's)."""
+    try:
+        mx.eval(stage.arrays)
+    except RuntimeError:
+        if stage.kind[0] != "attention":
+            raise
 
 
 class StagedEncode:
     """One image's encoder pass as a lazy graph, evaluated a stage (a module call) at a time."""
 
-    def __init__(self, encoder: VisionEncoder, image: ImageInput, run: list[int]) -> None:
+    def __init__(
+        self, encoder: VisionEncoder, image: ImageInput, run: list[int], piece: float = SPLIT_AT
+    ) -> None:
         self.image = image
         recorded: list[_Stage] = []
-        with recording(encoder.tower, recorded):
+        tower = encoder.tower
+        with recording(tower, recorded), split_attention(tower, recorded, piece):
             self.features = encoder.lazy_features(image, run)
         self._stages = [*recorded, _Stage(("features",), [self.features])]
         self._next = 0
@@ -102,10 +161,6 @@ class StagedEncode:
     @property
     def done(self) -> bool:
         return self._next >= len(self._stages)
-
-    @property
-    def stages(self) -> int:
-        return len(self._stages)
 
     def advance(self, budget_s: float | None) -> None:
         """Evaluate stages while the next one is expected to fit `budget_s` (None: all of
@@ -119,7 +174,7 @@ class StagedEncode:
             if budget_s is not None and self._next > first and spent + expected > budget_s:
                 break
             began = time.perf_counter()
-            mx.eval(stage.arrays)
+            evaluate(stage)
             stage.arrays = []  # computed; the graph past it holds what it needs
             self._next += 1
             took = time.perf_counter() - began
@@ -194,7 +249,8 @@ class ImageEncodes:
         try:
             if running is None or running.image.key != image.key:
                 run = placeholder_run(request, image)
-                running = self._running = StagedEncode(self._encoder, image, run)
+                piece = SPLIT_AT if budget_s is not None else math.inf  # split: ~10 % slower
+                running = self._running = StagedEncode(self._encoder, image, run, piece)
             running.advance(budget_s)
         except Exception as exc:
             log.warning("encoding an image failed; its request fails: %s", exc)
