@@ -71,10 +71,7 @@ class VisionSpec:
 
     def fixed(self, processor: Any) -> Any:
         """`processor` with `processor_fix` applied (as it is where there is none)."""
-        if self.processor_fix is None:
-            return processor
-        module, _, name = self.processor_fix.rpartition(":")
-        return getattr(importlib.import_module(module), name)(processor)
+        return processor if self.processor_fix is None else _named(self.processor_fix)(processor)
 
     def run(self, n: int) -> list[int]:
         return [*self.before, *([self.image_token_id] * n), *self.after]
@@ -231,6 +228,12 @@ def processor_spec(
     return spec
 
 
+def _named(where: str) -> Callable[..., Any]:
+    """The function `where` names, "module:function"."""
+    module, _, name = where.rpartition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:
     found = tokenizer.convert_tokens_to_ids(token)
     if isinstance(found, int) and found != tokenizer.unk_token_id:
@@ -286,6 +289,10 @@ class VisionFamily:
     # model from that (engine/model.py's text stack), where mlx-lm lacks its model_type or has
     # a module for it that cannot load mlx-vlm's weights.
     text_stack: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # A fix to mlx-vlm's model of the family, "module:function" (None: none): the function
+    # takes the loaded model and config.json and returns the model fixed. The engine applies
+    # it, and so do the tests' and the bench's mlx-vlm references (`fixed_model`).
+    model_fix: str | None = None
 
 
 _LFM2_VL = processor_spec(
@@ -326,6 +333,13 @@ FAMILIES: dict[str, VisionFamily] = {
             "smolvlm",
         ),
         VisionFamily("pixtral", _mistral3_spec, "pixtral"),
+        # mlx-vlm's model with transformers' anyres packing, which its processor counts.
+        VisionFamily(
+            "llava_next",
+            processor_spec("<image>", "<image>", "image_token_index"),
+            "llava_next",
+            model_fix="servicer.anyres:fix",
+        ),
         VisionFamily(
             "llava_onevision",
             processor_spec("<image>", "<image>", "image_token_index"),
@@ -407,6 +421,17 @@ def family_of(config: dict[str, Any]) -> VisionFamily | None:
     if not isinstance(config.get("vision_config"), dict):
         return None
     return FAMILIES.get(config.get("model_type", ""))
+
+
+def fixed_model(config: dict[str, Any], model: Any) -> Any:
+    """mlx-vlm's `model` of the checkpoint (config.json `config`) with its family's
+    `model_fix` applied (as it is where there is none)."""
+    family = family_of(config)
+    return (
+        model
+        if family is None or family.model_fix is None
+        else _named(family.model_fix)(model, config)
+    )
 
 
 def text_stack_config(config: dict[str, Any]) -> dict[str, Any] | None:
