@@ -333,10 +333,11 @@ FAMILIES: dict[str, VisionFamily] = {
             "smolvlm",
         ),
         VisionFamily("pixtral", _mistral3_spec, "pixtral"),
-        # mlx-vlm's model with transformers' anyres packing, which its processor counts.
+        # mlx-vlm's model with transformers' anyres packing, which its processor counts;
+        # transformers' processor, not mlx-vlm's (AutoProcessor's once mlx-vlm is imported).
         VisionFamily(
             "llava_next",
-            processor_spec("<image>", "<image>", "image_token_index"),
+            processor_spec("<image>", "<image>", "image_token_index", "LlavaNextProcessor"),
             "llava_next",
             model_fix="servicer.anyres:fix",
         ),
