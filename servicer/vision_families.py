@@ -281,6 +281,10 @@ class VisionFamily:
     positions: Positions = "plain"
     router_tensors: bool = False
     router_image_token: str | None = None
+    # The model_type the router's copy of config.json (the same folder) names, where smg 1.13
+    # would otherwise process the family's images itself, not as its processor does: under
+    # another, it sends them as media references (docs/images.md).
+    router_model_type: str | None = None
     # How the family's videos sit in a prompt (None: it serves no video): `VideoSpec`.
     video: VideoLayout | None = None
     # Why a checkpoint of the family is served as text only (None: it is not).
@@ -339,6 +343,7 @@ FAMILIES: dict[str, VisionFamily] = {
             "llava_next",
             processor_spec("<image>", "<image>", "image_token_index", "LlavaNextProcessor"),
             "llava_next",
+            router_model_type="anyres_vlm",  # smg's own LLaVA-NeXT expansion is not the model's
             model_fix="servicer.anyres:fix",
         ),
         VisionFamily(
