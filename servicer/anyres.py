@@ -57,20 +57,34 @@ def pack(tiles: Any, size: tuple[int, int], pinpoints: list, tile: int, newline:
     return lib.concatenate([tiles[0], cells.reshape(-1, hidden)])
 
 
-def fix(model: Any, config: dict[str, Any]) -> Any:
-    """mlx-vlm's LLaVA-NeXT `model` with transformers' packing: its `get_input_embeddings`
-    fills the image tokens with `pack`'s features (`config`: the checkpoint's config.json,
-    whose image_grid_pinpoints mlx-vlm's config drops). Its class is swapped for a subclass:
-    the weights' tree is untouched."""
-    from mlx_vlm.models.base import InputEmbeddingsFeatures
+class _Packed:
+    """Mixed into mlx-vlm's LLaVA-NeXT model's class: its image tokens take `pack`'s features
+    (the subclass holds the checkpoint's `pinpoints`, which mlx-vlm's config drops)."""
 
-    pinpoints = config["image_grid_pinpoints"]
-    tile = model.config.vision_config.image_size
-    base = type(model)
+    pinpoints: list
 
-    def image_features(self, pixels: mx.array, image_sizes: Any) -> mx.array:
+    def get_input_embeddings(self, input_ids=None, pixel_values=None, **kwargs):
+        from mlx_vlm.models.base import InputEmbeddingsFeatures
+
+        if pixel_values is None:
+            return super().get_input_embeddings(input_ids)  # type: ignore[misc]
+        embeds = self.language_model.model.embed_tokens(input_ids)
+        features = self.packed_features(pixel_values, kwargs.get("image_sizes"))
+        mask = input_ids == self.config.image_token_index
+        tokens = int(mask.sum().item())
+        if tokens != features.shape[0]:
+            raise ValueError(f"{features.shape[0]} image features for {tokens} image tokens")
+        at = mx.clip(mx.cumsum(mask.reshape(-1).astype(mx.int32)) - 1, 0, None)
+        gathered = features.astype(embeds.dtype)[at.reshape(mask.shape)]
+        return InputEmbeddingsFeatures(inputs_embeds=mx.where(mask[..., None], gathered, embeds))
+
+    def packed_features(self, pixels: mx.array, image_sizes: Any) -> mx.array:
+        """The images' features, packed, one after another: the tower on each image's tiles
+        (the processor's padding of the tile axis dropped), its layer and strategy, the
+        projector, `pack`."""
+        tile = self.config.vision_config.image_size
         sizes = [tuple(int(v) for v in s) for s in np.array(image_sizes).reshape(-1, 2)]
-        counts = [int(np.prod(grid(s, pinpoints, tile))) + 1 for s in sizes]
+        counts = [int(np.prod(grid(s, self.pinpoints, tile))) + 1 for s in sizes]
         if pixels.ndim == 4:  # one image's tiles
             pixels = pixels[None]
         flat = mx.concatenate([pixels[i, :n] for i, n in enumerate(counts)])
@@ -87,25 +101,17 @@ def fix(model: Any, config: dict[str, Any]) -> Any:
         starts = np.cumsum([0, *counts])
         return mx.concatenate(
             [
-                pack(features[a:b], s, pinpoints, tile, self.image_newline)
+                pack(features[a:b], s, self.pinpoints, tile, self.image_newline)
                 for a, b, s in zip(starts[:-1], starts[1:], sizes, strict=True)
             ]
         )
 
-    def get_input_embeddings(self, input_ids=None, pixel_values=None, **kwargs):
-        if pixel_values is None:
-            return base.get_input_embeddings(self, input_ids)
-        embeds = self.language_model.model.embed_tokens(input_ids)
-        features = image_features(self, pixel_values, kwargs.get("image_sizes"))
-        mask = input_ids == self.config.image_token_index
-        if int(mask.sum().item()) != features.shape[0]:
-            raise ValueError(
-                f"{features.shape[0]} image features for {int(mask.sum().item())} image tokens"
-            )
-        at = mx.clip(mx.cumsum(mask.reshape(-1).astype(mx.int32)) - 1, 0, None)
-        gathered = features.astype(embeds.dtype)[at.reshape(mask.shape)]
-        return InputEmbeddingsFeatures(inputs_embeds=mx.where(mask[..., None], gathered, embeds))
 
-    methods = {"get_input_embeddings": get_input_embeddings}
-    model.__class__ = type(f"Anyres{base.__name__}", (base,), methods)
+def fix(model: Any, config: dict[str, Any]) -> Any:
+    """mlx-vlm's LLaVA-NeXT `model` with transformers' packing (`config`: the checkpoint's
+    config.json): its class swapped for a subclass with `_Packed` mixed in, the weights' tree
+    untouched."""
+    base = type(model)
+    fields = {"pinpoints": config["image_grid_pinpoints"]}
+    model.__class__ = type(f"Packed{base.__name__}", (_Packed, base), fields)
     return model
