@@ -60,9 +60,6 @@ QUIRKS = {
     "llava": Quirks(served_name="llava-1.5-demo"),
     # Under a name holding "llava" smg refuses LLaVA-OneVision's images itself (400).
     "llava_onevision": Quirks(served_name="demo-model"),
-    # Under a name holding "llava" smg processes LLaVA-NeXT's images itself (mm_inputs, which
-    # the worker refuses for a family it expands itself): media references under another.
-    "llava_next": Quirks(served_name="demo-model"),
     # mlx-vlm's Gemma 4 processor sizes each image its own way: no batch of two.
     "gemma4": Quirks(
         served_name="demo-model", batched=((90, (64, 48)), (91, (56, 56))), two_in_one=False
