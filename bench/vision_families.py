@@ -94,16 +94,18 @@ def png(seed: int, size: tuple[int, int]) -> bytes:
 
 
 class Reference:
-    """mlx-vlm's model and processor for one checkpoint, and its greedy answers; the processor
-    with the fix the registry's spec names (`VisionSpec.processor_fix`), as the worker's is."""
+    """mlx-vlm's model and processor for one checkpoint, and its greedy answers; both with the
+    fixes the registry names (`VisionSpec.processor_fix`, `VisionFamily.model_fix`), as the
+    worker's are."""
 
     def __init__(self, model_dir: Path) -> None:
         from mlx_vlm import load
 
-        from servicer.vision_families import vision_spec
+        from servicer.vision_families import fixed_model, vision_spec
 
         self.model, self.processor = load(str(model_dir))
         config = json.loads((model_dir / "config.json").read_text())
+        self.model = fixed_model(config, self.model)
         spec = vision_spec(config, self.processor.tokenizer)
         self.processor = spec.fixed(self.processor) if spec is not None else self.processor
         self.image_token = config.get("image_token_index", config.get("image_token_id"))

@@ -122,21 +122,31 @@ def renamed_token(files: Mapping[str, bytes], old: str, new: str) -> dict[str, b
     }
 
 
+def retyped_config(files: Mapping[str, bytes], model_type: str) -> dict[str, bytes]:
+    """The tokenizer `files` with config.json's model_type `model_type` (KeyError: none)."""
+    config = json.loads(files["config.json"])
+    return {**files, "config.json": json.dumps({**config, "model_type": model_type}).encode()}
+
+
 def router_tokenizer(
     model_dir: Path, model_type: str, image_token: str, cache_dir: Path | None = None
 ) -> Path | None:
-    """The router's copy of `model_dir`'s tokenizer files with `image_token` respelled, where
-    its family needs one (`VisionFamily.router_image_token`; None elsewhere, or when it cannot
+    """The router's copy of `model_dir`'s tokenizer files with `image_token` respelled and
+    config.json's model_type renamed, where its family needs either
+    (`VisionFamily.router_image_token`, `router_model_type`; None elsewhere, or when it cannot
     be made).
     Written once into the worker's cache, named by its contents, by an atomic rename; the
     checkpoint itself is never touched."""
     family = FAMILIES.get(model_type)
     new = family.router_image_token if family is not None else None
-    if new is None or new == image_token:
+    new = None if new == image_token else new
+    retyped = family.router_model_type if family is not None else None
+    if new is None and retyped is None:
         return None
     try:
         files = {path.name: path.read_bytes() for path in tokenizer_files(model_dir)}
-        files = renamed_token(files, image_token, new)
+        files = renamed_token(files, image_token, new) if new is not None else files
+        files = retyped_config(files, retyped) if retyped is not None else files
         digest = hashlib.sha256()
         for name in sorted(files):
             digest.update(f"{name}:{len(files[name])}:".encode())

@@ -71,10 +71,7 @@ class VisionSpec:
 
     def fixed(self, processor: Any) -> Any:
         """`processor` with `processor_fix` applied (as it is where there is none)."""
-        if self.processor_fix is None:
-            return processor
-        module, _, name = self.processor_fix.rpartition(":")
-        return getattr(importlib.import_module(module), name)(processor)
+        return processor if self.processor_fix is None else _named(self.processor_fix)(processor)
 
     def run(self, n: int) -> list[int]:
         return [*self.before, *([self.image_token_id] * n), *self.after]
@@ -231,6 +228,12 @@ def processor_spec(
     return spec
 
 
+def _named(where: str) -> Callable[..., Any]:
+    """The function `where` names, "module:function"."""
+    module, _, name = where.rpartition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _token_id(tokenizer: Any, token: str, fallback: Any) -> int | None:
     found = tokenizer.convert_tokens_to_ids(token)
     if isinstance(found, int) and found != tokenizer.unk_token_id:
@@ -278,6 +281,10 @@ class VisionFamily:
     positions: Positions = "plain"
     router_tensors: bool = False
     router_image_token: str | None = None
+    # The model_type the router's copy of config.json (the same folder) names, where smg 1.13
+    # would otherwise process the family's images itself, not as its processor does: under
+    # another, it sends them as media references (docs/images.md).
+    router_model_type: str | None = None
     # How the family's videos sit in a prompt (None: it serves no video): `VideoSpec`.
     video: VideoLayout | None = None
     # Why a checkpoint of the family is served as text only (None: it is not).
@@ -286,6 +293,10 @@ class VisionFamily:
     # model from that (engine/model.py's text stack), where mlx-lm lacks its model_type or has
     # a module for it that cannot load mlx-vlm's weights.
     text_stack: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # A fix to mlx-vlm's model of the family, "module:function" (None: none): the function
+    # takes the loaded model and config.json and returns the model fixed. The engine applies
+    # it, and so do the tests' and the bench's mlx-vlm references (`fixed_model`).
+    model_fix: str | None = None
 
 
 _LFM2_VL = processor_spec(
@@ -326,6 +337,15 @@ FAMILIES: dict[str, VisionFamily] = {
             "smolvlm",
         ),
         VisionFamily("pixtral", _mistral3_spec, "pixtral"),
+        # mlx-vlm's model with transformers' anyres packing, which its processor counts;
+        # transformers' processor, not mlx-vlm's (AutoProcessor's once mlx-vlm is imported).
+        VisionFamily(
+            "llava_next",
+            processor_spec("<image>", "<image>", "image_token_index", "LlavaNextProcessor"),
+            "llava_next",
+            router_model_type="anyres_vlm",  # smg's own LLaVA-NeXT expansion is not the model's
+            model_fix="servicer.anyres:fix",
+        ),
         VisionFamily(
             "llava_onevision",
             processor_spec("<image>", "<image>", "image_token_index"),
@@ -407,6 +427,17 @@ def family_of(config: dict[str, Any]) -> VisionFamily | None:
     if not isinstance(config.get("vision_config"), dict):
         return None
     return FAMILIES.get(config.get("model_type", ""))
+
+
+def fixed_model(config: dict[str, Any], model: Any) -> Any:
+    """mlx-vlm's `model` of the checkpoint (config.json `config`) with its family's
+    `model_fix` applied (as it is where there is none)."""
+    family = family_of(config)
+    return (
+        model
+        if family is None or family.model_fix is None
+        else _named(family.model_fix)(model, config)
+    )
 
 
 def text_stack_config(config: dict[str, Any]) -> dict[str, Any] | None:

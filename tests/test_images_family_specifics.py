@@ -136,6 +136,7 @@ TILING = {
     "kimi_vl": ([48, 40], [12, 10]),  # 14-pixel patches, a token a 2x2 block
     "lfm2_vl": ([7, 1], [108, 4]),  # 3x2 tiles and the thumbnail; the image whole
     "llava_onevision": ([5, 3], [37, 33]),  # the whole image and 2x2 tiles, 2x1 tiles
+    "llava_next": ([5, 4], [37, 45]),  # the whole image and 2x2 tiles, 3x1 tiles
     "idefics3": ([5, 3], [20, 12]),  # 2x2 tiles, 2x1 tiles, each and the whole image
     "smolvlm": ([5, 3], [20, 12]),
 }
@@ -245,3 +246,99 @@ def test_the_router_refuses_llava_onevision_under_the_demo_name(tmp_path):
     assert response.status_code == 400, response.text
     assert "No vision processor found" in response.text
     assert sent == []
+
+
+def transformers_packing(tiles, size, pinpoints, tile, newline):
+    """transformers' LlavaNextModel.pack_image_features for one image, in numpy, step for step
+    as torch does it (features [1 + n, side^2, hidden], the image's size (height, width))."""
+    from transformers.image_processing_utils import select_best_resolution
+
+    side = round(tiles.shape[1] ** 0.5)
+    best_h, best_w = select_best_resolution(list(size), pinpoints)
+    rows, cols = best_h // tile, best_w // tile
+    grid = tiles[1:].reshape(rows, cols, side, side, -1).transpose(4, 0, 2, 1, 3)
+    grid = grid.reshape(grid.shape[0], rows * side, cols * side)  # flatten(1, 2).flatten(2, 3)
+    (height, width), (h, w) = size, grid.shape[1:]
+    if width / height > w / h:
+        pad = (h - int(round(height * (w / width), 7))) // 2
+        grid = grid[:, pad : h - pad, :]
+    else:
+        pad = (w - int(round(width * (h / height), 7))) // 2
+        grid = grid[:, :, pad : w - pad]
+    ends = np.broadcast_to(newline[:, None, None], (*grid.shape[:-1], 1))
+    grid = np.concatenate([grid, ends], axis=-1)
+    return np.concatenate([tiles[0], grid.reshape(grid.shape[0], -1).T])
+
+
+# (tile, patch, pinpoints): llava-v1.6's (336-pixel CLIP tiles) and the demo's.
+LLAVA_NEXT_CONFIGS = [
+    (336, 14, [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]),
+    (42, 14, [[42, 84], [84, 42], [84, 84], [126, 42], [42, 126]]),
+]
+LLAVA_NEXT_SIZES = [(48, 64), (90, 30), (88, 99), (336, 336), (500, 333), (47, 1128), (1080, 1920)]
+
+
+@pytest.mark.parametrize("config", LLAVA_NEXT_CONFIGS, ids=["llava-v1.6", "demo"])
+def test_llava_next_features_are_transformers_packing_and_the_processors_count(config):
+    """servicer.anyres packs a LLaVA-NeXT image's tile features exactly as transformers does
+    (each feature tagged by its tile, patch and channel), as many as transformers' processor
+    expands `<image>` to ("default": the CLS token dropped); mlx-vlm's LLaVA-OneVision packing
+    is the same but for its crop, which truncates where transformers rounds first: at 88 x 99
+    and 47 x 1128 on llava-v1.6's tiles it crops a row a side more or less than the processor
+    counts."""
+    import mlx.core as mx
+    from mlx_vlm.models.llava_onevision import llava_onevision
+    from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
+
+    from servicer import anyres
+
+    tile, patch, pinpoints = config
+    side = tile // patch
+    counter = SimpleNamespace(
+        image_processor=SimpleNamespace(image_grid_pinpoints=pinpoints),
+        patch_size=patch,
+        num_additional_image_tokens=1,
+    )
+    counter._get_unpadded_features = lambda *a: LlavaNextProcessor._get_unpadded_features(
+        counter, *a
+    )
+    truncated = []
+    for size in LLAVA_NEXT_SIZES:
+        rows, cols = anyres.grid(size, pinpoints, tile)
+        n = 1 + rows * cols
+        tiles = np.arange(n * side * side * 2, dtype=np.float64).reshape(n, side * side, 2)
+        newline = np.array([-1.0, -2.0])
+        want = transformers_packing(tiles, size, pinpoints, tile, newline)
+        assert np.array_equal(anyres.pack(tiles, size, pinpoints, tile, newline), want)
+        count = LlavaNextProcessor._get_number_of_features(counter, *size, tile, tile) - 1
+        assert want.shape[0] == count, size
+        grid = want[side * side :]
+        cells = tiles[1:].reshape(rows, cols, side, side, 2).transpose(4, 0, 2, 1, 3)
+        cropped = llava_onevision.unpad_image(cells.reshape(2, rows * side, cols * side), size)
+        if cropped.shape[1] * (cropped.shape[2] + 1) != grid.shape[0]:
+            truncated.append(size)
+    assert truncated == ([(88, 99), (47, 1128)] if tile == 336 else [])
+    size = (90, 30)
+    rows, cols = anyres.grid(size, pinpoints, tile)
+    tiles = mx.arange((1 + rows * cols) * side * side * 2).reshape(-1, side * side, 2)
+    newline = mx.array([-1, -2])
+    packed = anyres.pack(tiles, size, pinpoints, tile, newline)
+    assert np.array_equal(
+        np.array(packed), anyres.pack(np.array(tiles), size, pinpoints, tile, np.array(newline))
+    )
+
+
+def test_the_routers_copy_of_a_llava_next_checkpoint_names_another_model_type(tmp_path):
+    """smg 1.13 expands a checkpoint whose config.json says llava_next itself, not as the
+    processor does (17 image tokens for its 37 on the demo): the router's copy names another
+    model type, the tokenizer files as they are, so it sends media references."""
+    from servicer.tokenizer_bundle import router_tokenizer
+    from servicer.vision_families import FAMILIES
+
+    vlm_dir = vlm_dir_of("llava_next")
+    copy = router_tokenizer(vlm_dir, "llava_next", "<image>", cache_dir=tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    assert config == json.loads((vlm_dir / "config.json").read_text()) | {
+        "model_type": FAMILIES["llava_next"].router_model_type
+    }
+    assert (copy / "tokenizer.json").read_bytes() == (vlm_dir / "tokenizer.json").read_bytes()

@@ -26,19 +26,19 @@ def served(vlm_dir: Path) -> Iterator[vgrpc.VllmEngineStub]:
 
 @functools.cache
 def loaded(path: str):
-    """mlx-vlm's model and processor of the checkpoint (loaded once a test session), the
-    processor with the fix the registry's spec names (`VisionSpec.processor_fix`), as the
-    worker's is: mlx-vlm's own where it leaves out what the model's processor makes."""
+    """mlx-vlm's model and processor of the checkpoint (loaded once a test session), with the
+    fixes the registry names (`VisionSpec.processor_fix`, `VisionFamily.model_fix`), as the
+    worker's are: mlx-vlm's own where they leave out or misplace what the model makes."""
     import json
 
     from mlx_vlm import load
 
-    from servicer.vision_families import vision_spec
+    from servicer.vision_families import fixed_model, vision_spec
 
     model, processor = load(path)
     config = json.loads((Path(path) / "config.json").read_text())
     spec = vision_spec(config, processor.tokenizer)
-    return model, spec.fixed(processor) if spec is not None else processor
+    return fixed_model(config, model), spec.fixed(processor) if spec is not None else processor
 
 
 def chat_text(vlm_dir: Path, question: str, images: int) -> str:

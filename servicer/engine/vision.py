@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..messages import GenerationRequest, ImageInput, Tensor
-from ..vision_families import family_of, rope_spans
+from ..vision_families import family_of, fixed_model, rope_spans
 from .mrope import RopePositions, enable_mrope, rope_index
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class VisionEncoder:
             except ValueError as exc:
                 raise VisionUnavailable(str(exc)) from exc
         try:
-            vlm = load_model(model_dir, lazy=True)
+            vlm = fixed_model(config, load_model(model_dir, lazy=True))
         except Exception as exc:
             raise VisionUnavailable(f"mlx-vlm could not load {model_dir}: {exc}") from exc
         vision_config = getattr(vlm.config, "vision_config", None)
