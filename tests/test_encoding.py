@@ -79,6 +79,22 @@ def test_the_staged_pass_equals_the_single_pass_a_module_a_step(family, monkeypa
     assert not _recorders(encoder.tower)
 
 
+def test_a_models_own_evals_wait_for_the_stages(monkeypatch):
+    """mlx-vlm's Qwen3-VL evaluates its deepstack features while it builds the pass: done
+    there, most of the tower would be computed in one step, outside any budget."""
+    from servicer.engine.encoding import StagedEncode
+
+    encoder, image, run = _encoder_and_image("qwen3_vl")
+    calls, real = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: calls.append(1) or real(*arrays))
+    staged = StagedEncode(encoder, image, run)
+    assert not calls
+    while not staged.done:
+        staged.advance(0.0)
+    assert len(calls) == len(staged._stages)  # the stages' own, one a stage
+    assert mx.eval is not real  # the spy is back: nothing was left patched
+
+
 def _layer_count(tower) -> int:
     """The tower's longest list of modules (its transformer layers)."""
     lists = [v for _, m in tower.named_modules() for v in m.values() if isinstance(v, list)]
@@ -215,7 +231,7 @@ def test_an_attention_traced_in_a_compiled_function_is_computed_with_it(monkeypa
     attend = mx.compile(lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3))
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3)
     sink = []
-    with encoding.split_attention(None, sink, piece=1):
+    with encoding.lazy_pass(None, sink, piece=1):
         inside = attend(q, k, v)
         assert len(sink) == 8  # the trace's placeholders, 8 shares of 8 rows
         outside = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3)

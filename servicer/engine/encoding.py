@@ -82,12 +82,14 @@ def recording(tower: nn.Module | None, sink: list[_Stage]):
 
 
 @contextmanager
-def split_attention(tower: nn.Module | None, sink: list[_Stage], piece: float = SPLIT_AT):
-    """Within: the tower's attention calls of more than `piece` scores are made by query rows,
-    each share appended to `sink`; compiled helpers of the tower's modules that make them
-    (mlx-vlm's `ensure_fused_sdpa`) run as plain Python meanwhile, the same ops."""
+def lazy_pass(tower: nn.Module | None, sink: list[_Stage], piece: float = SPLIT_AT):
+    """Within: `mx.eval` does nothing (mlx-vlm's Qwen3-VL evaluates its deepstack features
+    while it builds the pass: most of the tower in one step), and the tower's attention calls
+    of more than `piece` scores are made by query rows, each share appended to `sink`;
+    compiled helpers of the tower's modules that make them (mlx-vlm's `ensure_fused_sdpa`)
+    run as plain Python meanwhile, the same ops."""
     fast, compiled = mx.fast, _compiled_attention(tower) if tower is not None else []
-    whole = fast.scaled_dot_product_attention
+    whole, evaluate_now = fast.scaled_dot_product_attention, mx.eval
 
     def by_rows(q: mx.array, k: mx.array, v: mx.array, *args: Any, **kwargs: Any) -> mx.array:
         rows, keys, mask = q.shape[-2], k.shape[-2], kwargs.get("mask")
@@ -104,7 +106,7 @@ def split_attention(tower: nn.Module | None, sink: list[_Stage], piece: float = 
             sink.append(_Stage(("attention", tuple(shares[-1].shape)), [shares[-1]]))
         return mx.concatenate(shares, axis=-2)
 
-    fast.scaled_dot_product_attention = by_rows
+    fast.scaled_dot_product_attention, mx.eval = by_rows, lambda *arrays: None
     for namespace, name, f in compiled:
         namespace[name] = types.FunctionType(
             f.__code__, f.__globals__, name, f.__defaults__, f.__closure__
@@ -112,7 +114,7 @@ def split_attention(tower: nn.Module | None, sink: list[_Stage], piece: float = 
     try:
         yield
     finally:
-        fast.scaled_dot_product_attention = whole
+        fast.scaled_dot_product_attention, mx.eval = whole, evaluate_now
         for namespace, name, f in compiled:
             namespace[name] = f
 
@@ -151,7 +153,7 @@ class StagedEncode:
         self.image = image
         recorded: list[_Stage] = []
         tower = encoder.tower
-        with recording(tower, recorded), split_attention(tower, recorded, piece):
+        with recording(tower, recorded), lazy_pass(tower, recorded, piece):
             self.features = encoder.lazy_features(image, run)
         self._stages = [*recorded, _Stage(("features",), [self.features])]
         self._next = 0
