@@ -57,20 +57,50 @@ def pack(tiles: Any, size: tuple[int, int], pinpoints: list, tile: int, newline:
     return lib.concatenate([tiles[0], cells.reshape(-1, hidden)])
 
 
-class _Packed:
-    """Mixed into mlx-vlm's LLaVA-NeXT model's class: its image tokens take `pack`'s features
-    (the subclass holds the checkpoint's `pinpoints`, which mlx-vlm's config drops)."""
+def _packed_features(model: Any, pixels: mx.array, image_sizes: Any, pinpoints: list) -> mx.array:
+    """The images' features, packed, one after another: the tower on each image's tiles (the
+    processor's padding of the tile axis dropped), its layer and strategy, the projector,
+    `pack`."""
+    config = model.config
+    tile = config.vision_config.image_size
+    sizes = [tuple(int(v) for v in s) for s in np.array(image_sizes).reshape(-1, 2)]
+    counts = [int(np.prod(grid(s, pinpoints, tile))) + 1 for s in sizes]
+    if pixels.ndim == 4:  # one image's tiles
+        pixels = pixels[None]
+    flat = mx.concatenate([pixels[i, :n] for i, n in enumerate(counts)])
+    *_, hidden = model.vision_tower(flat.transpose(0, 2, 3, 1), output_hidden_states=True)
+    layer = config.vision_feature_layer
+    chosen = (
+        hidden[layer]
+        if isinstance(layer, int)
+        else mx.concatenate([hidden[i] for i in layer], axis=-1)
+    )
+    if config.vision_feature_select_strategy == "default":
+        chosen = chosen[:, 1:]
+    features = model.multi_modal_projector(chosen)
+    starts = np.cumsum([0, *counts])
+    return mx.concatenate(
+        [
+            pack(features[a:b], s, pinpoints, tile, model.image_newline)
+            for a, b, s in zip(starts[:-1], starts[1:], sizes, strict=True)
+        ]
+    )
 
-    pinpoints: list
 
-    def get_input_embeddings(self, input_ids=None, pixel_values=None, **kwargs):
-        from mlx_vlm.models.base import InputEmbeddingsFeatures
+def fix(model: Any, config: dict[str, Any]) -> Any:
+    """mlx-vlm's LLaVA-NeXT `model` with transformers' packing (`config`: the checkpoint's
+    config.json, whose pinpoints mlx-vlm's config drops): its image tokens take `pack`'s
+    features (the instance's `get_input_embeddings` replaced; its class and weights kept)."""
+    from mlx_vlm.models.base import InputEmbeddingsFeatures
 
+    pinpoints, text_only = config["image_grid_pinpoints"], model.get_input_embeddings
+
+    def get_input_embeddings(input_ids=None, pixel_values=None, **kwargs):
         if pixel_values is None:
-            return super().get_input_embeddings(input_ids)  # type: ignore[misc]
-        embeds = self.language_model.model.embed_tokens(input_ids)
-        features = self.packed_features(pixel_values, kwargs.get("image_sizes"))
-        mask = input_ids == self.config.image_token_index
+            return text_only(input_ids)
+        embeds = model.language_model.model.embed_tokens(input_ids)
+        features = _packed_features(model, pixel_values, kwargs.get("image_sizes"), pinpoints)
+        mask = input_ids == model.config.image_token_index
         tokens = int(mask.sum().item())
         if tokens != features.shape[0]:
             raise ValueError(f"{features.shape[0]} image features for {tokens} image tokens")
@@ -78,40 +108,5 @@ class _Packed:
         gathered = features.astype(embeds.dtype)[at.reshape(mask.shape)]
         return InputEmbeddingsFeatures(inputs_embeds=mx.where(mask[..., None], gathered, embeds))
 
-    def packed_features(self, pixels: mx.array, image_sizes: Any) -> mx.array:
-        """The images' features, packed, one after another: the tower on each image's tiles
-        (the processor's padding of the tile axis dropped), its layer and strategy, the
-        projector, `pack`."""
-        tile = self.config.vision_config.image_size
-        sizes = [tuple(int(v) for v in s) for s in np.array(image_sizes).reshape(-1, 2)]
-        counts = [int(np.prod(grid(s, self.pinpoints, tile))) + 1 for s in sizes]
-        if pixels.ndim == 4:  # one image's tiles
-            pixels = pixels[None]
-        flat = mx.concatenate([pixels[i, :n] for i, n in enumerate(counts)])
-        *_, hidden = self.vision_tower(flat.transpose(0, 2, 3, 1), output_hidden_states=True)
-        layer = self.config.vision_feature_layer
-        chosen = (
-            hidden[layer]
-            if isinstance(layer, int)
-            else mx.concatenate([hidden[i] for i in layer], axis=-1)
-        )
-        if self.config.vision_feature_select_strategy == "default":
-            chosen = chosen[:, 1:]
-        features = self.multi_modal_projector(chosen)
-        starts = np.cumsum([0, *counts])
-        return mx.concatenate(
-            [
-                pack(features[a:b], s, self.pinpoints, tile, self.image_newline)
-                for a, b, s in zip(starts[:-1], starts[1:], sizes, strict=True)
-            ]
-        )
-
-
-def fix(model: Any, config: dict[str, Any]) -> Any:
-    """mlx-vlm's LLaVA-NeXT `model` with transformers' packing (`config`: the checkpoint's
-    config.json): its class swapped for a subclass with `_Packed` mixed in, the weights' tree
-    untouched."""
-    base = type(model)
-    fields = {"pinpoints": config["image_grid_pinpoints"]}
-    model.__class__ = type(f"Packed{base.__name__}", (_Packed, base), fields)
+    object.__setattr__(model, "get_input_embeddings", get_input_embeddings)
     return model

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import real_model_env
-from support import SMG, Router, WorkerProcess
+from support import SLOW, SMG, Router, WorkerProcess
 from test_adapters import References
 
 from servicer.proto import vllm_engine_pb2 as vpb
@@ -93,6 +93,7 @@ def _needs_child() -> bool:
     return bool(env) and env["LD_PRELOAD"] not in os.environ.get("LD_PRELOAD", "")
 
 
+@SLOW  # ~90 s of CPU; make test keeps the adapters on the demo models (test_adapters*.py)
 def test_in_a_process_with_openblas(real_chat_model_dir: Path) -> None:
     if not _needs_child():
         pytest.skip("this process has OpenBLAS (or it is not installed): the tests run here")

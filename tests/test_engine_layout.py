@@ -32,6 +32,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("batch.py", "row"): RECORD,  # rows.Row: the tokens it generated
     ("batch.py", "event"): RECORD,  # messages.RowEvent: its logprobs, attached after the step
     ("embedding.py", "job"): RECORD,  # embedding._Job: its cache and progress
+    ("encoding.py", "stage"): RECORD,  # encoding._Stage: its arrays dropped once computed
     ("engine.py", "out"): RECORD,  # messages.StepOutput: the step's counts
     ("figures.py", "out"): RECORD,  # messages.StepOutput: the figures it carries
     ("figures.py", "published"): RECORD,  # figures.Published: what was last sent, and when
@@ -50,6 +51,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("adapters.py", "parent"): MLX,  # a model's module: a linear swapped for its LoRA layer
     ("arch_fixes.py", "module"): MLX,  # a model's module: its class swapped for a batched one
     ("arch_fixes.py", "layer.self_attn"): MLX,  # phi3small's attention: its mask flag
+    # While a staged encoder pass is built (and put back after): a model's own evals wait,
+    # and the fused attention is made by query rows.
+    ("encoding.py", "mx"): MLX,
+    ("encoding.py", "fast"): MLX,
     ("fused_prefill.py", "attention"): MLX,  # an attention: its class swapped (packed forwards)
     ("mrope.py", "attention"): MLX,  # an attention: its rope swapped for multimodal RoPE
     ("vision.py", "stack"): MLX,  # mlx-vlm's language stack: no layers of its own, our embedding
