@@ -344,7 +344,7 @@ FAMILIES: dict[str, VisionFamily] = {
             processor_spec("<image>", "<image>", "image_token_index", "LlavaNextProcessor"),
             "llava_next",
             router_model_type="anyres_vlm",  # smg's own LLaVA-NeXT expansion is not the model's
-            model_fix="servicer.anyres:fix",
+            model_fix="servicer.engine.anyres:fix",
         ),
         VisionFamily(
             "llava_onevision",

@@ -280,7 +280,7 @@ LLAVA_NEXT_SIZES = [(48, 64), (90, 30), (88, 99), (336, 336), (500, 333), (47, 1
 
 @pytest.mark.parametrize("config", LLAVA_NEXT_CONFIGS, ids=["llava-v1.6", "demo"])
 def test_llava_next_features_are_transformers_packing_and_the_processors_count(config):
-    """servicer.anyres packs a LLaVA-NeXT image's tile features exactly as transformers does
+    """servicer.engine.anyres packs a LLaVA-NeXT image's tile features exactly as transformers does
     (each feature tagged by its tile, patch and channel), as many as transformers' processor
     expands `<image>` to ("default": the CLS token dropped); mlx-vlm's LLaVA-OneVision packing
     is the same but for its crop, which truncates where transformers rounds first: at 88 x 99
@@ -290,7 +290,7 @@ def test_llava_next_features_are_transformers_packing_and_the_processors_count(c
     from mlx_vlm.models.llava_onevision import llava_onevision
     from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
 
-    from servicer import anyres
+    from servicer.engine import anyres
 
     tile, patch, pinpoints = config
     side = tile // patch

@@ -8,7 +8,7 @@ Its features: the whole image's patches, then the tiles' patches as one grid, th
 cropped away, a learnt ``image_newline`` ending each row; the processor (transformers'
 LlavaNextProcessor) expands the ``<image>`` anchor to that count. mlx-vlm's model packs them
 otherwise, so its model is served and compared with transformers' packing
-(``servicer.anyres``). Built from the ``llama`` text demo (``servicer.demos.text``), nothing
+(``servicer.engine.anyres``). Built from the ``llama`` text demo (``servicer.demos.text``), nothing
 trained here:
 
 - the language model is the text demo's trained weights under ``language_model.``, its
